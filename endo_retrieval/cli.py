@@ -1,0 +1,86 @@
+"""`endo ...`: the command line. Each command lives in the module that owns its work; this file only wires them."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+# command -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args).
+COMMANDS = {
+    "info": ("endo_retrieval.cli", "info_", "the model, device, cache, shipped SAEs and ILRe profile"),
+    "demo": ("endo_retrieval.demo", "", "the main job on the default model and a built-in task (no network)"),
+    "index": ("endo_retrieval.commands", "index_", "build an endogenous index over text files"),
+    "query": ("endo_retrieval.commands", "query_", "retrieve evidence for a question from an index"),
+    "compress": ("endo_retrieval.commands", "compress_", "compress one long context for one question"),
+    "train-sae": ("endo_retrieval.train_sae", "", "train Top-k sparse autoencoders on key projections"),
+    "calibrate-ilre": ("endo_retrieval.ilre_calibrate", "", "pick ILRe's retrieval layer with a passkey task"),
+    "bench": ("endo_retrieval.eval.bench", "", "benchmarks: quality | perf | attention"),
+}
+
+
+def info_add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON (the contract in GUIDE.md)")
+    p.add_argument("--model", default=None, help="a local model folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+
+
+def info_run(args) -> int:
+    from endo_retrieval.backbone import SUPPORTED_FAMILIES, Backbone
+    from endo_retrieval.profiles import ilre_profile, sae_card
+
+    bb = Backbone(args.model, device=args.device)
+    data = {**bb.info(), "families": list(SUPPORTED_FAMILIES), "sae": sae_card(bb), "ilre": ilre_profile(bb)}
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        for k, v in data.items():
+            print(f"{k:>14}: {v}")
+    return 0
+
+
+def _hooks(name: str):
+    module_name, prefix, _ = COMMANDS[name]
+    mod = sys.modules[__name__] if module_name == __name__ else importlib.import_module(module_name)
+    return getattr(mod, prefix + "add_arguments"), getattr(mod, prefix + "run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="endo", description="Endogenous retrieval: a local LM finds evidence "
+                                     "with its own attention signals (S3-Attention, ILRe).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, _, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            add_arguments, _ = _hooks(name)
+        except (ImportError, AttributeError) as e:  # a command whose module is missing says so when run
+            p.set_defaults(_missing=f"`endo {name}` is not available in this build: {e}")
+            continue
+        add_arguments(p)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 0
+    if getattr(args, "_missing", None):
+        print(args._missing, file=sys.stderr)
+        return 2
+    _, run = _hooks(args.command)
+    from endo_retrieval.backbone import BackboneError
+
+    try:
+        return int(run(args) or 0)
+    except (BackboneError, ValueError, FileNotFoundError) as e:
+        print(f"endo {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

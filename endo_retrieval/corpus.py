@@ -1,0 +1,233 @@
+"""Token positions <-> documents, character spans and sentence boundaries.
+
+Documents are laid out one after another in one global position space (the positions the feature index stores).
+A removed document's range is never reused, so positions held elsewhere stay valid. Saved as one `.npz` file (a JSON
+header stored as bytes plus integer arrays; loaded with allow_pickle=False), written atomically.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from endo_retrieval.index import IndexCorruptError, _check_json, _fsync_dir
+
+FORMAT_NAME = "endo-corpus-map"
+FORMAT_VERSION = 1
+
+# Words whose trailing period does not end a sentence (compared lower-case, without the final period).
+ABBREVIATIONS = frozenset(
+    "e.g i.e cf vs al mr mrs ms dr prof sr jr st mt no fig figs eq eqs approx ca inc ltd co corp dept est "
+    "jan feb mar apr jun jul aug sep sept oct nov dec u.s u.k ph.d".split()
+)
+_SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*\s+|\n\s*")
+
+
+def split_sentences(text: str) -> np.ndarray:
+    """Character offsets where sentences start: after . ! ? (plus closing quotes/brackets) and whitespace, and after
+    every newline. A period does not split after a known abbreviation ('e.g.'), a single-letter initial ('J.'), or
+    when the next word starts in lower case; decimals ('3.5') never split since no whitespace follows the period."""
+    starts = [0]
+    for m in _SENTENCE_END.finditer(text):
+        nxt = m.end()
+        if nxt >= len(text):
+            break
+        if "\n" not in m.group():
+            if text[nxt].islower():
+                continue
+            if set(m.group().rstrip().rstrip("\"'\u201d\u2019)]")) == {"."}:  # ended by periods only
+                before = text[: m.start()].split()
+                word = before[-1].lstrip("(\"'[").lower() if before else ""
+                if word in ABBREVIATIONS or (len(word) == 1 and word.isalpha()):
+                    continue
+        starts.append(nxt)
+    return np.unique(np.asarray(starts, dtype=np.int64))
+
+
+@dataclass(frozen=True, eq=False)
+class Document:
+    doc_id: str
+    start: int  # first global position
+    end: int  # one past the last global position
+    text: str
+    offsets: np.ndarray = field(repr=False)  # int64 (n, 2): character span of each token
+    metadata: dict
+    sentence_starts: np.ndarray = field(repr=False)  # global positions where sentences start
+
+    @property
+    def n_tokens(self) -> int:
+        return self.end - self.start
+
+
+class CorpusMap:
+    """Global token positions <-> (document, token offset, character span), plus sentence boundaries."""
+
+    def __init__(self) -> None:
+        self._docs: dict[str, Document] = {}  # insertion order == position order
+        self._next = 0  # positions are never reused, even after removal
+        self._cache: tuple[np.ndarray, np.ndarray, list[Document]] | None = None
+
+    # building ---------------------------------------------------------------------------------------------------
+
+    def add_document(self, doc_id: str, text: str, offsets: np.ndarray, metadata: dict | None = None
+                     ) -> tuple[int, int]:
+        """Give the document's tokens the global positions [start, end), right after the last document."""
+        if not isinstance(doc_id, str) or not doc_id:
+            raise ValueError(f"doc_id must be a non-empty string, got {doc_id!r}")
+        if doc_id in self._docs:
+            raise ValueError(f"document id {doc_id!r} is already in the corpus; remove it first or use a new id")
+        if not isinstance(text, str):
+            raise ValueError(f"document {doc_id!r}: text must be str (decode bytes first), got {type(text).__name__}")
+        if "\x00" in text:
+            raise ValueError(f"document {doc_id!r} contains NUL bytes and looks binary; pass extracted text instead")
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if offsets.ndim != 2 or offsets.shape[1] != 2:
+            raise ValueError(f"document {doc_id!r}: offsets must have shape (n_tokens, 2), got {offsets.shape}")
+        if len(offsets) == 0:
+            raise ValueError(f"document {doc_id!r} has no tokens; skip empty documents")
+        if offsets.min() < 0 or offsets.max() > len(text) or np.any(offsets[:, 0] > offsets[:, 1]):
+            raise ValueError(f"document {doc_id!r}: token offsets must be spans [a, b) inside the text")
+        metadata = dict(metadata or {})
+        _check_json(metadata, f"metadata of document {doc_id!r}")
+        start, end = self._next, self._next + len(offsets)
+        # a sentence starting at character c starts at the first token whose span ends after c
+        ends = np.maximum.accumulate(offsets[:, 1])
+        local = np.searchsorted(ends, split_sentences(text), side="right")
+        sentences = start + np.unique(np.concatenate(([0], local[local < len(offsets)])))
+        self._docs[doc_id] = Document(doc_id, start, end, text, offsets, metadata, sentences)
+        self._next, self._cache = end, None
+        return start, end
+
+    def remove_document(self, doc_id: str) -> tuple[int, int]:
+        """Forget a document; returns its (start, end) so the caller can drop the same range from the index."""
+        doc = self.doc(doc_id)
+        del self._docs[doc_id]
+        self._cache = None
+        return doc.start, doc.end
+
+    # lookup -----------------------------------------------------------------------------------------------------
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, list[Document]]:
+        if self._cache is None:
+            docs = list(self._docs.values())
+            self._cache = (np.array([d.start for d in docs], np.int64), np.array([d.end for d in docs], np.int64), docs)
+        return self._cache
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    @property
+    def n_positions(self) -> int:
+        """One past the last position ever assigned (removed ranges included): the length of a score array."""
+        return self._next
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(d.n_tokens for d in self._docs.values())
+
+    def doc(self, doc_id: str) -> Document:
+        if doc_id not in self._docs:
+            raise KeyError(f"no document {doc_id!r} in the corpus")
+        return self._docs[doc_id]
+
+    def documents(self) -> Iterator[Document]:
+        """Live documents in position order; `locate()`'s document indices index this order."""
+        return iter(self._arrays()[2])
+
+    def segment_bounds(self) -> np.ndarray:
+        """Sorted start and end positions of the live documents (for select.py's segment_bounds)."""
+        starts, ends, _ = self._arrays()
+        return np.union1d(starts, ends)
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(document index in `documents()` order, token offset inside it) per position; (-1, -1) for a position
+        that belongs to no live document (a removed range or past the end)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        starts, ends, _ = self._arrays()
+        if len(starts) == 0:
+            return np.full(positions.shape, -1), np.full(positions.shape, -1)
+        doc = np.searchsorted(starts, positions, side="right") - 1
+        clipped = np.maximum(doc, 0)
+        inside = (doc >= 0) & (positions < ends[clipped])
+        return np.where(inside, doc, -1), np.where(inside, positions - starts[clipped], -1)
+
+    def span_text(self, start: int, end: int) -> tuple[str, int, int, str]:
+        """(doc_id, char_start, char_end, text) of the tokens [start, end), which must lie in one document."""
+        if end <= start:
+            raise ValueError(f"span [{start}, {end}) is empty")
+        (d_start, d_last), (o_start, o_last) = self.locate(np.array([start, end - 1]))
+        if d_start < 0 or d_start != d_last:
+            raise ValueError(f"span [{start}, {end}) does not lie inside one document; split it at document bounds")
+        doc = self._arrays()[2][d_start]
+        char_start, char_end = int(doc.offsets[o_start, 0]), int(doc.offsets[o_start:o_last + 1, 1].max())
+        return doc.doc_id, char_start, char_end, doc.text[char_start:char_end]
+
+    def sentence_bounds(self, doc: str | Document) -> np.ndarray:
+        """Global token positions where the document's sentences start (its first position included)."""
+        return (self.doc(doc) if isinstance(doc, str) else doc).sentence_starts
+
+    def sentence_starts(self) -> np.ndarray:
+        """Sorted global positions where any sentence starts, every document start included."""
+        docs = self._arrays()[2]
+        return np.concatenate([d.sentence_starts for d in docs]) if docs else np.zeros(0, np.int64)
+
+    # persistence ------------------------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the map to the file `path` (.npz) atomically (temp file beside it, then os.replace)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        docs = list(self._docs.values())
+        header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "next": self._next,
+                  "docs": [{"id": d.doc_id, "start": d.start, "end": d.end, "text": d.text, "metadata": d.metadata,
+                            "n_sentences": len(d.sentence_starts)} for d in docs]}
+        arrays = {
+            "header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+            "offsets": np.concatenate([d.offsets for d in docs]) if docs else np.zeros((0, 2), np.int64),
+            "sentence_starts": self.sentence_starts(),
+        }
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CorpusMap:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no corpus map at {path}; build one and save() it there first")
+        try:
+            with np.load(path, allow_pickle=False) as data:  # zip CRCs catch damaged members
+                header = json.loads(data["header"].tobytes())
+                offsets, sentences = data["offsets"], data["sentence_starts"]
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, io.UnsupportedOperation) as err:
+            raise IndexCorruptError(f"corpus map {path} is damaged ({err}); delete it and rebuild the index") from None
+        if header.get("format") != FORMAT_NAME or header.get("version") != FORMAT_VERSION:
+            raise ValueError(f"corpus map {path} has format {header.get('format')!r} version {header.get('version')};"
+                             f" this library reads {FORMAT_NAME!r} version {FORMAT_VERSION}. Rebuild the index.")
+        corpus, tok, sent = cls(), 0, 0
+        for d in header["docs"]:
+            n, m = d["end"] - d["start"], d["n_sentences"]
+            corpus._docs[d["id"]] = Document(d["id"], d["start"], d["end"], d["text"], offsets[tok:tok + n],
+                                             d["metadata"], sentences[sent:sent + m])
+            tok, sent = tok + n, sent + m
+        if tok != len(offsets) or sent != len(sentences):
+            raise IndexCorruptError(f"corpus map {path} is inconsistent; delete it and rebuild the index")
+        corpus._next = header["next"]
+        return corpus

@@ -1,0 +1,455 @@
+"""The inverted feature index of S3-Attention (seed 000, section 3.4, Eq. 4-5; scoring Eq. 7/9, IDF Eq. 10).
+
+Per target layer, feature id -> sorted token positions, held as CSR arrays (`indptr`, `positions`) instead of the
+paper's Python dict/list postings. Streaming `add()` calls are buffered as arrays and compacted lazily.
+
+On disk, one file per index (`feature_index.bin` in the index folder) so a save is one atomic `os.replace`:
+
+    MAGIC (8 bytes) | header length (uint64 LE) | sha256 of header (32 bytes) | JSON header | payload
+
+The payload holds, per layer, three LEB128 varint streams: postings per feature, the positions delta-encoded within
+each feature, and the indexed token positions delta-encoded. The header names the format and version, the layers,
+d_latent, stop_freq, meta, the offset and length of every stream and the payload's sha256. Nothing is unpickled.
+`load()` memory-maps the payload and decodes it into in-memory CSR arrays.
+
+Stop features (appendix E: "freq > 5000: continue"): `stop_freq` is an int (absolute postings count, the paper's
+5000 by default) or a float in (0, 1] (a share of the layer's indexed tokens). The paper's contexts hold at most
+~128k tokens, where 5000 is ~4% of tokens; for a large corpus index pass a share (e.g. 0.04), because an absolute
+5000 would stop most features once the corpus passes a few hundred thousand tokens. None disables stop features.
+Stop features stay stored; they are only skipped when scoring, so changing the setting needs no rebuild.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_NAME = "endo-feature-index"
+FORMAT_VERSION = 1
+INDEX_FILE = "feature_index.bin"
+MAGIC = b"ENDOIDX\x00"
+PAPER_STOP_FREQ = 5000  # appendix E
+
+
+class IndexCorruptError(ValueError):
+    """The index file is damaged or truncated; it has to be rebuilt."""
+
+
+class IndexVersionError(ValueError):
+    """The index file was written by an incompatible version of the format."""
+
+
+# --- LEB128 varints, vectorised --------------------------------------------------------------------------------
+
+
+def varint_encode(values: np.ndarray) -> np.ndarray:
+    """Unsigned LEB128: 7 bits per byte, high bit set on every byte but a value's last. Returns uint8."""
+    v = np.asarray(values).astype(np.uint64, copy=False).ravel()
+    n_bytes = np.ones(len(v), dtype=np.int64)
+    for i in range(1, 10):  # a uint64 needs at most 10 groups of 7 bits
+        n_bytes += v >= np.uint64(1 << (7 * i))
+    first = np.cumsum(n_bytes) - n_bytes
+    out = np.empty(int(n_bytes.sum()), dtype=np.uint8)
+    for j in range(int(n_bytes.max(initial=0))):  # scatter byte j of every value that has one
+        has = n_bytes > j
+        group = ((v[has] >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8)
+        more = (n_bytes[has] - 1 > j).astype(np.uint8) << 7
+        out[first[has] + j] = group | more
+    return out
+
+
+def varint_decode(data: np.ndarray, count: int | None = None) -> np.ndarray:
+    """Inverse of `varint_encode`; raises IndexCorruptError on a truncated or malformed stream. Returns uint64."""
+    b = np.asarray(data, dtype=np.uint8).ravel()
+    if len(b) == 0:
+        values = np.zeros(0, dtype=np.uint64)
+    else:
+        if b[-1] & 0x80:
+            raise IndexCorruptError("varint stream is truncated (last byte has its continuation bit set)")
+        is_last = (b & 0x80) == 0
+        starts = np.concatenate(([0], np.flatnonzero(is_last)[:-1] + 1))
+        value_of_byte = np.cumsum(is_last) - is_last
+        shift = np.arange(len(b), dtype=np.int64) - starts[value_of_byte]
+        if shift.max() > 9:
+            raise IndexCorruptError("varint stream holds a value longer than 10 bytes")
+        groups = (b & 0x7F).astype(np.uint64) << (7 * shift).astype(np.uint64)
+        values = np.add.reduceat(groups, starts)  # groups occupy disjoint bits, so add == or
+    if count is not None and len(values) != count:
+        raise IndexCorruptError(f"varint stream holds {len(values)} values, header says {count}")
+    return values
+
+
+def _delta_encode(indptr: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Gaps between sorted positions of the same feature; each feature's first position is kept absolute."""
+    deltas = np.diff(positions.astype(np.int64), prepend=0)
+    starts = indptr[:-1][np.diff(indptr) > 0]
+    deltas[starts] = positions[starts]
+    return deltas
+
+
+def _delta_decode(indptr: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+    running = np.cumsum(deltas.astype(np.int64))
+    before = np.concatenate(([0], running))[indptr[:-1]]  # running sum before each feature's first posting
+    return running - np.repeat(before, np.diff(indptr))
+
+
+def _position_dtype(max_position: int) -> type:
+    return np.uint32 if max_position < 2**32 else np.int64
+
+
+# --- the index ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _LayerPostings:
+    indptr: np.ndarray  # int64 (d_latent + 1,)
+    positions: np.ndarray  # uint32 / int64, sorted within each feature
+    tokens: np.ndarray  # int64, sorted unique positions that were indexed (with or without postings)
+    pending: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # add() calls: positions, features
+
+    @classmethod
+    def empty(cls, d_latent: int) -> _LayerPostings:
+        return cls(np.zeros(d_latent + 1, np.int64), np.zeros(0, np.uint32), np.zeros(0, np.int64))
+
+
+class FeatureIndex:
+    """Per-layer inverted index: feature id -> sorted token positions (Eq. 5), scored by Eq. 7/9 with Eq. 10 IDF."""
+
+    def __init__(self, layers: list[int], d_latent: int, stop_freq: int | float | None = PAPER_STOP_FREQ,
+                 meta: dict | None = None):
+        if not layers or len(set(layers)) != len(layers):
+            raise ValueError(f"layers must be a non-empty list of distinct layer numbers, got {layers!r}")
+        if d_latent <= 0:
+            raise ValueError(f"d_latent must be positive, got {d_latent}")
+        _check_stop_freq(stop_freq)
+        self.layers = [int(layer) for layer in layers]
+        self.d_latent = int(d_latent)
+        self.stop_freq = stop_freq
+        self.meta = dict(meta or {})
+        _check_json(self.meta, "meta")
+        self._layers = {layer: _LayerPostings.empty(self.d_latent) for layer in self.layers}
+
+    # building ---------------------------------------------------------------------------------------------------
+
+    def add(self, layer: int, positions: np.ndarray, features: np.ndarray) -> None:
+        """Append the active features (T, k) of token positions (T,) at `layer` (Eq. 5); -1 marks an empty slot."""
+        store = self._layer(layer)
+        positions = np.asarray(positions)
+        features = np.asarray(features)
+        if positions.ndim != 1 or features.ndim != 2 or len(positions) != len(features):
+            raise ValueError(f"add() wants positions (T,) and features (T, k); "
+                             f"got {positions.shape} and {features.shape}")
+        if not (np.issubdtype(positions.dtype, np.integer) and np.issubdtype(features.dtype, np.integer)):
+            raise ValueError("positions and features must be integer arrays")
+        if len(positions) == 0:
+            return
+        if positions.min() < 0:
+            raise ValueError("token positions must be >= 0")
+        if features.min() < -1 or features.max() >= self.d_latent:
+            raise ValueError(f"feature ids must lie in [0, {self.d_latent}) (or -1 for an empty slot)")
+        if np.any(np.diff(positions) < 0):  # keep every buffered chunk in position order
+            order = np.argsort(positions, kind="stable")
+            positions, features = positions[order], features[order]
+        store.pending.append((positions.astype(np.int64), features.astype(np.int32)))
+
+    def _compact(self, store: _LayerPostings) -> _LayerPostings:
+        """Merge buffered appends into the CSR arrays (sorted within each feature, duplicates dropped)."""
+        if not store.pending:
+            return store
+        new_tokens = np.concatenate([np.unique(p) for p, _ in store.pending])
+        new_pos = np.concatenate([np.repeat(p, f.shape[1]) for p, f in store.pending])
+        new_feat = np.concatenate([f.ravel() for _, f in store.pending])
+        store.pending.clear()
+        old_max = store.tokens[-1] if len(store.tokens) else -1
+        if new_tokens[0] > old_max and np.all(np.diff(new_tokens) > 0) and self.d_latent < 2**16:
+            # streaming case: chunks arrive in position order after the old ones, so a stable sort by feature (a
+            # radix sort for 16-bit keys) leaves positions sorted within each feature; old postings go first.
+            # As uint16 an empty slot (-1) becomes 65535 and sorts after every real feature.
+            keys = new_feat.astype(np.uint16)
+            counts = np.bincount(keys, minlength=self.d_latent)[: self.d_latent]
+            pos = new_pos[np.argsort(keys, kind="stable")[: counts.sum()]]
+            repeated = np.flatnonzero(pos[1:] == pos[:-1]) + 1  # same position twice in a feature's run
+            if len(repeated):
+                feat = np.repeat(np.arange(self.d_latent), counts)
+                repeated = repeated[feat[repeated] == feat[repeated - 1]]
+                keep = np.ones(len(pos), dtype=bool)
+                keep[repeated] = False
+                pos, counts = pos[keep], counts - np.bincount(feat[repeated], minlength=self.d_latent)
+            new_indptr = np.concatenate(([0], np.cumsum(counts)))
+            dtype = _position_dtype(int(new_tokens[-1]))
+            if store.indptr[-1] == 0:
+                merged = pos.astype(dtype)
+            else:
+                old_indptr = store.indptr
+                merged = np.empty(old_indptr[-1] + len(pos), dtype=dtype)
+                old_feat = np.repeat(np.arange(self.d_latent), np.diff(old_indptr))
+                merged[np.arange(old_indptr[-1]) + new_indptr[old_feat]] = store.positions
+                merged[np.arange(len(pos)) + np.repeat(old_indptr[1:], counts)] = pos
+            store.indptr, store.positions = store.indptr + new_indptr, merged
+            store.tokens = np.concatenate((store.tokens, new_tokens))
+        else:  # general case: sort (feature, position) keys, dropping duplicates
+            valid = new_feat >= 0
+            new_pos, new_feat = new_pos[valid], new_feat[valid]
+            tokens = np.union1d(store.tokens, new_tokens)
+            span = int(tokens[-1]) + 1
+            if self.d_latent * span >= 2**63:
+                raise ValueError(f"positions up to {span} are too large for an index of {self.d_latent} features")
+            old_feat = np.repeat(np.arange(self.d_latent, dtype=np.int64), np.diff(store.indptr))
+            keys = np.unique(np.concatenate((old_feat * span + store.positions,
+                                             new_feat.astype(np.int64) * span + new_pos)))
+            feat, pos = np.divmod(keys, span)
+            store.indptr = np.concatenate(([0], np.cumsum(np.bincount(feat, minlength=self.d_latent))))
+            store.positions = pos.astype(_position_dtype(span - 1))
+            store.tokens = tokens
+        return store
+
+    def _layer(self, layer: int) -> _LayerPostings:
+        if layer not in self._layers:
+            raise ValueError(f"layer {layer} is not indexed; this index holds layers {self.layers}")
+        return self._layers[layer]
+
+    def postings(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The compacted CSR arrays (indptr, positions) of one layer."""
+        store = self._compact(self._layer(layer))
+        return store.indptr, store.positions
+
+    def remove_range(self, start: int, end: int) -> int:
+        """Drop every posting (and indexed token) with position in [start, end); other positions keep their numbers.
+        Returns the number of postings removed."""
+        if start > end:
+            raise ValueError(f"remove_range wants start <= end, got [{start}, {end})")
+        removed = 0
+        for layer in self.layers:
+            store = self._compact(self._layers[layer])
+            keep = (store.positions < start) | (store.positions >= end)
+            feat = np.repeat(np.arange(self.d_latent), np.diff(store.indptr))
+            store.indptr = np.concatenate(([0], np.cumsum(np.bincount(feat[keep], minlength=self.d_latent))))
+            removed += int(len(keep) - keep.sum())
+            store.positions = store.positions[keep]
+            store.tokens = store.tokens[(store.tokens < start) | (store.tokens >= end)]
+        return removed
+
+    # statistics -------------------------------------------------------------------------------------------------
+
+    def freq(self, layer: int) -> np.ndarray:
+        """freq(f): postings of each feature at `layer` (appendix D notation), int64 (d_latent,)."""
+        return np.diff(self.postings(layer)[0])
+
+    def idf(self, layer: int) -> np.ndarray:
+        """IDF(f) = 1 / (log(1 + freq(f)) + 1) (Eq. 10)."""
+        return 1.0 / (np.log1p(self.freq(layer)) + 1.0)
+
+    def n_tokens(self, layer: int) -> int:
+        """Token positions indexed at `layer` (also those whose features were all absent)."""
+        return len(self._compact(self._layer(layer)).tokens)
+
+    def stop_threshold(self, layer: int) -> float:
+        """Features with freq above this are skipped when scoring (appendix E); inf when stop features are off."""
+        if self.stop_freq is None:
+            return np.inf
+        if isinstance(self.stop_freq, float):
+            return self.stop_freq * self.n_tokens(layer)
+        return float(self.stop_freq)
+
+    @property
+    def n_postings(self) -> int:
+        return sum(int(self.postings(layer)[0][-1]) for layer in self.layers)
+
+    @property
+    def positions_span(self) -> int:
+        """Largest indexed position + 1 (0 when empty)."""
+        tokens = [self._compact(store).tokens for store in self._layers.values()]
+        return max((int(t[-1]) + 1 for t in tokens if len(t)), default=0)
+
+    def bytes_per_posting(self) -> float:
+        """Size of the saved file divided by the number of postings."""
+        return len(self._serialise()) / max(self.n_postings, 1)
+
+    # scoring ----------------------------------------------------------------------------------------------------
+
+    def score(self, query: dict[int, tuple[np.ndarray, np.ndarray]], n_positions: int | None = None,
+              prune: float | None = None) -> np.ndarray:
+        """S[t] = sum_l sum_f w_{q,f} * IDF(f) * 1[t in I_l[f]] (Eq. 7/9) over positions [0, n_positions).
+
+        `query` maps layer -> (feature ids, weights), any matching shapes (e.g. (tokens, k)); -1 ids are ignored and
+        repeated ids (several query tokens or heads) have their weights summed. Stop features are skipped.
+        `prune` in (0, 1]: per layer, keep only the heaviest query features whose w * IDF mass reaches that share of
+        the layer's total. A query that activates no indexed feature scores all zeros. Returns float32.
+        """
+        if prune is not None and not 0 < prune <= 1:
+            raise ValueError(f"prune must be a share in (0, 1] or None, got {prune}")
+        n = self.positions_span if n_positions is None else int(n_positions)
+        total = np.zeros(n, dtype=np.float64)
+        for layer, (ids, weights) in query.items():
+            indptr, positions = self.postings(layer)
+            ids, weights = np.asarray(ids).ravel(), np.asarray(weights, dtype=np.float64).ravel()
+            if ids.shape != weights.shape:
+                raise ValueError(f"layer {layer}: query ids {ids.shape} and weights {weights.shape} differ in shape")
+            if len(ids) and (ids.max() >= self.d_latent or ids.min() < -1):
+                raise ValueError(f"layer {layer}: query feature ids must lie in [0, {self.d_latent}) or be -1")
+            valid = ids >= 0
+            w = np.bincount(ids[valid], weights=weights[valid], minlength=self.d_latent)  # sum repeated features
+            freq = np.diff(indptr)
+            mass = w * (1.0 / (np.log1p(freq) + 1.0))  # Eq. 10
+            feats = np.flatnonzero((mass != 0) & (freq > 0) & (freq <= self.stop_threshold(layer)))
+            if prune is not None and len(feats):
+                feats = feats[np.argsort(-np.abs(mass[feats]), kind="stable")]
+                cum = np.cumsum(np.abs(mass[feats]))
+                feats = feats[: int(np.searchsorted(cum, prune * cum[-1] * (1 - 1e-12))) + 1]
+            # gather all postings of the chosen features at once: one index range per feature, built with np.repeat
+            starts, counts = indptr[feats], freq[feats]
+            within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+            pos = positions[np.repeat(starts, counts) + within]
+            total += np.bincount(pos, weights=np.repeat(mass[feats], counts), minlength=n)[:n]  # positions >= n dropped
+        return total.astype(np.float32)
+
+    # persistence ------------------------------------------------------------------------------------------------
+
+    def _serialise(self) -> bytes:
+        streams, arrays, offset = [], [], 0
+        for layer in self.layers:
+            indptr, positions = self.postings(layer)
+            tokens = self._layers[layer].tokens
+            entry = {"layer": layer}
+            for name, values in (("counts", np.diff(indptr)), ("positions", _delta_encode(indptr, positions)),
+                                 ("tokens", np.diff(tokens, prepend=0))):
+                encoded = varint_encode(values)
+                entry[name] = {"offset": offset, "nbytes": len(encoded), "count": len(values)}
+                streams.append(encoded)
+                offset += len(encoded)
+            arrays.append(entry)
+        payload = np.concatenate(streams).tobytes() if streams else b""
+        header = json.dumps({
+            "format": FORMAT_NAME, "version": FORMAT_VERSION, "layers": self.layers, "d_latent": self.d_latent,
+            "stop_freq": self.stop_freq, "meta": self.meta, "arrays": arrays, "payload_nbytes": len(payload),
+            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+        }).encode()
+        prefix = MAGIC + len(header).to_bytes(8, "little") + hashlib.sha256(header).digest()
+        return prefix + header + payload
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write `directory/feature_index.bin` atomically: a temp file beside it, fsync, then `os.replace`."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / INDEX_FILE
+        data = self._serialise()
+        fd, tmp = tempfile.mkstemp(prefix=f".{INDEX_FILE}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(directory)
+        return target
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, mmap: bool = True) -> FeatureIndex:
+        """Read an index saved by `save()`. With mmap the raw payload is memory-mapped; the decoded CSR arrays live
+        in memory. Raises IndexCorruptError for a damaged file, IndexVersionError for another format version."""
+        path = Path(directory) / INDEX_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"no feature index at {path}; build one and save() it there first")
+        with open(path, "rb") as f:  # one open file throughout: a concurrent save() replaces the name, not it
+            header, payload = _read_verified(f, path, mmap)
+        index = cls(header["layers"], header["d_latent"], header["stop_freq"], header["meta"])
+        try:
+            for entry in header["arrays"]:
+                index._layers[entry["layer"]] = _decode_layer(payload, entry, index.d_latent)
+        except IndexCorruptError as err:
+            raise IndexCorruptError(f"index file {path} is damaged; delete it and rebuild the index ({err})") from None
+        return index
+
+
+def _read_verified(f, path: Path, mmap: bool) -> tuple[dict, np.ndarray]:
+    """Header and payload of an open index file, after checking magic, version, sizes and both checksums."""
+    rebuild = f"index file {path} is damaged; delete it and rebuild the index"
+    size = os.fstat(f.fileno()).st_size
+    prefix = f.read(48)
+    if len(prefix) < 48 or prefix[:8] != MAGIC:
+        raise IndexCorruptError(f"{rebuild} (missing or wrong magic bytes / truncated header)")
+    header_len = int.from_bytes(prefix[8:16], "little")
+    if 48 + header_len > size:
+        raise IndexCorruptError(f"{rebuild} (truncated header)")
+    header_bytes = f.read(header_len)
+    if hashlib.sha256(header_bytes).digest() != prefix[16:48]:
+        raise IndexCorruptError(f"{rebuild} (header checksum mismatch)")
+    header = json.loads(header_bytes)
+    if header.get("format") != FORMAT_NAME:
+        raise IndexCorruptError(f"{rebuild} (format {header.get('format')!r}, expected {FORMAT_NAME!r})")
+    if header.get("version") != FORMAT_VERSION:
+        raise IndexVersionError(f"index file {path} has format version {header.get('version')}; this library "
+                                f"reads version {FORMAT_VERSION}. Rebuild the index with this version.")
+    start, n_payload = 48 + header_len, header["payload_nbytes"]
+    if size != start + n_payload:
+        raise IndexCorruptError(f"{rebuild} (file is {size} bytes, header says {start + n_payload}; truncated?)")
+    if mmap and n_payload:
+        payload = np.memmap(f, dtype=np.uint8, mode="r", offset=start, shape=(n_payload,))
+    else:
+        payload = np.frombuffer(f.read(n_payload), dtype=np.uint8)
+    if hashlib.sha256(memoryview(payload)).hexdigest() != header["payload_sha256"]:
+        raise IndexCorruptError(f"{rebuild} (payload checksum mismatch)")
+    return header, payload
+
+
+def _decode_layer(payload: np.ndarray, entry: dict, d_latent: int) -> _LayerPostings:
+    def stream(name: str) -> np.ndarray:
+        s = entry[name]
+        return varint_decode(payload[s["offset"]: s["offset"] + s["nbytes"]], s["count"]).astype(np.int64)
+
+    counts = stream("counts")
+    if len(counts) != d_latent:
+        raise IndexCorruptError(f"layer {entry['layer']}: {len(counts)} posting lists, expected {d_latent}")
+    indptr = np.concatenate(([0], np.cumsum(counts)))
+    deltas = stream("positions")
+    if len(deltas) != indptr[-1]:
+        raise IndexCorruptError(f"layer {entry['layer']}: {len(deltas)} postings, counts say {indptr[-1]}")
+    positions = _delta_decode(indptr, deltas)
+    tokens = np.cumsum(stream("tokens"))
+    max_pos = int(tokens[-1]) if len(tokens) else 0
+    return _LayerPostings(indptr, positions.astype(_position_dtype(max_pos)), tokens)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # not supported on this platform
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_stop_freq(stop_freq) -> None:
+    if stop_freq is None:
+        return
+    if isinstance(stop_freq, bool) or not isinstance(stop_freq, (int, float)):
+        raise ValueError(f"stop_freq must be an int (postings), a float share in (0, 1], or None; got {stop_freq!r}")
+    if isinstance(stop_freq, float) and not 0 < stop_freq <= 1:
+        raise ValueError(f"a float stop_freq is a share of indexed tokens and must lie in (0, 1], got {stop_freq}")
+    if isinstance(stop_freq, int) and stop_freq < 1:
+        raise ValueError(f"an int stop_freq counts postings and must be >= 1, got {stop_freq}")
+
+
+def _check_json(obj, where: str) -> None:
+    """Raise ValueError naming the first key path whose value JSON cannot hold."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: key {key!r} is not a string; JSON metadata needs string keys")
+            _check_json(value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _check_json(value, f"{where}[{i}]")
+    elif not (obj is None or isinstance(obj, (str, int, float, bool))):
+        raise ValueError(f"{where} holds a {type(obj).__name__}, which is not JSON-serialisable; "
+                         f"convert it to str/int/float/bool/list/dict first")

@@ -1,0 +1,48 @@
+"""The one protocol every retrieval method follows (the kvpress idea: one small class per paper).
+
+A method turns (context, question, budget) into a `Compressed`: the kept source text, in source order, and the
+spans that make it up. Token positions are positions in the backbone tokenizer's encoding of the context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+
+@dataclass(frozen=True)
+class Span:
+    """A kept run of the source: tokens [start, end) and the characters [char_start, char_end) they cover."""
+
+    start: int
+    end: int
+    char_start: int
+    char_end: int
+    text: str
+    score: float = 0.0
+    signals: tuple[str, ...] = ()  # which signals chose it: "s3", "bm25", "lead", "tail", "ilre", ...
+    doc_id: str | None = None
+    metadata: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Compressed:
+    """What `compress()` returns: `.text` is at most `budget` backbone tokens, in source order."""
+
+    text: str
+    spans: list[Span]
+    n_tokens: int
+    method: str
+    budget: int
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class Method(Protocol):
+    name: ClassVar[str]
+
+    def compress(self, context: str, question: str, budget: int) -> Compressed: ...

@@ -1,0 +1,36 @@
+"""Shipped per-model artefacts (trained SAEs, the calibrated ILRe layer), found by the model's hash."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+def model_slug(backbone) -> str:
+    """Folder/file name of a model's shipped artefacts: '<model id>-<first 8 hex of its hash>'."""
+    return f"{backbone.model_id.lower()}-{backbone.model_hash[:8]}"
+
+
+def sae_dir(backbone) -> Path:
+    return ASSETS / "sae" / model_slug(backbone)
+
+
+def ilre_profile_path(backbone) -> Path:
+    return ASSETS / "ilre" / f"{model_slug(backbone)}.json"
+
+
+def sae_card(backbone) -> dict | None:
+    """The shipped SAE card in the `endo info --json` shape, or None when this model has no shipped SAEs."""
+    path = sae_dir(backbone) / "card.json"
+    if not path.exists():
+        return None
+    card = json.loads(path.read_text())
+    keys = ("layers", "d_latent", "k", "fvu_k", "fvu_q", "dead_share")
+    return {k: card.get(k) for k in keys} | {k: v for k, v in card.items() if k not in keys}
+
+
+def ilre_profile(backbone) -> dict | None:
+    """The calibrated ILRe profile ({"layer": l_R, "recall": {...}, ...}) or None."""
+    path = ilre_profile_path(backbone)
+    return json.loads(path.read_text()) if path.exists() else None

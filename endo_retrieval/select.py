@@ -1,0 +1,168 @@
+"""Adaptive granularity (seed 000, section 3.5; Algorithm 1 lines 22-23): scores -> density -> peaks -> spans.
+
+S' = Conv1D(S) with a box kernel (Table 6: 48, or 8 for QA); greedy non-maximum suppression picks density peaks
+(Table 6: N = 40 centres); each peak grows to its enclosing sentence and spans are taken in peak order until the
+token budget is filled.
+
+How the budget is filled: whole sentences are added peak by peak (a sentence already taken adds nothing); the first
+sentence that does not fit is trimmed around its peak to exactly the tokens left, so the budget is met exactly and
+never exceeded. Fewer tokens come back only when the peaks run out: with `fill=True` (default) NMS keeps going past
+the top N centres until the budget is met or no position with positive density is left; with `fill=False` it
+stops at N, as the paper does. A sentence longer than the whole budget is likewise trimmed around its peak.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+QA_KERNEL = 8  # Table 6, "Convolution Kernel Size for QA"
+DEFAULT_KERNEL = 48  # Table 6
+TOP_CENTRES = 40  # Table 6, "Retrieval Top Centers (N)"
+
+
+def density(scores: np.ndarray, kernel: int = QA_KERNEL, segment_bounds: np.ndarray | None = None) -> np.ndarray:
+    """Semantic density curve S' = Conv1D(S): box-kernel mean, zero-padded, same length (as np.convolve 'same').
+
+    With `segment_bounds` (sorted document boundaries) each segment is smoothed on its own, so one document's hits
+    never raise the density of its neighbour (or of a removed document's empty range).
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    if s.ndim != 1:
+        raise ValueError(f"scores must be 1-D, got shape {s.shape}")
+    if int(kernel) != kernel or kernel < 1:
+        raise ValueError(f"kernel must be a positive integer, got {kernel}")
+    # window of position t: [t - kernel//2, t + (kernel-1)//2], summed through a prefix sum in O(n)
+    if segment_bounds is None or len(segment_bounds) == 0:
+        padded = np.concatenate((np.zeros(kernel // 2 + 1), s, np.zeros((kernel - 1) // 2)))
+        csum = np.cumsum(padded)
+        return ((csum[kernel:] - csum[:-kernel]) / kernel).astype(np.float32)
+    csum = np.concatenate(([0.0], np.cumsum(s)))
+    t = np.arange(len(s))
+    bounds = np.asarray(segment_bounds, dtype=np.int64)
+    i = np.searchsorted(bounds, t, side="right")
+    seg_start = np.where(i > 0, bounds[np.maximum(i - 1, 0)], 0)
+    seg_end = np.minimum(np.where(i < len(bounds), bounds[np.minimum(i, len(bounds) - 1)], len(s)), len(s))
+    lo = np.maximum(t - kernel // 2, seg_start)
+    hi = np.minimum(t + (kernel - 1) // 2 + 1, seg_end)
+    return ((csum[hi] - csum[lo]) / kernel).astype(np.float32)
+
+
+def iter_peaks(density: np.ndarray, radius: int = QA_KERNEL) -> Iterator[int]:
+    """Greedy NMS, highest density first: take the highest remaining local maximum, suppress +-radius around it.
+
+    Only positive density counts. On a flat top (a box kernel turns an isolated hit into a plateau) the centre is the
+    middle of the plateau, so the span grows around the hit and not around the plateau's edge.
+    """
+    d = np.asarray(density, dtype=np.float64)
+    if len(d) == 0:
+        return
+    left = np.concatenate(([-np.inf], d[:-1]))
+    right = np.concatenate((d[1:], [-np.inf]))
+    candidates = np.flatnonzero((d > 0) & (d >= left) & (d >= right))
+    suppressed = np.zeros(len(d), dtype=bool)
+    for c in _by_height(candidates, d):
+        if suppressed[c]:
+            continue
+        # extent of the flat top around c, looked for within +-radius (prefix-sum noise makes plateau values
+        # differ in the last bits, hence the tolerance)
+        w0 = max(c - radius, 0)
+        uneven = np.flatnonzero(np.abs(d[w0: c + radius + 1] - d[c]) > 1e-6 * d[c]) + w0
+        lo = int(uneven[uneven < c].max(initial=w0 - 1)) + 1
+        hi = int(uneven[uneven > c].min(initial=min(c + radius + 1, len(d)))) - 1
+        centre = (lo + hi) // 2
+        suppressed[max(centre - radius, 0): centre + radius + 1] = True
+        suppressed[lo: hi + 1] = True
+        yield int(centre)
+
+
+def _by_height(candidates: np.ndarray, d: np.ndarray, batch: int = 1024) -> Iterator[int]:
+    """Candidates in descending density (ties: leftmost first), sorted a batch at a time: NMS usually stops after
+    a few dozen peaks, so sorting all local maxima of a 1M-token curve would be wasted work."""
+    while len(candidates):
+        if len(candidates) > batch:
+            top = np.argpartition(-d[candidates], batch)[:batch]
+            head, candidates = candidates[top], np.delete(candidates, top)
+            batch *= 4
+        else:
+            head, candidates = candidates, candidates[:0]
+        yield from head[np.lexsort((head, -d[head]))].tolist()
+
+
+def peaks(density: np.ndarray, n: int | None = TOP_CENTRES, radius: int | None = None) -> np.ndarray:
+    """The first `n` NMS centres (all of them for n=None), highest first; radius defaults to the QA kernel (8)."""
+    out = []
+    for p in iter_peaks(density, QA_KERNEL if radius is None else radius):
+        if n is not None and len(out) >= n:
+            break
+        out.append(p)
+    return np.asarray(out, dtype=np.int64)
+
+
+def runs(indices: np.ndarray, breaks: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """Contiguous runs [start, end) of a sorted array of distinct indices; a run is also cut at every `breaks`
+    position (a run never contains both b - 1 and b for a break b)."""
+    idx = np.asarray(indices, dtype=np.int64)
+    if len(idx) == 0:
+        return []
+    cut = np.diff(idx) != 1
+    if breaks is not None and len(breaks):
+        cut |= np.isin(idx[1:], breaks)
+    starts = np.concatenate(([0], np.flatnonzero(cut) + 1))
+    ends = np.concatenate((starts[1:], [len(idx)]))
+    return [(int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(starts, ends)]
+
+
+def spans_from_peaks(peaks: Iterable[int], sentence_starts: np.ndarray, n_positions: int, budget: int,
+                     segment_bounds: np.ndarray | None = None, max_span: int | None = None) -> list[tuple[int, int]]:
+    """Grow each peak to its enclosing sentence and take them in peak order until `budget` tokens are covered.
+
+    The sentence of peak p runs from the last boundary <= p to the next boundary > p (or n_positions), where the
+    boundaries are `sentence_starts` plus `segment_bounds` (document starts/ends), so spans never cross a segment.
+    `max_span` caps one peak's span (trimmed around the peak). The sentence that overflows the budget is trimmed
+    around its peak to the exact remainder. Returns merged spans in source order; adjacent spans merge unless a
+    segment bound lies between them.
+    """
+    if budget <= 0:
+        raise ValueError(f"budget must be a positive number of tokens, got {budget}")
+    sentences = np.asarray(sentence_starts, dtype=np.int64)
+    segments = np.asarray(segment_bounds if segment_bounds is not None else [], dtype=np.int64)
+    covered = np.zeros(n_positions, dtype=bool)
+    left = int(budget)
+    for p in peaks:
+        if not 0 <= p < n_positions:
+            raise ValueError(f"peak {p} lies outside [0, {n_positions})")
+        start, end = _enclosing(sentences, p, n_positions)
+        seg_start, seg_end = _enclosing(segments, p, n_positions)
+        start, end = max(start, seg_start), min(end, seg_end)
+        if max_span is not None and end - start > max_span:
+            start = min(max(p - max_span // 2, start), end - max_span)
+            end = start + max_span
+        new = start + np.flatnonzero(~covered[start:end])
+        if len(new) > left:  # trim around the peak: keep the `left` free tokens nearest to it
+            new = new[np.argsort(np.abs(new - p), kind="stable")[:left]]
+        covered[new] = True
+        left -= len(new)
+        if left == 0:
+            break
+    return runs(np.flatnonzero(covered), breaks=segments)
+
+
+def _enclosing(bounds: np.ndarray, p: int, n_positions: int) -> tuple[int, int]:
+    """[last bound <= p, first bound > p) within [0, n_positions); `bounds` is sorted."""
+    i = int(np.searchsorted(bounds, p, side="right"))
+    return (int(bounds[i - 1]) if i > 0 else 0), (int(bounds[i]) if i < len(bounds) else n_positions)
+
+
+def select_spans(scores: np.ndarray, sentence_starts: np.ndarray, budget: int, kernel: int = QA_KERNEL,
+                 n_peaks: int = TOP_CENTRES, segment_bounds: np.ndarray | None = None, fill: bool = True,
+                 max_span: int | None = None) -> list[tuple[int, int, float]]:
+    """Scores -> density -> NMS peaks (radius = kernel) -> sentence spans under `budget`: [(start, end, score)] in
+    source order, score = the span's highest density. `fill=True` goes past the top `n_peaks` centres until the
+    budget is met (our default: matched budgets across methods); `fill=False` stops at `n_peaks` as in the paper."""
+    curve = density(scores, kernel, segment_bounds)
+    centres = iter_peaks(curve, kernel)
+    if not fill:
+        centres = (p for _, p in zip(range(n_peaks), centres))
+    spans = spans_from_peaks(centres, sentence_starts, len(curve), budget, segment_bounds, max_span)
+    return [(a, b, float(curve[a:b].max())) for a, b in spans]
