@@ -7,17 +7,18 @@ from pathlib import Path
 ASSETS = Path(__file__).parent / "assets"
 
 
-def model_slug(backbone) -> str:
-    """Folder/file name of a model's shipped artefacts: '<model id>-<first 8 hex of its hash>'."""
-    return f"{backbone.model_id.lower()}-{backbone.model_hash[:8]}"
+def model_slug(model_id: str) -> str:
+    """Folder/file name of a model's shipped artefacts (its id, lowercased); the files themselves carry the
+    model's hash and are checked against it on load."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in model_id).lower()
 
 
 def sae_dir(backbone) -> Path:
-    return ASSETS / "sae" / model_slug(backbone)
+    return ASSETS / "sae" / model_slug(backbone.model_id)
 
 
 def ilre_profile_path(backbone) -> Path:
-    return ASSETS / "ilre" / f"{model_slug(backbone)}.json"
+    return ASSETS / "ilre" / f"{model_slug(backbone.model_id)}.json"
 
 
 def sae_card(backbone) -> dict | None:
@@ -26,6 +27,8 @@ def sae_card(backbone) -> dict | None:
     if not path.exists():
         return None
     card = json.loads(path.read_text())
+    if card.get("model_hash") not in (None, backbone.model_hash):
+        return None
     keys = ("layers", "d_latent", "k", "fvu_k", "fvu_q", "dead_share")
     return {k: card.get(k) for k in keys} | {k: v for k, v in card.items() if k not in keys}
 
@@ -33,4 +36,7 @@ def sae_card(backbone) -> dict | None:
 def ilre_profile(backbone) -> dict | None:
     """The calibrated ILRe profile ({"layer": l_R, "recall": {...}, ...}) or None."""
     path = ilre_profile_path(backbone)
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    profile = json.loads(path.read_text())
+    return profile if profile.get("model_hash") in (None, backbone.model_hash) else None

@@ -114,22 +114,26 @@ def runs(indices: np.ndarray, breaks: np.ndarray | None = None) -> list[tuple[in
 
 
 def spans_from_peaks(peaks: Iterable[int], sentence_starts: np.ndarray, n_positions: int, budget: int,
-                     segment_bounds: np.ndarray | None = None, max_span: int | None = None) -> list[tuple[int, int]]:
+                     segment_bounds: np.ndarray | None = None, max_span: int | None = None,
+                     covered: np.ndarray | None = None) -> list[tuple[int, int]]:
     """Grow each peak to its enclosing sentence and take them in peak order until `budget` tokens are covered.
 
     The sentence of peak p runs from the last boundary <= p to the next boundary > p (or n_positions), where the
     boundaries are `sentence_starts` plus `segment_bounds` (document starts/ends), so spans never cross a segment.
     `max_span` caps one peak's span (trimmed around the peak). The sentence that overflows the budget is trimmed
     around its peak to the exact remainder. Returns merged spans in source order; adjacent spans merge unless a
-    segment bound lies between them.
+    segment bound lies between them. `covered` (bool, n_positions) marks tokens already kept (e.g. lead/tail):
+    they are part of the result and count against the budget.
     """
     if budget <= 0:
         raise ValueError(f"budget must be a positive number of tokens, got {budget}")
     sentences = np.asarray(sentence_starts, dtype=np.int64)
     segments = np.asarray(segment_bounds if segment_bounds is not None else [], dtype=np.int64)
-    covered = np.zeros(n_positions, dtype=bool)
-    left = int(budget)
-    for p in peaks:
+    covered = np.zeros(n_positions, dtype=bool) if covered is None else np.array(covered, dtype=bool)
+    left = int(budget) - int(covered.sum())
+    if left < 0:
+        raise ValueError(f"{int(covered.sum())} tokens are already kept, more than the budget of {budget}")
+    for p in peaks if left > 0 else ():
         if not 0 <= p < n_positions:
             raise ValueError(f"peak {p} lies outside [0, {n_positions})")
         start, end = _enclosing(sentences, p, n_positions)
@@ -143,7 +147,7 @@ def spans_from_peaks(peaks: Iterable[int], sentence_starts: np.ndarray, n_positi
             new = new[np.argsort(np.abs(new - p), kind="stable")[:left]]
         covered[new] = True
         left -= len(new)
-        if left == 0:
+        if left <= 0:
             break
     return runs(np.flatnonzero(covered), breaks=segments)
 

@@ -1,0 +1,305 @@
+"""The S3-Attention engine (seed 000, sections 3.4-3.6, Algorithm 1) over a corpus of documents.
+
+Phase 1 (Eq. 4-5): documents stream through the backbone (early exit at the deepest target layer, independent
+chunks of 2048 as in Table 6); each chunk's pre-RoPE keys are encoded by the layer's SAE and appended to the
+`FeatureIndex` as postings; the chunk is then dropped, so accelerator memory is bounded by the chunk.
+Phase 2 (Eq. 6-7/9): the question's pre-RoPE queries go through the same SAEs; S[t] sums w_q * IDF over shared
+features; a Conv1D density and NMS pick peaks, grown to sentences, per document (select.py).
+Phase 3 (Eq. 8): the S3 peaks, BM25 peaks over sentence windows and a lead/tail bias share one token budget.
+
+One engine serves both uses: `EndoIndex` for a persistent corpus (RAG retriever) and `compress()` for one long
+context and one question (the paper's setting), which indexes the context as a one-document corpus.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from endo_retrieval.backbone import Backbone, as_text
+from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.index import FeatureIndex
+from endo_retrieval.methods.base import Span
+from endo_retrieval.select import QA_KERNEL, _enclosing, density, iter_peaks, spans_from_peaks
+
+FORMAT = "endo-index"
+VERSION = 1
+SEARCH_METHODS = ("s3-hybrid", "s3", "bm25")
+CHUNK = 2048  # Table 6: streaming chunk size
+
+
+@dataclass
+class Document:
+    """A document to index: its id, text, and JSON-serialisable metadata carried to every span it yields."""
+
+    doc_id: str
+    text: str
+    metadata: dict = field(default_factory=dict)
+
+
+# ---- BM25 over sentence windows (the lexical signal of Eq. 8) --------------------------------------------------
+_WORD = re.compile(r"\w+", re.UNICODE)
+_STOP = frozenset("a an and are as at be by did do does for from had has have he her his how i in is it its of on "
+                  "or she that the their them they this to was were what when where which who whom whose why will "
+                  "with you".split())
+
+
+def words(text: str) -> list[str]:
+    return [w for w in _WORD.findall(text.lower()) if w not in _STOP]
+
+
+def bm25_token_scores(corpus: CorpusMap, question: str, window: int = 1) -> np.ndarray:
+    """BM25 (rank-bm25 Okapi) of every sentence window (a sentence and `window` neighbours each side). A token
+    scores the sum over the windows that contain its sentence, so a matching sentence outscores its neighbours
+    (it sits in every window that matches) and the peak lands on it, not beside it."""
+    from rank_bm25 import BM25Okapi
+
+    scores = np.zeros(corpus.n_positions, dtype=np.float32)
+    query = words(question)
+    bounds: list[np.ndarray] = []  # per document: sentence start positions + its end
+    texts: list[list[str]] = []
+    for doc in corpus.documents():
+        starts = np.append(doc.sentence_starts, doc.end)
+        sentences = [words(corpus.span_text(a, b)[3]) for a, b in zip(starts[:-1], starts[1:])]
+        bounds.append(starts)
+        texts += [sum(sentences[max(0, i - window): i + window + 1], []) for i in range(len(sentences))]
+    if not texts or not query:
+        return scores
+    window_scores = np.maximum(BM25Okapi(texts).get_scores(query), 0.0)
+    i = 0
+    for starts in bounds:
+        n = len(starts) - 1
+        ws = window_scores[i: i + n]
+        i += n
+        per_sentence = np.convolve(ws, np.ones(2 * window + 1), mode="same")  # sum of the windows it is in
+        scores[starts[0]: starts[-1]] = np.repeat(per_sentence, np.diff(starts))
+    return scores
+
+
+class EndoIndex:
+    """A persistent endogenous index over documents: S3 feature postings, the corpus map, and BM25 sentences."""
+
+    def __init__(self, backbone: Backbone | None = None, method: str = "s3-hybrid", saes=None,
+                 chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None):
+        from endo_retrieval.sae import SAEBank
+
+        self.backbone = backbone or Backbone.default()
+        self.saes = saes or SAEBank.for_backbone(self.backbone)
+        self.method = _check_method(method)
+        self.chunk_size = chunk_size
+        self.prune = prune
+        self.index = FeatureIndex(self.saes.layers, self.saes.card["d_latent"], stop_freq=stop_freq,
+                                  meta={"model_hash": self.backbone.model_hash})
+        self.corpus = CorpusMap()
+
+    # ---- phase 1: streaming semantic indexing (Eq. 4-5) ------------------------------------------------------
+    def add_documents(self, docs: Iterable[Document | str], progress: bool = False) -> list[str]:
+        """Index documents one after another; returns their ids. A bad document raises before anything is added."""
+        docs = [d if isinstance(d, Document) else Document(f"doc-{len(self.corpus) + i}", d)
+                for i, d in enumerate(docs)]
+        if not docs:
+            raise ValueError("No documents given; pass at least one Document or text.")
+        seen = set(self.corpus._docs)
+        encoded = []
+        for d in docs:  # validate all first, so a bad document leaves the index untouched
+            if d.doc_id in seen:
+                raise ValueError(f"Duplicate document id {d.doc_id!r}; ids must be unique (remove the old one first).")
+            seen.add(d.doc_id)
+            try:
+                text = as_text(d.text)
+            except ValueError as e:
+                raise ValueError(f"Document {d.doc_id!r}: {e}") from None
+            if "\x00" in text:
+                raise ValueError(f"Document {d.doc_id!r} contains NUL bytes and looks binary; pass extracted text.")
+            try:
+                json.dumps(d.metadata)
+            except TypeError as e:
+                raise ValueError(f"Document {d.doc_id!r}: metadata must be JSON-serialisable ({e}).") from None
+            encoded.append((d, text, self.backbone.encode(text)))
+        bar = _progress(sum(len(e) for *_, e in encoded), "indexing", progress)
+        for d, text, enc in encoded:
+            start, _ = self.corpus.add_document(d.doc_id, text, enc.offsets, d.metadata)
+            self._index_tokens(enc.ids, start, bar)
+        bar.close()
+        return [d.doc_id for d in docs]
+
+    def _index_tokens(self, ids: np.ndarray, start: int, bar) -> None:
+        layers = self.saes.layers
+        for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
+            positions = np.arange(start + chunk.start, start + chunk.end, dtype=np.int64)
+            for layer in layers:
+                feat, act = self.saes.encode_keys(layer, chunk.keys[layer])
+                feat = torch.where(act > 0, feat, -1)  # padding of tokens with fewer than k active features
+                self.index.add(layer, positions, feat.cpu().numpy())
+            bar.update(chunk.end - chunk.start)
+
+    def remove_document(self, doc_id: str) -> None:
+        start, end = self.corpus.remove_document(doc_id)
+        self.index.remove_range(start, end)
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    @property
+    def doc_ids(self) -> list[str]:
+        return [d.doc_id for d in self.corpus.documents()]
+
+    # ---- phase 2: endogenous scores (Eq. 6-7/9) --------------------------------------------------------------
+    def query_features(self, question: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Eq. 6: the question's pre-RoPE queries through the same SAEs -> {layer: (feature ids, weights)}."""
+        states = self.backbone.query_states(question, self.saes.layers)
+        out = {}
+        for layer, q in states.items():
+            feat, act = self.saes.encode_queries(layer, q)
+            keep = act > 0
+            out[layer] = (feat[keep].cpu().numpy(), act[keep].float().cpu().numpy())
+        return out
+
+    def s3_scores(self, question: str) -> np.ndarray:
+        """S[t] = sum_l sum_f w_{q,f} IDF(f) 1[t in I_l[f]] (Eq. 7/9), vectorised over postings."""
+        return self.index.score(self.query_features(question), n_positions=self.corpus.n_positions,
+                                prune=self.prune)
+
+    def bm25_scores(self, question: str) -> np.ndarray:
+        return bm25_token_scores(self.corpus, question)
+
+    # ---- phase 3: selection and fusion (Eq. 8) ---------------------------------------------------------------
+    def signal_scores(self, question: str, method: str | None = None) -> dict[str, np.ndarray]:
+        """The per-position score arrays `method` fuses: {"s3": S[t], "bm25": ...}."""
+        method = _check_method(method or self.method)
+        question = as_text(question)
+        out = {}
+        if method in ("s3", "s3-hybrid"):
+            out["s3"] = self.s3_scores(question)
+        if method in ("bm25", "s3-hybrid"):
+            out["bm25"] = self.bm25_scores(question)
+        return out
+
+    def select(self, question: str, budget: int, method: str | None = None, lead_tail: int = 0,
+               kernel: int = QA_KERNEL, s3_share: float = 0.5, scores: dict[str, np.ndarray] | None = None
+               ) -> list[Span]:
+        """Spans (source order) under `budget` tokens chosen by `method`; documents are scored independently
+        (density and peaks never cross a document bound). `scores`: precomputed `signal_scores()`."""
+        if not len(self.corpus):
+            raise ValueError("The index is empty; add documents first.")
+        if budget <= 0:
+            raise ValueError(f"budget must be a positive number of tokens, got {budget}.")
+        method = _check_method(method or self.method)
+        bounds = self.corpus.segment_bounds()
+        scores = scores if scores is not None else self.signal_scores(question, method)
+        streams = {name: iter_peaks(density(s, kernel, bounds), kernel) for name, s in scores.items()}
+        taken: list[tuple[str, int]] = []  # (signal, peak) in the order they were offered to the budget
+        kept = np.zeros(self.corpus.n_positions, dtype=bool)
+        if method == "s3-hybrid" and lead_tail > 0:  # M_Bias of Eq. 8: the first and last tokens of each document
+            for doc in self.corpus.documents():
+                n = min(lead_tail, doc.n_tokens // 2)
+                kept[doc.start: doc.start + n] = kept[doc.end - n: doc.end] = True
+                taken += [("lead", doc.start), ("tail", doc.end - 1)]
+            if kept.sum() > budget:
+                raise ValueError(f"lead/tail of {lead_tail} tokens per document exceeds the budget of {budget}.")
+        peaks = _interleave(streams, taken, s3_share)
+        spans = spans_from_peaks(peaks, self.corpus.sentence_starts(), self.corpus.n_positions, budget, bounds,
+                                 covered=kept)
+        return [self._span(a, b, taken) for a, b in spans]
+
+    def _span(self, a: int, b: int, taken: list[tuple[str, int]], score: float | None = None) -> Span:
+        doc_id, c0, c1, text = self.corpus.span_text(a, b)
+        signals = tuple(sorted({sig for sig, p in taken if a <= p < b}))
+        rank = min((i for i, (_, p) in enumerate(taken) if a <= p < b), default=len(taken))
+        return Span(a, b, c0, c1, text, score if score is not None else 1.0 / (1 + rank), signals, doc_id,
+                    self.corpus.doc(doc_id).metadata)
+
+    def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None) -> list[Span]:
+        """The k best evidence spans, best first, under `budget` tokens (default 128 per span)."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}.")
+        spans = self.select(question, budget or 128 * k, method)
+        return sorted(spans, key=lambda s: -s.score)[:k]
+
+    # ---- persistence ---------------------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write the index atomically: a new folder beside `directory` is filled, then swapped in."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp", dir=directory.parent))
+        try:
+            self.index.save(tmp / "features")
+            self.corpus.save(tmp / "corpus.npz")
+            (tmp / "endo-index.json").write_text(json.dumps({
+                "format": FORMAT, "version": VERSION, "model": self.backbone.model_id,
+                "model_hash": self.backbone.model_hash, "method": self.method, "chunk_size": self.chunk_size,
+                "sae_layers": self.saes.layers, "prune": self.prune}, indent=1))
+            old = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            if directory.exists():
+                os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, backbone: Backbone | None = None, saes=None) -> "EndoIndex":
+        directory = Path(directory)
+        head = directory / "endo-index.json"
+        if not head.exists():
+            raise ValueError(f"{directory} holds no endo index (no endo-index.json); build one with "
+                             "`endo index PATH... --out DIR` or EndoIndex.save().")
+        try:
+            meta = json.loads(head.read_text())
+        except json.JSONDecodeError:
+            raise ValueError(f"{head} is corrupt; rebuild the index.") from None
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise ValueError(f"{directory} is not a version-{VERSION} endo index; rebuild it with this version.")
+        backbone = backbone or Backbone.default()
+        if meta["model_hash"] != backbone.model_hash:
+            raise ValueError(f"The index in {directory} was built with model {meta['model']} "
+                             f"({meta['model_hash'][:12]}), not with the loaded {backbone.model_id} "
+                             f"({backbone.model_hash[:12]}); load that model or rebuild the index.")
+        self = cls(backbone, meta["method"], saes=saes, chunk_size=meta["chunk_size"], prune=meta.get("prune"))
+        if self.saes.layers != meta["sae_layers"]:
+            raise ValueError(f"The index in {directory} was built with SAE layers {meta['sae_layers']}, the loaded "
+                             f"SAEs have {self.saes.layers}; rebuild the index.")
+        self.index = FeatureIndex.load(directory / "features")
+        self.corpus = CorpusMap.load(directory / "corpus.npz")
+        return self
+
+
+def _check_method(method: str) -> str:
+    if method not in SEARCH_METHODS:
+        raise ValueError(f"Unknown method {method!r}; the index searches with one of {', '.join(SEARCH_METHODS)}.")
+    return method
+
+
+def _interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float) -> Iterator[int]:
+    """Yield the signals' peaks alternately by rank for one shared budget (the union of Eq. 8): S3 gets `s3_share`
+    of the turns. Each peak is pulled lazily and recorded in `taken` as (signal, peak)."""
+    credit = {name: 0.0 for name in streams}
+    share = {"s3": s3_share, "bm25": 1.0 - s3_share} if len(streams) == 2 else {n: 1.0 for n in streams}
+    live = dict(streams)
+    while live:
+        for name in live:
+            credit[name] += share[name]
+        name = max(live, key=lambda n: credit[n])
+        credit[name] -= 1.0
+        p = next(live[name], None)
+        if p is None:
+            del live[name]
+            continue
+        taken.append((name, p))
+        yield p
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False)
