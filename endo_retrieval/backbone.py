@@ -109,6 +109,9 @@ def convert_gguf(gguf: Path, digest: str) -> Path:
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None  # weights are dequantised now; newer transformers refuse to save otherwise
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "endo_model_hash").write_text(digest)

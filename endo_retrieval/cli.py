@@ -16,6 +16,7 @@ COMMANDS = {
     "train-sae": ("endo_retrieval.train_sae", "", "train Top-k sparse autoencoders on key projections"),
     "calibrate-ilre": ("endo_retrieval.ilre_calibrate", "", "pick ILRe's retrieval layer with a passkey task"),
     "bench": ("endo_retrieval.eval.bench", "", "benchmarks: quality | perf | attention"),
+    "mcp": ("endo_retrieval.mcp_server", "", "serve an index to agents over the Model Context Protocol (stdio)"),
 }
 
 

@@ -79,7 +79,7 @@ def bm25_token_scores(corpus: CorpusMap, question: str, window: int = 1) -> np.n
         n = len(starts) - 1
         ws = window_scores[i: i + n]
         i += n
-        per_sentence = np.convolve(ws, np.ones(2 * window + 1), mode="same")  # sum of the windows it is in
+        per_sentence = np.convolve(ws, np.ones(2 * window + 1))[window: window + n]  # sum of windows it is in
         scores[starts[0]: starts[-1]] = np.repeat(per_sentence, np.diff(starts))
     return scores
 

@@ -1,0 +1,91 @@
+"""`endo bench quality|perf|attention`: each benchmark is a module exposing `add_arguments(parser)` and
+`run(args)`; add one by adding a line to BENCHES. A benchmark whose module is absent says so when run."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# benchmark -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args)
+BENCHES = {
+    "quality": ("endo_retrieval.eval.bench", "quality_",
+                "retrieval and answer quality of every method at matched budgets"),
+    "perf": ("endo_retrieval.eval.perf", "", "indexing and query speed, memory"),
+    "attention": ("endo_retrieval.eval.attention_bench", "", "decode-time sparse attention backends"),
+}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, e.g. 4096,8192; got {text!r}")
+
+
+def quality_add_arguments(p: argparse.ArgumentParser) -> None:
+    from endo_retrieval.eval.runner import METHODS, MAX_NEW_TOKENS
+
+    p.add_argument("--data", required=True, help="HotpotQA PATH.json, LongBench-style PATH.jsonl, or passkey:DIR")
+    p.add_argument("--out", required=True, help="FILE.json; the Markdown table, plots and the resumable "
+                   "FILE.records.jsonl go beside it")
+    p.add_argument("--context-tokens", type=_int_list, action="extend", default=None,
+                   help="haystack length(s) in tokens, e.g. 4096,8192 (default 4096)")
+    p.add_argument("--budget", type=_int_list, action="extend", default=None,
+                   help="context-token budget(s), e.g. 512,1024 (default 1024)")
+    p.add_argument("--methods", default="", help=f"comma-separated (default all): {', '.join(METHODS)}")
+    p.add_argument("--limit", type=int, default=None, help="the first N examples")
+    p.add_argument("--seed", type=int, default=0, help="haystack shuffling seed")
+    p.add_argument("--skip-bad", action="store_true", help="skip malformed data rows (reported) instead of stopping")
+    p.add_argument("--no-generate", action="store_true", help="skip greedy generation (no f1/em; faster)")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="greedy answer length")
+    p.add_argument("--model", default=None, help="a local model folder (default: the embedded SmolLM2-135M)")
+
+
+def quality_run(args) -> int:
+    from endo_retrieval.eval.runner import QualityConfig, run_quality
+
+    config = QualityConfig(data=args.data, out=args.out, context_tokens=args.context_tokens or [4096],
+                           budgets=args.budget or [1024], methods=args.methods, limit=args.limit, seed=args.seed,
+                           skip_bad=args.skip_bad, generate=not args.no_generate, max_new_tokens=args.max_new_tokens)
+    backbone = None
+    if args.model:
+        from endo_retrieval.backbone import Backbone
+
+        backbone = Backbone(args.model)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    result = run_quality(config, backbone)
+    for message in result["config"]["skipped_rows"]:
+        print(f"skipped: {message}", file=sys.stderr)
+    print(config.out.with_suffix(".md").read_text(encoding="utf-8"))
+    print(f"wrote {config.out} and, beside it, {config.out.with_suffix('.md').name} and the plots")
+    return 0
+
+
+def _hooks(name: str):
+    module_name, prefix, _ = BENCHES[name]
+    module = sys.modules[__name__] if module_name == __name__ else importlib.import_module(module_name)
+    return getattr(module, prefix + "add_arguments"), getattr(module, prefix + "run")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH")
+    for name, (_, _, help_text) in BENCHES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            add, _ = _hooks(name)
+        except (ImportError, AttributeError) as err:
+            p.set_defaults(_bench_missing=f"`endo bench {name}` is not available in this build: {err}")
+            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            continue
+        add(p)
+
+
+def run(args) -> int:
+    if not getattr(args, "bench", None):
+        print(f"endo bench: choose one of {', '.join(BENCHES)} (e.g. endo bench quality --help)", file=sys.stderr)
+        return 2
+    if getattr(args, "_bench_missing", None):
+        print(args._bench_missing, file=sys.stderr)
+        return 2
+    return _hooks(args.bench)[1](args)

@@ -1,0 +1,515 @@
+"""`endo bench quality`: every method at matched budgets on long-context QA (GUIDE, 'How we judge quality').
+
+Per example, context length, method and budget: the method hands the generator at most `budget` context tokens
+(the kvpress peers keep `budget` context KV pairs instead); one prompt template for all, the gold answer appended
+as assistant text and teacher-forced. The full context's answer logits are computed once per example and cached,
+so every method's KL(P_full || P_comp) reuses them. Each finished record is appended to a JSONL file beside the
+output, so an interrupted run picks up where it stopped; the rows are aggregated at the end.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from endo_retrieval.eval import metrics
+from endo_retrieval.eval.data import Example, load_examples
+from endo_retrieval.methods import REGISTRY
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "endo-bench-quality/1"
+_BASELINES = "endo_retrieval.methods.baselines"
+# bench row name -> "module:Class". "bm25" is the chunk baseline of the papers; the engine's sentence-window
+# BM25 (the one inside s3-hybrid) is the row "bm25-sent".
+METHODS = {
+    "full": f"{_BASELINES}:Full",
+    "s3": REGISTRY["s3"],
+    "s3-hybrid": REGISTRY["s3-hybrid"],
+    "ilre": REGISTRY["ilre"],
+    "bm25": f"{_BASELINES}:BM25Chunks",
+    "bm25-sent": REGISTRY["bm25"],
+    "dense": f"{_BASELINES}:Dense",
+    "longllmlingua": f"{_BASELINES}:LongLLMLingua",
+    "snapkv": f"{_BASELINES}:SnapKV",
+    "streamingllm": f"{_BASELINES}:StreamingLLM",
+    "pyramidkv": f"{_BASELINES}:PyramidKV",
+}
+USER_TEMPLATE = "Answer the question from the context in a few words.\n\nContext:\n{context}\n\nQuestion: {question}"
+MAX_NEW_TOKENS = 32
+METRIC_KEYS = ("sp_recall", "answer_recall", "kl", "nll", "f1", "em", "compression")
+RETAINED = ("sp_recall", "answer_recall", "f1", "em")
+_PLACEHOLDER = "\x00CONTENT\x00"
+
+
+def parse_methods(spec: str | list[str] | None) -> list[str]:
+    """'a,b' -> ['a', 'b'] (all methods when empty); an unknown name is a ValueError listing the known ones."""
+    names = [m.strip() for m in (spec.split(",") if isinstance(spec, str) else spec or []) if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise ValueError(f"Unknown method(s) {', '.join(map(repr, unknown))}; known methods: {', '.join(METHODS)}.")
+    return list(dict.fromkeys(names)) or list(METHODS)
+
+
+@dataclass
+class QualityConfig:
+    data: str
+    out: Path
+    context_tokens: list[int]
+    budgets: list[int]
+    methods: list[str]
+    limit: int | None = None
+    seed: int = 0
+    skip_bad: bool = False
+    generate: bool = True
+    max_new_tokens: int = MAX_NEW_TOKENS
+    progress: bool | None = None  # None: a bar on a terminal only
+
+    def __post_init__(self):
+        self.out = Path(self.out)
+        if self.out.suffix != ".json":
+            raise ValueError(f"--out must name a .json file, got {self.out}")
+        for name, values in (("context tokens", self.context_tokens), ("budgets", self.budgets)):
+            if not values or min(values) <= 0:
+                raise ValueError(f"{name} must be positive numbers of tokens, got {values}")
+        self.methods = parse_methods(self.methods)
+
+
+# ---------------------------------------------------------------- the prompt, scored and decoded
+
+
+@dataclass
+class Prompt:
+    prefill: torch.Tensor  # (n,) chat prefix and user turn: instruction, context, question
+    suffix: torch.Tensor   # end of the user turn and the assistant header
+    answer: torch.Tensor   # the gold answer, as assistant text
+
+
+class Prompter:
+    """One chat template for every method; the pieces are tokenized apart so the answer tokens never differ."""
+
+    def __init__(self, bb):
+        rendered = bb.tokenizer.apply_chat_template([{"role": "user", "content": _PLACEHOLDER}],
+                                                    add_generation_prompt=True, tokenize=False)
+        prefix, suffix = rendered.split(_PLACEHOLDER)
+        self.bb = bb
+        self.prefix, self.suffix = self._ids(prefix), self._ids(suffix)
+
+    def _ids(self, text: str) -> torch.Tensor:
+        return torch.as_tensor(self.bb.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+    def answer_ids(self, answer: str) -> torch.Tensor:
+        return self._ids(answer)
+
+    def __call__(self, context: str, question: str, answer: str) -> Prompt:
+        user = self._ids(USER_TEMPLATE.format(context=context, question=question))
+        return Prompt(torch.cat([self.prefix, user]), self.suffix, self.answer_ids(answer))
+
+
+@dataclass
+class Scored:
+    answer_logits: torch.Tensor  # (T, V): the prediction of each gold answer token, teacher-forced
+    prediction: str | None       # greedy answer (None without generation)
+    kv_kept: int                 # KV pairs in layer 0's cache after the prefill
+    prefill_ms: float
+    generate_ms: float           # prefill plus greedy decoding (prefill alone without generation)
+
+
+def score_prompt(bb, prompt: Prompt, press=None, max_new_tokens: int = MAX_NEW_TOKENS) -> Scored:
+    """Prefill (under a kvpress `press` if given), then feed the assistant header and the gold answer one token
+    at a time, then rewind the cache and decode greedily. Single tokens need no attention mask, so caches whose
+    layers kept different numbers of pairs (PyramidKV) work; positions continue from the uncompressed length,
+    as kvpress's own pipeline does."""
+    from transformers import DynamicCache
+
+    model, device = bb.model, bb.device
+    cache = DynamicCache()
+    position = len(prompt.prefill)
+
+    def feed(ids: torch.Tensor) -> torch.Tensor:
+        nonlocal position
+        rows = []
+        for token in ids.tolist():
+            out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
+                        position_ids=torch.tensor([[position]], device=device))
+            rows.append(out.logits[0, -1].float().cpu())
+            position += 1
+        return torch.stack(rows)
+
+    with bb._lock, torch.inference_mode():
+        start = time.perf_counter()
+        with press(model) if press is not None else contextlib.nullcontext():
+            model.model(input_ids=prompt.prefill[None].to(device), past_key_values=cache)
+        kv_kept = cache.get_seq_length()
+        first = feed(prompt.suffix)[-1]
+        prefill_ms = (time.perf_counter() - start) * 1e3
+        lengths, resume_at = [layer.keys.shape[-2] for layer in cache.layers], position
+        answer_logits = torch.cat([first[None], feed(prompt.answer[:-1])]) if len(prompt.answer) > 1 else first[None]
+        for layer, n in zip(cache.layers, lengths):  # rewind: generation starts right after the header
+            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+        position = resume_at
+        prediction = None
+        if max_new_tokens > 0:
+            start = time.perf_counter()
+            stop = _eos_ids(bb)
+            tokens = [int(first.argmax())]
+            while tokens[-1] not in stop and len(tokens) < max_new_tokens:
+                tokens.append(int(feed(torch.tensor(tokens[-1:]))[-1].argmax()))
+            prediction = bb.tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True).strip()
+            decode_ms = (time.perf_counter() - start) * 1e3
+        else:
+            decode_ms = 0.0
+    return Scored(answer_logits, prediction, kv_kept, prefill_ms, prefill_ms + decode_ms)
+
+
+def _eos_ids(bb) -> set[int]:
+    eos = bb.model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids | ({bb.tokenizer.eos_token_id} if bb.tokenizer.eos_token_id is not None else set())
+
+
+# ---------------------------------------------------------------- records (resumable) and one evaluation
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class RecordStore:
+    """Finished (example, method, budget, context_tokens) records, one JSON line each; the first line holds the
+    settings they depend on, so a restart with other settings cannot mix its records in."""
+
+    def __init__(self, path: Path, fingerprint: dict):
+        self.path, self.records = path, {}
+        if path.exists() and path.stat().st_size:
+            text = path.read_text(encoding="utf-8")
+            if not text.endswith("\n"):  # cut short mid-line: end that line so the next record starts afresh
+                with path.open("a", encoding="utf-8") as f:
+                    f.write("\n")
+            lines = text.splitlines()
+            header = json.loads(lines[0]).get("fingerprint")
+            if header != fingerprint:
+                raise ValueError(f"{path} holds records made with other settings ({header} != {fingerprint}): "
+                                 "delete it to start over, or choose another --out")
+            for line in lines[1:]:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by the interruption: computed again
+                    continue
+                self.records[self.key(record)] = record
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"fingerprint": fingerprint}) + "\n", encoding="utf-8")
+
+    @staticmethod
+    def key(record: dict) -> tuple:
+        return record["example"], record["method"], record["budget"], record["context_tokens"]
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.records
+
+    def add(self, record: dict) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+        self.records[self.key(record)] = record
+
+
+class Evaluator:
+    """Runs one method on one example at one budget and scores it against the cached full-context logits."""
+
+    def __init__(self, bb, config: QualityConfig, cache_dir: Path):
+        self.bb, self.config, self.cache_dir = bb, config, cache_dir
+        self.prompter = Prompter(bb)
+        self.longest_prompt = 0
+
+    def _score(self, prompt: Prompt, press=None) -> Scored:
+        self.longest_prompt = max(self.longest_prompt, len(prompt.prefill) + len(prompt.suffix) + len(prompt.answer))
+        return score_prompt(self.bb, prompt, press, self.config.max_new_tokens if self.config.generate else 0)
+
+    def full_logits(self, example: Example, context_tokens: int, scored: Scored | None = None) -> torch.Tensor:
+        """The full context's answer logits, computed once per example (`scored`: already computed) and kept."""
+        path = self.cache_dir / f"{hashlib.sha1(example.id.encode()).hexdigest()[:16]}-{context_tokens}.pt"
+        if path.exists():
+            return torch.load(path)
+        scored = scored or self._score(self.prompter(example.context, example.question, example.answers[0]))
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(scored.answer_logits, tmp)
+        tmp.replace(path)  # atomic: an interrupted write is never read back
+        return scored.answer_logits
+
+    def evaluate(self, method, example: Example, budget: int | None, context_tokens: int) -> dict:
+        n_context = self.bb.count_tokens(example.context)
+        record = {"example": example.id, "budget": budget, "context_tokens": context_tokens, "n_context": n_context}
+        latency = {"index": 0.0, "query": 0.0, "generate": 0.0}
+        if hasattr(method, "make_press"):  # KV-cache peer: whole text, `budget` context KV pairs kept
+            prompt = self.prompter(example.context, example.question, example.answers[0])
+            overhead = len(prompt.prefill) - n_context  # instruction, question and template stay
+            # kvpress keeps int(n * (1 - ratio)) pairs: the half token makes that exactly budget + overhead
+            ratio = max(0.0, 1.0 - (budget + overhead + 0.5) / len(prompt.prefill))
+            scored = self._score(prompt, method.make_press(ratio))
+            selected_text, n_selected = None, max(scored.kv_kept - overhead, 1)
+        else:
+            start = time.perf_counter()
+            if hasattr(method, "prepare"):  # two stages: index the context, then answer the question
+                prepared = method.prepare(example.context)
+                latency["index"] = (time.perf_counter() - start) * 1e3
+                start = time.perf_counter()
+                compressed = method.select(prepared, example.question, budget)
+            else:
+                compressed = method.compress(example.context, example.question, budget)
+            latency["query"] = (time.perf_counter() - start) * 1e3
+            selected_text, n_selected = compressed.text, compressed.n_tokens
+            scored = self._score(self.prompter(selected_text, example.question, example.answers[0]))
+        latency["generate"] = scored.generate_ms
+        reference = self.full_logits(example, context_tokens, scored if selected_text == example.context else None)
+        record.update(
+            sp_recall=metrics.sp_recall(selected_text, example.supporting) if selected_text is not None else None,
+            answer_recall=metrics.answer_recall(selected_text, example.answers) if selected_text is not None
+            else None,
+            kl=metrics.kl_divergence(reference, scored.answer_logits),
+            nll=metrics.nll(scored.answer_logits, self.prompter.answer_ids(example.answers[0])),
+            f1=metrics.f1_score(scored.prediction, example.answers) if scored.prediction is not None else None,
+            em=metrics.exact_match(scored.prediction, example.answers) if scored.prediction is not None else None,
+            compression=metrics.compression(n_context, n_selected),
+            selected_tokens=n_selected, prediction=scored.prediction, latency_ms=latency, peak_rss_mb=peak_rss_mb())
+        return record
+
+
+# ---------------------------------------------------------------- the run
+
+
+WARM_UP = ("Ada Lovelace wrote the first published program. She worked with Charles Babbage on his engine. "
+           "The engine was never finished.", "Who wrote the first published program?")
+
+
+def _load_method(name: str, bb):
+    """An instance of the bench method `name`, warmed up on a short text so that loading its models and
+    artefacts (SAEs, embedders) is not timed as the first question's latency."""
+    module, cls = METHODS[name].split(":")
+    method = getattr(importlib.import_module(module), cls)(backbone=bb)
+    if hasattr(method, "compress"):
+        method.compress(*WARM_UP, 16)
+    return method
+
+
+def fingerprint(bb, config: QualityConfig) -> dict:
+    return {"model_hash": bb.model_hash, "data": str(config.data), "seed": config.seed,
+            "generate": config.generate, "max_new_tokens": config.max_new_tokens, "template": USER_TEMPLATE,
+            "limit": config.limit}
+
+
+def run_quality(config: QualityConfig, backbone=None) -> dict:
+    """Run the bench; returns the report (also written as JSON, Markdown and PNG plots beside config.out)."""
+    from tqdm import tqdm
+
+    from endo_retrieval.backbone import Backbone
+    wall = time.perf_counter()
+    bb = backbone or Backbone.default()
+    store = RecordStore(config.out.with_suffix(".records.jsonl"), fingerprint(bb, config))
+    evaluator = Evaluator(bb, config, config.out.with_suffix(".cache"))
+    methods, unavailable = {}, {}
+    for name in config.methods:
+        try:
+            methods[name] = _load_method(name, bb)
+        except Exception as err:  # noqa: BLE001 - a method that cannot run here: its row says why
+            unavailable[name] = f"cannot run here: {err}"
+            logger.warning("%s: %s", name, unavailable[name])
+    datasets = {L: load_examples(config.data, count_tokens=bb.count_tokens, context_tokens=L, limit=config.limit,
+                                 seed=config.seed, skip_bad=config.skip_bad) for L in config.context_tokens}
+    jobs = [(L, example, name, None if name == "full" else b)
+            for L, dataset in datasets.items() for example in dataset for name in methods
+            for b in (config.budgets[:1] if name == "full" else config.budgets)]
+    todo = [job for job in jobs if (job[1].id, job[2], job[3], job[0]) not in store]
+    bar = tqdm(todo, desc="bench quality", unit="run", disable=None if config.progress is None else not config.progress)
+    for L, example, name, budget in bar:
+        bar.set_postfix_str(f"{name} {L}/{budget}", refresh=False)
+        try:
+            record = evaluator.evaluate(methods[name], example, budget, L)
+        except Exception as err:  # noqa: BLE001 - one failing peer must not stop the bench; the row reports it
+            logger.warning("%s on %s (budget %s, %d tokens) failed: %s", name, example.id, budget, L, err)
+            record = {"example": example.id, "budget": budget, "context_tokens": L,
+                      "error": f"{type(err).__name__}: {err}"}
+        record["method"] = name
+        store.add(record)
+    notes = _notes(bb, evaluator, methods)
+    skipped = sorted({message for dataset in datasets.values() for message in dataset.skipped})
+    result = {
+        "schema": SCHEMA,
+        "config": {"model": bb.model_id, "model_hash": bb.model_hash, "data": str(config.data),
+                   "context_tokens": config.context_tokens[0] if len(config.context_tokens) == 1
+                   else config.context_tokens,
+                   "budget": config.budgets[0] if len(config.budgets) == 1 else config.budgets,
+                   "seed": config.seed, "limit": config.limit, "methods": config.methods,
+                   "n_examples": {str(L): len(d) for L, d in datasets.items()}, "generate": config.generate,
+                   "max_new_tokens": config.max_new_tokens, "prompt_template": USER_TEMPLATE,
+                   "device": bb.device.type, "torch_threads": torch.get_num_threads(), "skipped_rows": skipped,
+                   "notes": notes, "wall_s": round(time.perf_counter() - wall, 1)},
+        "rows": aggregate(list(store.records.values()), config, unavailable,
+                          {name: m.note for name, m in methods.items() if getattr(m, "note", None)}),
+    }
+    write_outputs(result, config.out)
+    return result
+
+
+def _notes(bb, evaluator: Evaluator, methods: dict) -> list[str]:
+    notes = ["kl/nll: teacher-forced over the gold answer tokens with one chat template for every method; "
+             "kl = KL(P_full || P_method), full's logits computed once per example and reused",
+             "latency_ms.generate: prefill of the prompt plus greedy decoding (prefill only with --no-generate); "
+             "index/query: the method's own work; methods without separate stages put all of it in 'query' "
+             f"({', '.join(n for n, m in methods.items() if not hasattr(m, 'prepare') and not hasattr(m, 'make_press') and n != 'full') or 'none'})",
+             "kvpress peers (snapkv, streamingllm, pyramidkv) compress the KV cache of the prompt's prefill (question "
+             "included, so SnapKV's window sees it) to `budget` context pairs plus the instruction/question/template; "
+             "they select no text, so sp_recall/answer_recall are null and compression counts kept KV pairs",
+             "peak_rss_mb: the process's peak resident memory (ru_maxrss) when the row's last record finished; "
+             "it never goes down during a run",
+             "full ignores the budget: computed once per example and repeated under each budget"]
+    if evaluator.longest_prompt > (bb.max_position or float("inf")):
+        notes.append(f"the longest prompt ({evaluator.longest_prompt} tokens) exceeds the model's "
+                     f"{bb.max_position}-token window: it ran as is and RoPE extrapolates past the trained length")
+    return notes
+
+
+def aggregate(records: list[dict], config: QualityConfig, unavailable: dict[str, str],
+              method_notes: dict[str, str] | None = None) -> list[dict]:
+    """One row per (context length, budget, method): means over examples (None-valued metrics left out);
+    retention = row mean / full's mean at the same context length."""
+    method_notes = method_notes or {}
+    rows = []
+    for L in config.context_tokens:
+        full_means = _means([r for r in records if r["method"] == "full" and r["context_tokens"] == L
+                             and "error" not in r])
+        for budget in config.budgets:
+            for name in config.methods:
+                if name in unavailable:
+                    rows.append({"method": name, "n": 0, "budget": budget, "context_tokens": L,
+                                 **dict.fromkeys(METRIC_KEYS), "latency_ms": dict.fromkeys(("index", "query", "generate")),
+                                 "peak_rss_mb": None, "retention": dict.fromkeys(RETAINED), "note": unavailable[name]})
+                    continue
+                mine = [r for r in records if r["method"] == name and r["context_tokens"] == L
+                        and r["budget"] == (None if name == "full" else budget)]
+                good = [r for r in mine if "error" not in r]
+                means = _means(good)
+                row = {"method": name, "n": len(good), "budget": budget, "context_tokens": L,
+                       **{k: means.get(k) for k in METRIC_KEYS},
+                       "latency_ms": {stage: _mean([r["latency_ms"][stage] for r in good])
+                                      for stage in ("index", "query", "generate")},
+                       "peak_rss_mb": max((r["peak_rss_mb"] for r in good), default=None),
+                       "retention": {k: metrics.retention(means.get(k), full_means.get(k)) for k in RETAINED}}
+                failed = [r for r in mine if "error" in r]
+                notes = [method_notes.get(name)] + [
+                    f"{len(failed)} of {len(mine)} examples failed, e.g. {failed[0]['error']}" if failed else None]
+                if any(notes):
+                    row["note"] = "; ".join(filter(None, notes))
+                rows.append(row)
+    return rows
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def _means(records: list[dict]) -> dict:
+    return {k: _mean([r.get(k) for r in records]) for k in METRIC_KEYS}
+
+
+# ---------------------------------------------------------------- outputs: JSON, Markdown table, PNG plots
+
+
+def write_outputs(result: dict, out: Path) -> list[Path]:
+    """`out` (JSON), `out` with .md (the table, retention vs full) and three plots `<stem>-{recall,kl,latency}.png`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(out)
+    out.with_suffix(".md").write_text(markdown_table(result), encoding="utf-8")
+    return [out, out.with_suffix(".md"), *plot(result, out)]
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_table(result: dict) -> str:
+    cfg = result["config"]
+    lines = [f"Model {cfg['model']}, data `{cfg['data']}`, seed {cfg['seed']}, examples {cfg['n_examples']}, "
+             f"generation {'on' if cfg['generate'] else 'off'}; wall time {cfg['wall_s']} s. "
+             "ret. = retention vs `full` at the same context length.", ""]
+    head = ("| context | budget | method | n | sp_recall | answer_recall | KL | NLL | F1 | EM | compression "
+            "| ret. ans. | ret. F1 | index ms | query ms | generate ms | peak RSS MB |")
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    notes = []
+    for row in result["rows"]:
+        lat, ret = row["latency_ms"], row["retention"]
+        lines.append(
+            f"| {row['context_tokens']} | {row['budget'] if row['method'] != 'full' else 'all'} | {row['method']} "
+            f"| {row['n']} | {_fmt(row['sp_recall'])} | {_fmt(row['answer_recall'])} | {_fmt(row['kl'])} "
+            f"| {_fmt(row['nll'])} | {_fmt(row['f1'])} | {_fmt(row['em'])} | {_fmt(row['compression'], 1)} "
+            f"| {_fmt(ret['answer_recall'], 2)} | {_fmt(ret['f1'], 2)} | {_fmt(lat['index'], 0)} "
+            f"| {_fmt(lat['query'], 0)} | {_fmt(lat['generate'], 0)} | {_fmt(row['peak_rss_mb'], 0)} |")
+        if row.get("note"):
+            notes.append(f"- {row['method']} ({row['context_tokens']}/{row['budget']}): {row['note']}")
+    lines += ["", *dict.fromkeys(notes), *[f"- {note}" for note in cfg["notes"]]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, out: Path) -> list[Path]:
+    """Recall vs budget, KL vs budget (one panel per context length; full as a dashed line) and the latency of
+    each method's stages at the largest budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["n"]]
+    lengths = sorted({r["context_tokens"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    paths = []
+    for metric, label in (("sp_recall", "supporting-sentence recall"), ("kl", "KL(P_full || P_method)")):
+        path = out.with_name(f"{out.stem}-{'recall' if metric == 'sp_recall' else metric}.png")
+        fig, axes = plt.subplots(1, max(len(lengths), 1), figsize=(5 * max(len(lengths), 1), 4), squeeze=False)
+        for ax, L in zip(axes[0], lengths):
+            for name in methods:
+                mine = sorted((r["budget"], r[metric]) for r in rows
+                              if r["method"] == name and r["context_tokens"] == L and r[metric] is not None)
+                if not mine:
+                    continue
+                if name == "full":
+                    ax.axhline(mine[0][1], linestyle="--", color="gray", label="full")
+                else:
+                    ax.plot(*zip(*mine), marker="o", label=name)
+            ax.set(title=f"{L}-token contexts", xlabel="budget (tokens)", ylabel=label)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    path = out.with_name(f"{out.stem}-latency.png")
+    fig, axes = plt.subplots(1, max(len(lengths), 1), figsize=(6 * max(len(lengths), 1), 4), squeeze=False)
+    for ax, L in zip(axes[0], lengths):
+        top = max(r["budget"] for r in rows if r["context_tokens"] == L)
+        mine = [r for r in rows if r["context_tokens"] == L and r["budget"] == top]
+        bottom = np.zeros(len(mine))
+        for stage in ("index", "query", "generate"):
+            ms = np.array([r["latency_ms"][stage] or 0.0 for r in mine])
+            ax.bar([r["method"] for r in mine], ms, bottom=bottom, label=stage)
+            bottom += ms
+        ax.set(title=f"{L}-token contexts, budget {top}", ylabel="ms per question")
+        ax.tick_params(axis="x", labelrotation=45)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return paths + [path]

@@ -1,0 +1,94 @@
+"""Framework-free glue shared by the LlamaIndex and LangChain adapters and the MCP server (imports as
+`endo_retrieval.integrations`; needs neither framework).
+
+- `open_index`: build, load, or build-and-save an `EndoIndex` with the checks every adapter wants;
+- `provenance`: the metadata an evidence span carries back into a framework (document id, character offsets);
+- `compress_passages`: the S3 paper's compression of one long context, applied to the passages another retriever
+  returned, with each kept piece mapped back to the passage it came from.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from endo_retrieval.engine import Document, EndoIndex
+from endo_retrieval.methods import compress
+from endo_retrieval.methods.base import Span
+
+PROVENANCE_KEYS = ("doc_id", "char_start", "char_end", "endo_score", "signals")
+COMPRESS_METHODS = ("s3-hybrid", "s3", "ilre")
+PASSAGE_SEPARATOR = "\n\n"
+
+
+def open_index(documents: Sequence[Document] | None, index_dir: str | os.PathLike | None, method: str,
+               backbone=None) -> EndoIndex:
+    """Documents only: a fresh in-memory index. A folder only: load it. Both: build, then save to a folder that
+    must not hold an index yet (nothing is ever overwritten by a constructor)."""
+    if documents is None and index_dir is None:
+        raise ValueError("Give documents (texts, documents or nodes) to index, or a folder with a saved index.")
+    if documents is None:
+        folder = Path(index_dir)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"No saved index at {folder}; build one first (pass documents, then persist/save).")
+        return EndoIndex.load(folder, backbone=backbone)
+    if index_dir is not None and (Path(index_dir) / "endo-index.json").exists():
+        raise ValueError(f"{index_dir} already holds an index; load it by passing only the folder, or choose an "
+                         "empty folder to save the new one.")
+    index = EndoIndex(backbone, method=method)
+    index.add_documents(list(documents))
+    if index_dir is not None:
+        index.save(index_dir)
+    return index
+
+
+def provenance(span: Span) -> dict:
+    """The document's own metadata plus where the span lies in that document's text."""
+    return {**span.metadata, "doc_id": span.doc_id, "char_start": span.char_start, "char_end": span.char_end,
+            "endo_score": float(span.score), "signals": list(span.signals)}
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What compression kept of one passage: its text and the character ranges of the passage it came from."""
+
+    passage: int
+    text: str
+    char_spans: tuple[tuple[int, int], ...]
+
+
+def compress_passages(passages: Sequence[str], question: str, budget: int, method: str = "s3-hybrid",
+                      backbone=None) -> list[Kept]:
+    """Compress the passages as one context (joined in the given order) under `budget` tokens and return, in
+    passage order, the passages that kept anything with their kept text (pieces joined as `compress` joins
+    spans: adjacent pieces as the source text, others with a newline)."""
+    if method not in COMPRESS_METHODS:
+        raise ValueError(f"Unknown compression method {method!r}; use one of {', '.join(COMPRESS_METHODS)}.")
+    if not question or not question.strip():
+        raise ValueError("Compression needs the question (the query string) to decide what evidence to keep.")
+    if not passages:
+        return []
+    lengths = np.array([len(p) for p in passages])
+    starts = np.concatenate([[0], np.cumsum(lengths + len(PASSAGE_SEPARATOR))[:-1]])
+    ends = starts + lengths
+    result = compress(PASSAGE_SEPARATOR.join(passages), question, budget=budget, method=method, backbone=backbone)
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for span in result.spans:  # a span may cross passage bounds: cut it at every passage it overlaps
+        first = int(np.searchsorted(ends, span.char_start, side="right"))
+        last = int(np.searchsorted(starts, span.char_end, side="left"))
+        for i in range(first, last):
+            a, b = max(span.char_start, starts[i]) - starts[i], min(span.char_end, ends[i]) - starts[i]
+            if b > a and passages[i][a:b].strip():
+                pieces.setdefault(i, []).append((int(a), int(b)))
+    return [Kept(i, _join(passages[i], spans), tuple(spans)) for i, spans in sorted(pieces.items())]
+
+
+def _join(text: str, spans: list[tuple[int, int]]) -> str:
+    spans = sorted(spans)
+    out = [text[spans[0][0]:spans[0][1]]]
+    for (_, prev_end), (a, b) in zip(spans, spans[1:]):
+        out.append(text[a:b] if a == prev_end else "\n" + text[a:b])
+    return "".join(out)

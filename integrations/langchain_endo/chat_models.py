@@ -1,0 +1,133 @@
+"""The local backbone as a LangChain chat model (greedy, streamed token by token), sharing the loaded model with
+`EndoRetriever` and `EndoDocumentCompressor`.
+
+Tools: a 135M-parameter model does not write reliable tool-call JSON, so `bind_tools` follows a fixed
+retrieve-then-answer policy instead of free-form calls: on a new user turn the model calls the bound tool (one tool,
+or the one named by `tool_choice`) with the user's message as its one text argument; once the tool's results are
+in, it answers the question from them. That is the loop `create_retriever_tool` agents run.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Iterator, Sequence
+
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage,
+                                     ToolMessage)
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from endo_retrieval.backbone import Backbone
+
+
+def _text(message: BaseMessage) -> str:
+    return message.content if isinstance(message.content, str) else message.text
+
+
+def to_chat(messages: Sequence[BaseMessage]) -> list[dict]:
+    """LangChain messages -> the model's chat-template turns. Tool results after the last user turn become the
+    context of that turn (the model answers from them); tool-call-only assistant turns are dropped."""
+    last_user = max((i for i, m in enumerate(messages) if isinstance(m, HumanMessage)), default=-1)
+    results = [_text(m) for m in messages[last_user + 1:] if isinstance(m, ToolMessage)]
+    turns = []
+    for i, m in enumerate(messages):
+        if isinstance(m, SystemMessage):
+            turns.append({"role": "system", "content": _text(m)})
+        elif isinstance(m, HumanMessage):
+            content = _text(m)
+            if i == last_user and results:
+                context = "\n\n".join(results)
+                content = f"Context:\n{context}\n\nAnswer the question using the context.\nQuestion: {content}"
+            turns.append({"role": "user", "content": content})
+        elif isinstance(m, AIMessage) and _text(m):
+            turns.append({"role": "assistant", "content": _text(m)})
+    return turns
+
+
+def _cut_at_stop(text: str, stop: list[str] | None) -> str:
+    cuts = [text.index(s) for s in stop or () if s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+class ChatEndo(BaseChatModel):
+    """The endo backbone (SmolLM2-135M-Instruct unless another is given) as a LangChain chat model."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    max_new_tokens: int = Field(default=256, gt=0)
+    backbone: Any = Field(default=None, exclude=True, repr=False)
+    _backbone: Backbone = PrivateAttr()
+
+    def model_post_init(self, __context: Any) -> None:
+        self._backbone = self.backbone or Backbone.default()
+
+    @property
+    def _llm_type(self) -> str:
+        return "endo"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self._backbone.model_id, "model_hash": self._backbone.model_hash,
+                "max_new_tokens": self.max_new_tokens}
+
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+                   tool_choice: str | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        schemas = [convert_to_openai_tool(t)["function"] for t in tools]
+        names = [s["name"] for s in schemas]
+        if tool_choice in (None, "auto", "any", "required") and len(schemas) > 1:
+            raise ValueError(f"ChatEndo calls one tool per turn; with several tools ({', '.join(names)}) pass "
+                             "tool_choice='<tool name>'.")
+        if tool_choice not in (None, "auto", "any", "required", "none") and tool_choice not in names:
+            raise ValueError(f"tool_choice {tool_choice!r} is not one of the bound tools: {', '.join(names)}.")
+        return super().bind(tools=schemas, tool_choice=tool_choice, **kwargs)
+
+    def _tool_call(self, messages: list[BaseMessage], tools: list[dict] | None, tool_choice: str | None
+                   ) -> AIMessage | None:
+        """The retrieve step of the policy: call the tool on a user turn that has no tool results yet."""
+        if not tools or tool_choice == "none" or not messages or not isinstance(messages[-1], HumanMessage):
+            return None
+        tool = next(t for t in tools if tool_choice in (None, "auto", "any", "required") or t["name"] == tool_choice)
+        params = tool.get("parameters", {})
+        strings = [p for p, spec in params.get("properties", {}).items() if spec.get("type") == "string"]
+        required = params.get("required", strings)
+        if len(strings) != 1 or any(p not in strings for p in required):
+            raise ValueError(f"ChatEndo fills a tool's one text argument with the user's message; tool "
+                             f"{tool['name']!r} takes {list(params.get('properties', {}))}.")
+        call = {"name": tool["name"], "args": {strings[0]: _text(messages[-1])}, "id": f"call_{len(messages)}",
+                "type": "tool_call"}
+        return AIMessage(content="", tool_calls=[call])
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, tools: list[dict] | None = None,
+                  tool_choice: str | None = None, **kwargs: Any) -> ChatResult:
+        message = self._tool_call(messages, tools, tool_choice)
+        if message is None:
+            text = self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens)
+            message = AIMessage(content=_cut_at_stop(text, stop))
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, tools: list[dict] | None = None,
+                tool_choice: str | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        call = self._tool_call(messages, tools, tool_choice)
+        if call is not None:
+            yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
+                {"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": 0} for c in call.tool_calls]))
+            return
+        text = ""
+        for piece in self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=True):
+            kept = _cut_at_stop(text + piece, stop)[len(text):]
+            text += kept
+            if kept:
+                if run_manager:
+                    run_manager.on_llm_new_token(kept)
+                yield ChatGenerationChunk(message=AIMessageChunk(content=kept))
+            if len(kept) < len(piece):  # a stop sequence began in this piece
+                break
+
+
+__all__ = ["ChatEndo", "to_chat"]

@@ -1,0 +1,44 @@
+"""The S3 paper's context compression as a LangChain document compressor (for `ContextualCompressionRetriever`).
+
+The documents any retriever returned are read as one context by the local LM and cut down to the endogenous
+evidence under one token budget (seed 000, Eq. 8; or ILRe, seed 001), keeping their order and metadata.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from langchain_core.callbacks import Callbacks
+from langchain_core.documents import BaseDocumentCompressor, Document
+from pydantic import ConfigDict, Field, field_validator
+
+from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages
+
+
+class EndoDocumentCompressor(BaseDocumentCompressor):
+    """Keep only the evidence of the documents, at most `budget` backbone tokens in all. Each kept document's
+    metadata gains `endo_char_spans`: the kept character ranges of its original `page_content`."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    budget: int = Field(default=1024, gt=0)
+    method: str = "s3-hybrid"
+    backbone: Any = Field(default=None, exclude=True, repr=False)
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        if method not in COMPRESS_METHODS:
+            raise ValueError(f"Unknown compression method {method!r}; use one of {', '.join(COMPRESS_METHODS)}.")
+        return method
+
+    def compress_documents(self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
+                           ) -> Sequence[Document]:
+        kept = compress_passages([d.page_content for d in documents], query, self.budget, self.method,
+                                 self.backbone)
+        return [Document(page_content=k.text, id=documents[k.passage].id,
+                         metadata={**documents[k.passage].metadata, "endo_method": self.method,
+                                   "endo_char_spans": [list(s) for s in k.char_spans]})
+                for k in kept]
+
+
+__all__ = ["EndoDocumentCompressor"]

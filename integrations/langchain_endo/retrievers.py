@@ -1,0 +1,70 @@
+"""A LangChain retriever over an `EndoIndex`: the backbone's own query projections find the evidence spans
+(seed 000, Algorithm 1); each is returned as a `Document` with its source document's id and character offsets."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document as LCDocument
+from langchain_core.retrievers import BaseRetriever
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from endo_retrieval.engine import Document, EndoIndex
+from endo_retrieval.integrations import open_index, provenance
+from endo_retrieval.methods.base import Span
+
+
+def to_documents(texts: list[str] | None, documents: list[LCDocument] | None) -> list[Document] | None:
+    """Texts and LangChain documents -> engine documents (a document's own id when it has one, else doc-N)."""
+    if texts is None and documents is None:
+        return None
+    docs = [Document(f"doc-{i}", t) for i, t in enumerate(texts or [])]
+    offset = len(docs)
+    return docs + [Document(d.id or f"doc-{offset + i}", d.page_content, dict(d.metadata))
+                   for i, d in enumerate(documents or [])]
+
+
+def span_document(span: Span) -> LCDocument:
+    return LCDocument(page_content=span.text, metadata=provenance(span),
+                      id=f"{span.doc_id}:{span.char_start}-{span.char_end}")
+
+
+class EndoRetriever(BaseRetriever):
+    """Evidence spans ranked by the backbone's attention signals (`s3-hybrid` by default, or `s3`, `bm25`).
+
+    `texts`/`documents` are indexed on construction; `index_dir` alone loads a saved index, and with texts or
+    documents receives the new one (it must not hold an index yet). `invoke(query, k=...)` overrides `k`.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    texts: list[str] | None = Field(default=None, repr=False)
+    documents: list[LCDocument] | None = Field(default=None, repr=False)
+    index_dir: str | os.PathLike | None = None
+    k: int = Field(default=4, ge=1)
+    budget: int | None = Field(default=None, gt=0)
+    method: str = "s3-hybrid"
+    backbone: Any = Field(default=None, exclude=True, repr=False)
+    _index: EndoIndex = PrivateAttr()
+
+    def model_post_init(self, __context: Any) -> None:
+        self._index = open_index(to_documents(self.texts, self.documents), self.index_dir, self.method,
+                                 self.backbone)
+        self.texts = self.documents = None  # the index holds them now; don't keep a second copy
+
+    @property
+    def index(self) -> EndoIndex:
+        return self._index
+
+    def save(self, index_dir: str | os.PathLike) -> None:
+        """Write the index (atomically); reload with EndoRetriever(index_dir=...)."""
+        self._index.save(index_dir)
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
+                                k: int | None = None) -> list[LCDocument]:
+        spans = self._index.search(query, k=k or self.k, budget=self.budget, method=self.method)
+        return [span_document(s) for s in spans]
+
+
+__all__ = ["EndoRetriever", "span_document", "to_documents"]

@@ -1,0 +1,67 @@
+"""`llama_index.postprocessor.endo`: the S3 paper's context compression as a LlamaIndex node postprocessor.
+
+Whatever retriever ran first (a vector store, BM25, ...), its nodes are read as one context by the local LM and
+cut down to the endogenous evidence under a token budget (seed 000, Eq. 8; or ILRe, seed 001). Nodes keep their
+order and score; each kept node holds only its evidence and links back to the node it was cut from.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import MetadataMode, NodeRelationship, NodeWithScore, QueryBundle, TextNode
+
+from endo_retrieval.backbone import Backbone
+from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages
+
+
+class EndoCompressor(BaseNodePostprocessor):
+    """Keep only the evidence of the retrieved nodes, at most `budget` backbone tokens in all."""
+
+    budget: int = Field(default=1024, gt=0, description="token budget for all kept evidence together")
+    method: str = Field(default="s3-hybrid", description=f"one of {', '.join(COMPRESS_METHODS)}")
+    _backbone: Backbone = PrivateAttr()
+
+    def __init__(self, budget: int = 1024, method: str = "s3-hybrid", backbone: Backbone | None = None,
+                 **kwargs: Any):
+        if method not in COMPRESS_METHODS:
+            raise ValueError(f"Unknown compression method {method!r}; use one of {', '.join(COMPRESS_METHODS)}.")
+        super().__init__(budget=budget, method=method, **kwargs)
+        self._backbone = backbone or Backbone.default()
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "EndoCompressor"
+
+    def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+                           ) -> list[NodeWithScore]:
+        if query_bundle is None:
+            raise ValueError("EndoCompressor needs the query: call postprocess_nodes(nodes, query_str=...) or use it "
+                             "inside a query engine.")
+        passages = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in nodes]
+        kept = compress_passages(passages, query_bundle.query_str, self.budget, self.method, self._backbone)
+        return [self._evidence(nodes[k.passage], k.text, k.char_spans) for k in kept]
+
+    def _evidence(self, retrieved: NodeWithScore, text: str, char_spans) -> NodeWithScore:
+        node = retrieved.node
+        # link to the document the node was cut from when its offsets there are known, else to the node itself;
+        # `endo_char_spans` are character ranges in that source's text
+        if node.source_node is not None and node.start_char_idx is not None:
+            source, base = node.source_node, node.start_char_idx
+        else:
+            source, base = node.as_related_node_info(), 0
+        extra = ["endo_char_spans", "endo_method"]
+        node_text = TextNode(
+            id_=f"{node.node_id}:endo",
+            text=text,
+            metadata={**node.metadata, "endo_char_spans": [[base + a, base + b] for a, b in char_spans],
+                      "endo_method": self.method},
+            excluded_llm_metadata_keys=[*node.excluded_llm_metadata_keys, *extra],
+            excluded_embed_metadata_keys=[*node.excluded_embed_metadata_keys, *extra],
+            relationships={**node.relationships, NodeRelationship.SOURCE: source},
+        )
+        return NodeWithScore(node=node_text, score=retrieved.score)
+
+
+__all__ = ["EndoCompressor"]

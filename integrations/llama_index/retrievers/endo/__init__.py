@@ -1,0 +1,112 @@
+"""`llama_index.retrievers.endo`: endogenous retrieval (S3-Attention) as a LlamaIndex retriever.
+
+The local LM reads the documents once; a question's own query projections find the evidence (seed 000, Alg. 1).
+Each hit is a sentence-level evidence span, returned as a `TextNode` linked to its source node.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.schema import (BaseNode, MetadataMode, NodeRelationship, NodeWithScore, QueryBundle,
+                                     RelatedNodeInfo, TextNode)
+from llama_index.core.tools import RetrieverTool
+
+from endo_retrieval.engine import Document, EndoIndex
+from endo_retrieval.integrations import PROVENANCE_KEYS, open_index, provenance
+from endo_retrieval.methods.base import Span
+
+SETTINGS_FILE = "llama_index_retriever.json"
+
+
+def to_documents(nodes: Sequence[BaseNode]) -> list[Document]:
+    """LlamaIndex nodes (or Documents) -> engine documents keyed by node id; their text, not their metadata,
+    is what the model reads."""
+    return [Document(n.node_id, n.get_content(metadata_mode=MetadataMode.NONE), dict(n.metadata)) for n in nodes]
+
+
+def span_node(span: Span) -> NodeWithScore:
+    """An evidence span as a node: the span's text, linked to its source node, with character offsets."""
+    node = TextNode(
+        id_=f"{span.doc_id}:{span.char_start}-{span.char_end}",
+        text=span.text,
+        metadata=provenance(span),
+        start_char_idx=span.char_start,
+        end_char_idx=span.char_end,
+        relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id=span.doc_id, metadata=span.metadata)},
+        excluded_llm_metadata_keys=list(PROVENANCE_KEYS),  # offsets are for code, not for the prompt
+        excluded_embed_metadata_keys=list(PROVENANCE_KEYS),
+    )
+    return NodeWithScore(node=node, score=float(span.score))
+
+
+class EndoRetriever(BaseRetriever):
+    """Evidence spans found by the backbone's own attention signals (`s3-hybrid` by default, or `s3`, `bm25`)."""
+
+    def __init__(self, index: EndoIndex, similarity_top_k: int = 4, budget: int | None = None,
+                 method: str = "s3-hybrid", callback_manager: CallbackManager | None = None, verbose: bool = False):
+        if similarity_top_k < 1:
+            raise ValueError(f"similarity_top_k must be >= 1, got {similarity_top_k}.")
+        self.index = index
+        self.similarity_top_k = similarity_top_k
+        self.budget = budget
+        self.method = method
+        super().__init__(callback_manager=callback_manager, verbose=verbose)
+
+    @classmethod
+    def from_defaults(cls, nodes: Sequence[BaseNode] | None = None, documents: Sequence[BaseNode] | None = None,
+                      persist_dir: str | os.PathLike | None = None, similarity_top_k: int = 4,
+                      budget: int | None = None, method: str = "s3-hybrid", backbone=None,
+                      **kwargs) -> "EndoRetriever":
+        """Index `nodes` or `documents` (whole documents are fine: evidence is cut to sentences at query time),
+        or load `persist_dir` when given alone. With both, the new index is saved to the (empty) persist_dir."""
+        if nodes is not None and documents is not None:
+            raise ValueError("Pass nodes or documents, not both.")
+        given = nodes if nodes is not None else documents
+        index = open_index(None if given is None else to_documents(given), persist_dir, method, backbone)
+        return cls(index, similarity_top_k, budget, method, **kwargs)
+
+    @classmethod
+    def from_documents(cls, documents: Sequence[BaseNode], **kwargs) -> "EndoRetriever":
+        return cls.from_defaults(documents=documents, **kwargs)
+
+    def persist(self, persist_dir: str | os.PathLike) -> None:
+        """Save the index (atomically) and this retriever's settings into `persist_dir`."""
+        self.index.save(persist_dir)
+        settings = {"similarity_top_k": self.similarity_top_k, "budget": self.budget, "method": self.method}
+        tmp = Path(persist_dir) / f".{SETTINGS_FILE}.tmp"
+        tmp.write_text(json.dumps(settings))
+        os.replace(tmp, Path(persist_dir) / SETTINGS_FILE)
+
+    @classmethod
+    def from_persist_dir(cls, persist_dir: str | os.PathLike, backbone=None, **overrides) -> "EndoRetriever":
+        """Reload a persisted retriever; keyword arguments override the saved settings."""
+        index = open_index(None, persist_dir, "s3-hybrid", backbone)
+        saved = Path(persist_dir) / SETTINGS_FILE
+        try:
+            settings = json.loads(saved.read_text()) if saved.exists() else {}
+        except json.JSONDecodeError:
+            raise ValueError(f"{saved} is corrupt; delete it (the defaults apply) or persist the retriever again.")
+        return cls(index, **{**settings, **overrides})
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        spans = self.index.search(query_bundle.query_str, k=self.similarity_top_k, budget=self.budget,
+                                  method=self.method)
+        return [span_node(s) for s in spans]
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        # the backbone serialises model calls; a worker thread keeps the event loop free meanwhile
+        return await asyncio.to_thread(self._retrieve, query_bundle)
+
+    def as_tool(self, name: str = "endo_search", description: str | None = None) -> RetrieverTool:
+        """A ready tool for LlamaIndex agents: returns the evidence spans for a query."""
+        return RetrieverTool.from_defaults(self, name=name, description=description or (
+            "Finds evidence sentences in the indexed documents. Input: a question or search query."))
+
+
+__all__ = ["EndoRetriever", "span_node", "to_documents"]
