@@ -273,9 +273,10 @@ class Backbone:
         """Forward `ids` chunk by chunk up to max(layers) only, yielding each chunk's pre-RoPE states.
 
         mode="independent": every chunk alone at positions 0..T-1 (S3-Attention appendix I).
-        mode="sink_window": every chunk attends to the first `sink` tokens and the last `window` tokens before it,
-        at their absolute positions (ILRe section 3.3); the cache is cut back after each chunk, so memory stays
-        bounded by sink + window + chunk. `split_at`: no chunk crosses this position (e.g. context | query part).
+        mode="sink_window": every chunk attends to the first `sink` tokens and the last `window` tokens before it
+        (ILRe section 3.3, the Lambda-shaped mask); they are recomputed with the chunk rather than cached, so
+        memory stays bounded by sink + window + chunk and positions stay inside the trained window.
+        `split_at`: no chunk crosses this position (e.g. context | query part).
         """
         ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
         if ids.ndim != 1 or len(ids) == 0:
@@ -289,25 +290,19 @@ class Backbone:
         layers = self._check_layers(layers)
         parts = [0, split_at, len(ids)] if split_at is not None and 0 < split_at < len(ids) else [0, len(ids)]
         bounds = sorted({b for a, z in zip(parts[:-1], parts[1:]) for b in range(a, z, chunk_size)} | {len(ids)})
-        cache = None
-        if mode == "sink_window":
-            from transformers import DynamicCache
-
-            cache = DynamicCache()
         for s, e in zip(bounds[:-1], bounds[1:]):
+            # sink_window: the chunk is forwarded behind its S sink tokens and the W tokens before it, the frame
+            # placed at positions 0..S+W+T-1, so every query-key distance stays inside the trained window however
+            # long the stream (absolute positions past an 8k window lost every passkey at 32k: docs/ilre.md).
+            frame = torch.cat([ids[:min(sink, s)], ids[max(sink, s - window):s]]) if mode == "sink_window" \
+                else ids[:0]
+            x = torch.cat([frame, ids[s:e]]).unsqueeze(0).to(self.device)
+            pos = torch.arange(x.shape[1], device=self.device)
+            n = len(frame)
             with self._lock, torch.inference_mode(), self._run_to(layers[-1], layers, capture) as store:
-                x = ids[s:e].unsqueeze(0).to(self.device)
-                if cache is None:
-                    pos = torch.arange(0, e - s, device=self.device)
-                    self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), use_cache=False)
-                else:
-                    pos = torch.arange(s, e, device=self.device)
-                    past = cache.get_seq_length()
-                    self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), past_key_values=cache,
-                                     cache_position=torch.arange(past, past + e - s, device=self.device),
-                                     use_cache=True)
-                    _keep_sink_and_window(cache, sink, window)
-                yield Chunk(s, e, pos, keys=dict(store["k"]), queries=dict(store["q"]))
+                self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), use_cache=False)
+            yield Chunk(s, e, pos[n:], keys={l: k[:, n:] for l, k in store["k"].items()},
+                        queries={l: q[:, n:] for l, q in store["q"].items()})
 
     def query_states(self, ids_or_text, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         """Pre-RoPE query states of a text forwarded alone: layer -> (n_heads, T, head_dim)."""
@@ -377,12 +372,3 @@ class Backbone:
                 "head_dim": self.head_dim, "max_position": self.max_position,
                 "device": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
                 "cache_dir": str(cache_dir())}
-
-
-def _keep_sink_and_window(cache, sink: int, window: int) -> None:
-    """Cut every cached layer back to its first `sink` and last `window` tokens (ILRe's Lambda-shaped mask)."""
-    for layer in cache.layers:
-        n = layer.keys.shape[-2]
-        if n > sink + window:
-            keep = lambda t: torch.cat([t[..., :sink, :], t[..., n - window:, :]], dim=-2)
-            layer.keys, layer.values = keep(layer.keys), keep(layer.values)

@@ -34,6 +34,7 @@ FORMAT = "endo-index"
 VERSION = 1
 SEARCH_METHODS = ("s3-hybrid", "s3", "bm25")
 CHUNK = 2048  # Table 6: streaming chunk size
+RRF_K = 60  # reciprocal-rank fusion constant (Cormack et al. 2009)
 
 
 @dataclass
@@ -210,12 +211,19 @@ class EndoIndex:
                                  covered=kept)
         return [self._span(a, b, taken) for a, b in spans]
 
-    def _span(self, a: int, b: int, taken: list[tuple[str, int]], score: float | None = None) -> Span:
+    def _span(self, a: int, b: int, taken: list[tuple[str, int]]) -> Span:
+        """A selected token range as a Span. Its score is reciprocal-rank fusion over the signals that chose it,
+        sum_s 1 / (RRF_K + rank_s), rank_s being the rank of signal s's best peak inside it: evidence that both
+        S3 and BM25 picked ranks above evidence only one of them picked."""
         doc_id, c0, c1, text = self.corpus.span_text(a, b)
-        signals = tuple(sorted({sig for sig, p in taken if a <= p < b}))
-        rank = min((i for i, (_, p) in enumerate(taken) if a <= p < b), default=len(taken))
-        return Span(a, b, c0, c1, text, score if score is not None else 1.0 / (1 + rank), signals, doc_id,
-                    self.corpus.doc(doc_id).metadata)
+        best: dict[str, int] = {}
+        seen: dict[str, int] = {}
+        for sig, p in taken:
+            rank = seen[sig] = seen.get(sig, -1) + 1
+            if a <= p < b and sig not in best:
+                best[sig] = rank
+        score = sum(1.0 / (RRF_K + r) for r in best.values())
+        return Span(a, b, c0, c1, text, score, tuple(sorted(best)), doc_id, self.corpus.doc(doc_id).metadata)
 
     def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None) -> list[Span]:
         """The k best evidence spans, best first, under `budget` tokens (default 128 per span)."""

@@ -44,10 +44,12 @@ def test_independent_equals_full_pass_at_layer0_and_sink_window_with_room_is_exa
     torch.testing.assert_close(wide[3], full[3], rtol=1e-4, atol=1e-4)
 
 
-def test_sink_window_uses_absolute_positions_and_split(tiny_backbone):
-    chunks = list(tiny_backbone.stream(IDS, [0], chunk_size=128, mode="sink_window", split_at=250))
+def test_sink_window_frames_each_chunk_behind_sink_and_window(tiny_backbone):
+    chunks = list(tiny_backbone.stream(IDS, [0], chunk_size=128, mode="sink_window", window=64, split_at=250))
     assert [(c.start, c.end) for c in chunks] == [(0, 128), (128, 250), (250, 300)]
-    assert torch.equal(chunks[1].rope_positions, torch.arange(128, 250))
+    # chunk 2 sits behind 4 sink + 64 window tokens, at positions 68.. (inside the trained window at any length)
+    assert torch.equal(chunks[1].rope_positions, torch.arange(68, 68 + 122))
+    assert torch.equal(chunks[0].rope_positions, torch.arange(128))
 
 
 def test_query_states_and_rope(tiny_backbone):

@@ -147,8 +147,11 @@ def test_prefill_exits_early_and_keeps_full_keys(tiny_backbone):
             h.remove()
     assert set(fired) == {0, 1}  # layers after l_R = 1 never run
     assert states.keys.shape == (2, 600, 16) and states.queries.shape == (4, len(query), 16)
-    assert states.key_positions.tolist() == list(range(600))
-    assert states.query_positions.tolist() == list(range(600, 600 + len(query)))
+    def framed(s, e):  # each chunk sits behind its sink + window frame (Backbone.stream, mode sink_window)
+        n = min(4, s) + max(0, s - max(4, s - 64))
+        return list(range(n, n + e - s))
+    assert states.key_positions.tolist() == sum((framed(s, min(s + 128, 600)) for s in range(0, 600, 128)), [])
+    assert states.query_positions.tolist() == framed(600, 600 + len(query))
     assert states.chunk_starts == list(range(0, 600, 128))
     # the cache holds exactly what the stream hands out, chunk by chunk
     ids_all = np.concatenate([ids, query])

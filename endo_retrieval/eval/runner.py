@@ -363,11 +363,13 @@ def run_quality(config: QualityConfig, backbone=None) -> dict:
 
 
 def _notes(bb, evaluator: Evaluator, methods: dict) -> list[str]:
+    one_stage = [n for n, m in methods.items() if not hasattr(m, "prepare") and not hasattr(m, "make_press")
+                 and n != "full"]
     notes = ["kl/nll: teacher-forced over the gold answer tokens with one chat template for every method; "
              "kl = KL(P_full || P_method), full's logits computed once per example and reused",
              "latency_ms.generate: prefill of the prompt plus greedy decoding (prefill only with --no-generate); "
              "index/query: the method's own work; methods without separate stages put all of it in 'query' "
-             f"({', '.join(n for n, m in methods.items() if not hasattr(m, 'prepare') and not hasattr(m, 'make_press') and n != 'full') or 'none'})",
+             f"({', '.join(one_stage) or 'none'})",
              "kvpress peers (snapkv, streamingllm, pyramidkv) compress the KV cache of the prompt's prefill (question "
              "included, so SnapKV's window sees it) to `budget` context pairs plus the instruction/question/template; "
              "they select no text, so sp_recall/answer_recall are null and compression counts kept KV pairs",
@@ -393,7 +395,8 @@ def aggregate(records: list[dict], config: QualityConfig, unavailable: dict[str,
             for name in config.methods:
                 if name in unavailable:
                     rows.append({"method": name, "n": 0, "budget": budget, "context_tokens": L,
-                                 **dict.fromkeys(METRIC_KEYS), "latency_ms": dict.fromkeys(("index", "query", "generate")),
+                                 **dict.fromkeys(METRIC_KEYS),
+                                 "latency_ms": dict.fromkeys(("index", "query", "generate")),
                                  "peak_rss_mb": None, "retention": dict.fromkeys(RETAINED), "note": unavailable[name]})
                     continue
                 mine = [r for r in records if r["method"] == name and r["context_tokens"] == L
