@@ -57,31 +57,33 @@ def words(text: str) -> list[str]:
     return [w for w in _WORD.findall(text.lower()) if w not in _STOP]
 
 
-def bm25_token_scores(corpus: CorpusMap, question: str, window: int = 1) -> np.ndarray:
-    """BM25 (rank-bm25 Okapi) of every sentence window (a sentence and `window` neighbours each side). A token
-    scores the sum over the windows that contain its sentence, so a matching sentence outscores its neighbours
-    (it sits in every window that matches) and the peak lands on it, not beside it."""
+def bm25_token_scores(corpus: CorpusMap, question: str, window: int = 1, context_weight: float = 0.5
+                      ) -> np.ndarray:
+    """BM25 (rank-bm25 Okapi) per sentence: the sentence's own score plus `context_weight` times the score of its
+    window (the sentence and `window` neighbours each side), spread over the sentence's tokens. The own score puts
+    the peak on the matching sentence; the window lets a neighbour (a paragraph's title line, say) lend context."""
     from rank_bm25 import BM25Okapi
 
     scores = np.zeros(corpus.n_positions, dtype=np.float32)
     query = words(question)
     bounds: list[np.ndarray] = []  # per document: sentence start positions + its end
-    texts: list[list[str]] = []
+    sentences: list[list[str]] = []
+    windows: list[list[str]] = []
     for doc in corpus.documents():
         starts = np.append(doc.sentence_starts, doc.end)
-        sentences = [words(corpus.span_text(a, b)[3]) for a, b in zip(starts[:-1], starts[1:])]
+        own = [words(corpus.span_text(a, b)[3]) for a, b in zip(starts[:-1], starts[1:])]
         bounds.append(starts)
-        texts += [sum(sentences[max(0, i - window): i + window + 1], []) for i in range(len(sentences))]
-    if not texts or not query:
+        sentences += own
+        windows += [sum(own[max(0, i - window): i + window + 1], []) for i in range(len(own))]
+    if not sentences or not query:
         return scores
-    window_scores = np.maximum(BM25Okapi(texts).get_scores(query), 0.0)
+    per_sentence = np.maximum(BM25Okapi(sentences).get_scores(query), 0.0) + \
+        context_weight * np.maximum(BM25Okapi(windows).get_scores(query), 0.0)
     i = 0
     for starts in bounds:
         n = len(starts) - 1
-        ws = window_scores[i: i + n]
+        scores[starts[0]: starts[-1]] = np.repeat(per_sentence[i: i + n], np.diff(starts))
         i += n
-        per_sentence = np.convolve(ws, np.ones(2 * window + 1))[window: window + n]  # sum of windows it is in
-        scores[starts[0]: starts[-1]] = np.repeat(per_sentence, np.diff(starts))
     return scores
 
 
@@ -196,7 +198,9 @@ class EndoIndex:
         method = _check_method(method or self.method)
         bounds = self.corpus.segment_bounds()
         scores = scores if scores is not None else self.signal_scores(question, method)
-        streams = {name: iter_peaks(density(s, kernel, bounds), kernel) for name, s in scores.items()}
+        # BM25 scores are already one value per sentence: smoothing would only blur the peak into a neighbour
+        width = {name: 1 if name == "bm25" else kernel for name in scores}
+        streams = {name: iter_peaks(density(s, width[name], bounds), width[name]) for name, s in scores.items()}
         taken: list[tuple[str, int]] = []  # (signal, peak) in the order they were offered to the budget
         kept = np.zeros(self.corpus.n_positions, dtype=bool)
         if method == "s3-hybrid" and lead_tail > 0:  # M_Bias of Eq. 8: the first and last tokens of each document
