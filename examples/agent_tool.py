@@ -20,7 +20,7 @@ QUESTION = "When does the Orion cafe open?"
 
 
 def main() -> str:
-    search = create_retriever_tool(EndoRetriever(texts=TEXTS, k=2), "search_facts",
+    search = create_retriever_tool(EndoRetriever(texts=TEXTS, k=1), "search_facts",
                                    "Search the fact sheets for evidence. Input: the question.")
     agent = create_agent(ChatEndo(max_new_tokens=32), tools=[search])
     state = agent.invoke({"messages": [("user", QUESTION)]})

@@ -20,7 +20,7 @@ QUESTION = "Which compound did Marta Kowal discover?"
 
 
 def main() -> str:
-    retriever = EndoRetriever.from_documents(DOCUMENTS, similarity_top_k=2)
+    retriever = EndoRetriever.from_documents(DOCUMENTS, similarity_top_k=1)
     engine = RetrieverQueryEngine.from_args(retriever, llm=EndoLLM(max_new_tokens=32))
     response = engine.query(QUESTION)
     for hit in response.source_nodes:
