@@ -10,7 +10,6 @@ import io
 import json
 import os
 import re
-import tempfile
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.index import IndexCorruptError, _check_json, _fsync_dir
+from endo_retrieval.files import atomic_write
+from endo_retrieval.index import IndexCorruptError, _check_json
 
 FORMAT_NAME = "endo-corpus-map"
 FORMAT_VERSION = 1
@@ -194,17 +194,11 @@ class CorpusMap:
             "offsets": np.concatenate([d.offsets for d in docs]) if docs else np.zeros((0, 2), np.int64),
             "sentence_starts": self.sentence_starts(),
         }
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
                 np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        _fsync_dir(path.parent)
+
+        atomic_write(path, write)
         return path
 
     @classmethod

@@ -210,9 +210,9 @@ class EndoIndex:
                 taken += [("lead", doc.start), ("tail", doc.end - 1)]
             if kept.sum() > budget:
                 raise ValueError(f"lead/tail of {lead_tail} tokens per document exceeds the budget of {budget}.")
-        peaks = _interleave(streams, taken, s3_share)
-        spans = spans_from_peaks(peaks, self.corpus.sentence_starts(), self.corpus.n_positions, budget, bounds,
-                                 covered=kept)
+        sentences = self.corpus.sentence_starts()
+        peaks = _interleave(streams, taken, s3_share, sentences)
+        spans = spans_from_peaks(peaks, sentences, self.corpus.n_positions, budget, bounds, covered=kept)
         return [self._span(a, b, taken) for a, b in spans]
 
     def _span(self, a: int, b: int, taken: list[tuple[str, int]]) -> Span:
@@ -292,23 +292,29 @@ def _check_method(method: str) -> str:
     return method
 
 
-def _interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float) -> Iterator[int]:
+def _interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float, sentence_starts: np.ndarray
+                ) -> Iterator[int]:
     """Yield the signals' peaks alternately by rank for one shared budget (the union of Eq. 8): S3 gets `s3_share`
-    of the turns. Each peak is pulled lazily and recorded in `taken` as (signal, peak)."""
+    of the turns. A turn must bring a sentence no signal offered yet: a peak inside an offered sentence is only
+    recorded in `taken` (as (signal, peak), so the span credits both signals) and the same signal pulls again."""
     credit = {name: 0.0 for name in streams}
     share = {"s3": s3_share, "bm25": 1.0 - s3_share} if len(streams) == 2 else {n: 1.0 for n in streams}
     live = dict(streams)
+    offered: set[int] = set()
     while live:
         for name in live:
             credit[name] += share[name]
         name = max(live, key=lambda n: credit[n])
         credit[name] -= 1.0
-        p = next(live[name], None)
-        if p is None:
+        for p in live[name]:
+            taken.append((name, p))
+            sentence = int(np.searchsorted(sentence_starts, p, side="right"))
+            if sentence not in offered:
+                offered.add(sentence)
+                yield p
+                break
+        else:
             del live[name]
-            continue
-        taken.append((name, p))
-        yield p
 
 
 def _progress(total: int, desc: str, enabled: bool):

@@ -23,11 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from endo_retrieval.files import atomic_write
 
 FORMAT_NAME = "endo-feature-index"
 FORMAT_VERSION = 1
@@ -338,17 +339,7 @@ class FeatureIndex:
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / INDEX_FILE
         data = self._serialise()
-        fd, tmp = tempfile.mkstemp(prefix=f".{INDEX_FILE}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        _fsync_dir(directory)
+        atomic_write(target, lambda tmp: tmp.write_bytes(data))
         return target
 
     @classmethod
@@ -416,17 +407,6 @@ def _decode_layer(payload: np.ndarray, entry: dict, d_latent: int) -> _LayerPost
     tokens = np.cumsum(stream("tokens"))
     max_pos = int(tokens[-1]) if len(tokens) else 0
     return _LayerPostings(indptr, positions.astype(_position_dtype(max_pos)), tokens)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # not supported on this platform
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_stop_freq(stop_freq) -> None:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from endo_retrieval.files import atomic_write
 
 WEIGHTS_FILE = "sae.safetensors"
 CARD_FILE = "card.json"
@@ -122,8 +123,8 @@ class TopKSAE(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {n: p.detach().to("cpu", dtype).contiguous() for n, p in self.named_parameters()}
         self.card = {**self.card, **card, "d_in": self.d_in, "d_latent": self.d_latent, "k": self.k}
-        _atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"k": str(self.k)}))
-        _atomic_write(directory / CARD_FILE, lambda p: p.write_text(json.dumps(self.card, indent=1)))
+        atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"k": str(self.k)}))
+        atomic_write(directory / CARD_FILE, lambda p: p.write_text(json.dumps(self.card, indent=1)))
         return directory
 
     @classmethod
@@ -143,18 +144,6 @@ class TopKSAE(nn.Module):
         sae.load_state_dict({n: t.float() for n, t in tensors.items()})
         sae.card = card
         return sae.to(device).eval()
-
-
-def _atomic_write(path: Path, write) -> None:
-    """write(tmp_path) then rename over `path`: a crash never leaves a half-written file under the real name."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _read_card(path: Path) -> dict:
@@ -248,7 +237,7 @@ class SAEBank:
         first = self.saes[self.layers[0]]
         self.card.update(layers=self.layers, d_in=first.d_in, d_latent=first.d_latent, k=first.k)
         directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write(directory / CARD_FILE, lambda p: p.write_text(json.dumps(self.card, indent=1)))
+        atomic_write(directory / CARD_FILE, lambda p: p.write_text(json.dumps(self.card, indent=1)))
         return directory
 
     @classmethod

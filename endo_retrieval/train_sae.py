@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from endo_retrieval.sae import AGGREGATION, SAEBank, SAEError, TopKSAE, _atomic_write
+from endo_retrieval.files import atomic_write
+from endo_retrieval.sae import AGGREGATION, SAEBank, SAEError, TopKSAE
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2"
 DEFAULT_EXPANSION = 16  # head_dim 64 -> 1024 latents (docs/sae.md: fewer dead latents, stabler features)
@@ -117,7 +118,7 @@ def train_sae(vectors: torch.Tensor, cfg: TrainConfig, checkpoint: Path | None =
         if checkpoint is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
             state = {"config": asdict(cfg), "n_vectors": len(x), "step": done, "model": sae.state_dict(),
                      "optimizer": opt.state_dict(), "since_fired": since_fired}
-            _atomic_write(Path(checkpoint), lambda p: torch.save(state, p))
+            atomic_write(Path(checkpoint), lambda p: torch.save(state, p))
         if stop_after is not None and done >= stop_after and done < cfg.steps:
             raise TrainingInterrupted(f"stopped after step {done}")
     with torch.no_grad():  # fold the scale back: z_orig = scale * z, x_hat = z_orig W_dec + scale * b_dec
@@ -175,7 +176,7 @@ def save_states(path: Path, states: dict[str, dict[int, torch.Tensor]], meta: di
 
     flat = {f"{kind}.{l}": t.contiguous() for kind, per in states.items() for l, t in per.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda p: save_file(flat, str(p), metadata={k: json.dumps(v) for k, v in meta.items()}))
+    atomic_write(path, lambda p: save_file(flat, str(p), metadata={k: json.dumps(v) for k, v in meta.items()}))
 
 
 def load_states(path: Path) -> tuple[dict[str, dict[int, torch.Tensor]], dict]:
