@@ -40,24 +40,31 @@ def info_run(args) -> int:
     return 0
 
 
-def _hooks(name: str):
-    module_name, prefix, _ = COMMANDS[name]
-    mod = sys.modules[__name__] if module_name == __name__ else importlib.import_module(module_name)
-    return getattr(mod, prefix + "add_arguments"), getattr(mod, prefix + "run")
+def resolve(table: dict, name: str):
+    """(add_arguments, run) of command `name` in a table of name -> (module, prefix, help)."""
+    module_name, prefix, _ = table[name]
+    module = importlib.import_module(module_name)
+    return getattr(module, prefix + "add_arguments"), getattr(module, prefix + "run")
+
+
+def add_subcommands(parser: argparse.ArgumentParser, table: dict, dest: str) -> None:
+    """One sub-parser per table entry; an entry whose module cannot be imported says so when it is run."""
+    sub = parser.add_subparsers(dest=dest, metavar=dest.upper())
+    for name, (_, _, help_text) in table.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            add_arguments, _ = resolve(table, name)
+        except (ImportError, AttributeError) as e:
+            p.set_defaults(_missing=f"`{parser.prog} {name}` is not available in this build: {e}")
+            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            continue
+        add_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="endo", description="Endogenous retrieval: a local LM finds evidence "
                                      "with its own attention signals (S3-Attention, ILRe).")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, _, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            add_arguments, _ = _hooks(name)
-        except (ImportError, AttributeError) as e:  # a command whose module is missing says so when run
-            p.set_defaults(_missing=f"`endo {name}` is not available in this build: {e}")
-            continue
-        add_arguments(p)
+    add_subcommands(parser, COMMANDS, "command")
     return parser
 
 
@@ -70,7 +77,7 @@ def main(argv=None) -> int:
     if getattr(args, "_missing", None):
         print(args._missing, file=sys.stderr)
         return 2
-    _, run = _hooks(args.command)
+    _, run = resolve(COMMANDS, args.command)
     from endo_retrieval.backbone import BackboneError
 
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 
@@ -62,30 +61,19 @@ def quality_run(args) -> int:
     return 0
 
 
-def _hooks(name: str):
-    module_name, prefix, _ = BENCHES[name]
-    module = sys.modules[__name__] if module_name == __name__ else importlib.import_module(module_name)
-    return getattr(module, prefix + "add_arguments"), getattr(module, prefix + "run")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", metavar="BENCH")
-    for name, (_, _, help_text) in BENCHES.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            add, _ = _hooks(name)
-        except (ImportError, AttributeError) as err:
-            p.set_defaults(_bench_missing=f"`endo bench {name}` is not available in this build: {err}")
-            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-            continue
-        add(p)
+    from endo_retrieval.cli import add_subcommands
+
+    add_subcommands(parser, BENCHES, "bench")
 
 
 def run(args) -> int:
     if not getattr(args, "bench", None):
         print(f"endo bench: choose one of {', '.join(BENCHES)} (e.g. endo bench quality --help)", file=sys.stderr)
         return 2
-    if getattr(args, "_bench_missing", None):
-        print(args._bench_missing, file=sys.stderr)
+    if getattr(args, "_missing", None):
+        print(args._missing, file=sys.stderr)
         return 2
-    return _hooks(args.bench)[1](args)
+    from endo_retrieval.cli import resolve
+
+    return resolve(BENCHES, args.bench)[1](args)
