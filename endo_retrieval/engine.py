@@ -110,7 +110,7 @@ class EndoIndex:
                 for i, d in enumerate(docs)]
         if not docs:
             raise ValueError("No documents given; pass at least one Document or text.")
-        seen = set(self.corpus._docs)
+        seen = set(self.doc_ids)
         encoded = []
         for d in docs:  # validate all first, so a bad document leaves the index untouched
             if d.doc_id in seen:
