@@ -57,34 +57,43 @@ def words(text: str) -> list[str]:
     return [w for w in _WORD.findall(text.lower()) if w not in _STOP]
 
 
-def bm25_token_scores(corpus: CorpusMap, question: str, window: int = 1, context_weight: float = 0.5
-                      ) -> np.ndarray:
-    """BM25 (rank-bm25 Okapi) per sentence: the sentence's own score plus `context_weight` times the score of its
-    window (the sentence and `window` neighbours each side), spread over the sentence's tokens. The own score puts
-    the peak on the matching sentence; the window lets a neighbour (a paragraph's title line, say) lend context."""
-    from rank_bm25 import BM25Okapi
+@dataclass
+class SentenceBM25:
+    """BM25 (rank-bm25 Okapi) over a corpus's sentences and sentence windows, built once per corpus state."""
 
-    scores = np.zeros(corpus.n_positions, dtype=np.float32)
-    query = words(question)
-    bounds: list[np.ndarray] = []  # per document: sentence start positions + its end
-    sentences: list[list[str]] = []
-    windows: list[list[str]] = []
-    for doc in corpus.documents():
-        starts = np.append(doc.sentence_starts, doc.end)
-        own = [words(corpus.span_text(a, b)[3]) for a, b in zip(starts[:-1], starts[1:])]
-        bounds.append(starts)
-        sentences += own
-        windows += [sum(own[max(0, i - window): i + window + 1], []) for i in range(len(own))]
-    if not sentences or not query:
+    bounds: list[np.ndarray]  # per document: sentence start positions + its end
+    sentences: object  # BM25Okapi over single sentences
+    windows: object  # BM25Okapi over each sentence with `window` neighbours each side
+    n_positions: int
+
+    @classmethod
+    def build(cls, corpus: CorpusMap, window: int = 1) -> "SentenceBM25":
+        from rank_bm25 import BM25Okapi
+
+        bounds, own_all, windows = [], [], []
+        for doc in corpus.documents():
+            starts = np.append(doc.sentence_starts, doc.end)
+            own = [words(corpus.span_text(a, b)[3]) for a, b in zip(starts[:-1], starts[1:])]
+            bounds.append(starts)
+            own_all += own
+            windows += [sum(own[max(0, i - window): i + window + 1], []) for i in range(len(own))]
+        return cls(bounds, BM25Okapi(own_all), BM25Okapi(windows), corpus.n_positions)
+
+    def token_scores(self, question: str, context_weight: float = 0.5) -> np.ndarray:
+        """Each sentence's own score plus `context_weight` times its window's, spread over its tokens: the own
+        score puts the peak on the matching sentence; the window lets a neighbour (a title line) lend context."""
+        scores = np.zeros(self.n_positions, dtype=np.float32)
+        query = words(question)
+        if not query:
+            return scores
+        per_sentence = np.maximum(self.sentences.get_scores(query), 0.0) + \
+            context_weight * np.maximum(self.windows.get_scores(query), 0.0)
+        i = 0
+        for starts in self.bounds:
+            n = len(starts) - 1
+            scores[starts[0]: starts[-1]] = np.repeat(per_sentence[i: i + n], np.diff(starts))
+            i += n
         return scores
-    per_sentence = np.maximum(BM25Okapi(sentences).get_scores(query), 0.0) + \
-        context_weight * np.maximum(BM25Okapi(windows).get_scores(query), 0.0)
-    i = 0
-    for starts in bounds:
-        n = len(starts) - 1
-        scores[starts[0]: starts[-1]] = np.repeat(per_sentence[i: i + n], np.diff(starts))
-        i += n
-    return scores
 
 
 class EndoIndex:
@@ -172,7 +181,10 @@ class EndoIndex:
                                 prune=self.prune)
 
     def bm25_scores(self, question: str) -> np.ndarray:
-        return bm25_token_scores(self.corpus, question)
+        key = (self.corpus.n_positions, len(self.corpus))  # changes with every add or remove
+        if getattr(self, "_bm25", None) is None or self._bm25[0] != key:
+            self._bm25 = (key, SentenceBM25.build(self.corpus))  # built once, reused by every query
+        return self._bm25[1].token_scores(question)
 
     # ---- phase 3: selection and fusion (Eq. 8) ---------------------------------------------------------------
     def signal_scores(self, question: str, method: str | None = None) -> dict[str, np.ndarray]:
