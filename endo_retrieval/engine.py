@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from endo_retrieval.backbone import Backbone, as_text
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.index import FeatureIndex
 from endo_retrieval.methods.base import Span
-from endo_retrieval.select import QA_KERNEL, _enclosing, density, iter_peaks, spans_from_peaks
+from endo_retrieval.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
 
 FORMAT = "endo-index"
 VERSION = 1

@@ -1,6 +1,5 @@
 """The real default model: greedy answers, chunked key states against a full pass (S3 appendix I)."""
 import pytest
-import torch
 
 from endo_retrieval.eval.consistency import key_consistency
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from endo_retrieval import BM25, S3, Document, EndoIndex, S3Hybrid, SAEBank, TopKSAE
-from endo_retrieval.index import FeatureIndex
 
 from conftest import make_tiny_model
 
