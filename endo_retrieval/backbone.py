@@ -332,9 +332,19 @@ class Backbone:
         return ids.to(self.device)
 
     def generate(self, prompt_or_messages, max_new_tokens: int = 64, stream: bool = False,
-                 system: str | None = None, do_sample: bool = False, **gen_kwargs):
-        """Chat-template generation, greedy by default. stream=True returns an iterator of text pieces."""
+                 system: str | None = None, do_sample: bool = False, attention=None, **gen_kwargs):
+        """Chat-template generation, greedy by default. stream=True returns an iterator of text pieces.
+
+        attention: None (Hugging Face's own attention) or a decode-time backend, by name ("dense",
+        "reattention", ...) or as an instance, e.g. `ReAttention(top_k=8)`; backends decode greedily."""
         ids = self.chat_ids(prompt_or_messages, system)
+        if attention is not None:
+            from endo_retrieval.attention import get_backend
+            from endo_retrieval.attention.generate import generate_text
+
+            if do_sample or gen_kwargs:
+                raise BackboneError("attention backends decode greedily; drop do_sample and other generate options")
+            return generate_text(self, ids[0], get_backend(attention), max_new_tokens, stream=stream)
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
                       attention_mask=torch.ones_like(ids), pad_token_id=self.tokenizer.eos_token_id, **gen_kwargs)
         if not do_sample:

@@ -1,0 +1,21 @@
+"""Decode-time attention backends for the local generator: `attention="dense" | "reattention"`."""
+from __future__ import annotations
+
+from endo_retrieval.attention.base import AttentionBackend, AttentionError, KVCache, installed
+from endo_retrieval.attention.dense import Dense
+from endo_retrieval.attention.reattention import ReAttention
+
+BACKENDS: dict[str, type[AttentionBackend]] = {"dense": Dense, "reattention": ReAttention}
+
+
+def get_backend(attention: "str | AttentionBackend", **settings) -> AttentionBackend:
+    """A backend instance from its name (settings go to its constructor) or an instance as it is."""
+    if isinstance(attention, AttentionBackend):
+        return attention
+    if attention not in BACKENDS:
+        raise AttentionError(f"Unknown attention backend {attention!r}; known: {', '.join(BACKENDS)}.")
+    return BACKENDS[attention](**settings)
+
+
+__all__ = ["AttentionBackend", "AttentionError", "BACKENDS", "Dense", "KVCache", "ReAttention", "get_backend",
+           "installed"]

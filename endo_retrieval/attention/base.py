@@ -1,0 +1,114 @@
+"""The one protocol every decode-time attention backend follows (the kvpress idea: one small class per paper).
+
+A backend is installed on the model's own attention modules for the length of one generation. Each module then
+hands it the *pre-RoPE* query, key and value states of the new tokens; the backend keeps its own cache and returns
+the attention output. Where the rotation goes (at caching, as Hugging Face does, or after selection, as ReAttention
+does) is the backend's choice, which is why the hand-over happens before RoPE.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from endo_retrieval.backbone import Backbone, BackboneError
+
+
+class AttentionError(BackboneError):
+    """An attention backend was configured wrongly or cannot run on this model."""
+
+
+class KVCache:
+    """Per-layer key/value states of one sequence, (H_kv, N, d) each, grown by doubling (amortised appends)."""
+
+    def __init__(self, n_layers: int):
+        self._k: list[torch.Tensor | None] = [None] * n_layers
+        self._v: list[torch.Tensor | None] = [None] * n_layers
+        self._n = [0] * n_layers
+
+    def __len__(self) -> int:
+        return self._n[0]
+
+    def length(self, layer: int) -> int:
+        return self._n[layer]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the T new (H_kv, T, d) states; return views of all N cached so far."""
+        n, t = self._n[layer], k.shape[1]
+        buf_k, buf_v = self._k[layer], self._v[layer]
+        if buf_k is None or n + t > buf_k.shape[1]:
+            cap = max(2 * (n + t), 1024)
+            new_k, new_v = k.new_empty(k.shape[0], cap, k.shape[2]), v.new_empty(v.shape[0], cap, v.shape[2])
+            if n:
+                new_k[:, :n], new_v[:, :n] = buf_k[:, :n], buf_v[:, :n]
+            self._k[layer], self._v[layer] = buf_k, buf_v = new_k, new_v
+        buf_k[:, n:n + t], buf_v[:, n:n + t] = k, v
+        self._n[layer] = n + t
+        return buf_k[:, :n + t], buf_v[:, :n + t]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Softmax attention of T queries (H, T, d) over N keys (H_kv, N, d) whose last T are the queries' own tokens:
+    query i sees keys 0 .. N-T+i (causal, bottom-right aligned)."""
+    T, N = q.shape[1], k.shape[1]
+    mask = None
+    if T > 1:
+        mask = torch.arange(N, device=q.device)[None, :] <= torch.arange(N - T, N, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
+                                          attn_mask=mask, scale=scaling, enable_gqa=True)[0]
+
+
+@dataclass
+class AttentionBackend:
+    """Base class: subclasses set `name` and implement `attend`; `setup` checks the model and resets the cache."""
+
+    name: ClassVar[str] = "base"
+    chunk_size: int = 512  # prefill is fed this many tokens at a time
+
+    def setup(self, backbone: Backbone) -> None:
+        if getattr(backbone.model.model, "rotary_emb", None) is None:
+            raise AttentionError(f"{backbone.model_id} has no rotary position embedding; attention backends "
+                                 "re-apply RoPE themselves and need a RoPE model (llama, mistral, qwen2, qwen3).")
+        if self.chunk_size < 1:
+            raise AttentionError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        self.backbone = backbone
+        self.cache = KVCache(backbone.n_layers)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q (H, T, d), k and v (H_kv, T, d): pre-RoPE states of the T new tokens at `layer` -> output (H, T, d)."""
+        raise NotImplementedError
+
+    def rope(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return self.backbone.apply_rope(x, torch.arange(start, stop, device=x.device))
+
+
+def _attention_forward(module, backend: AttentionBackend, hidden_states: torch.Tensor, *args, **kwargs):
+    """Replaces `self_attn.forward` while a backend is installed: projections (and Qwen3's q/k norms) as the model
+    does them, then the backend instead of RoPE + cache + attention."""
+    if hidden_states.shape[0] != 1:
+        raise AttentionError("attention backends run one sequence at a time (batch size 1)")
+    T, d = hidden_states.shape[1], module.head_dim
+    q = module.q_proj(hidden_states).view(T, -1, d)
+    k = module.k_proj(hidden_states).view(T, -1, d)
+    v = module.v_proj(hidden_states).view(T, -1, d)
+    if getattr(module, "q_norm", None) is not None:
+        q, k = module.q_norm(q), module.k_norm(k)
+    out = backend.attend(module.layer_idx, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), module.scaling)
+    return module.o_proj(out.transpose(0, 1).reshape(1, T, -1)), None
+
+
+@contextlib.contextmanager
+def installed(backbone: Backbone, backend: AttentionBackend):
+    """Route every layer's attention through `backend` (fresh cache) until the block ends."""
+    backend.setup(backbone)
+    modules = [layer.self_attn for layer in backbone.model.model.layers]
+    for m in modules:
+        m.forward = lambda hidden_states, *a, _m=m, **kw: _attention_forward(_m, backend, hidden_states, *a, **kw)
+    try:
+        yield backend
+    finally:
+        for m in modules:
+            del m.forward

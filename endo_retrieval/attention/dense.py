@@ -1,0 +1,20 @@
+"""`dense`: ordinary causal attention over the whole cache, keys rotated at their absolute positions when cached
+(what Hugging Face does). The reference every other backend is held against."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from endo_retrieval.attention.base import AttentionBackend, causal_attention
+
+
+@dataclass
+class Dense(AttentionBackend):
+    name = "dense"
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        start = self.cache.length(layer)
+        stop = start + q.shape[1]
+        keys, values = self.cache.append(layer, self.rope(k, start, stop), v)
+        return causal_attention(self.rope(q, start, stop), keys, values, scaling)

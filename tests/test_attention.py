@@ -1,0 +1,119 @@
+"""Decode-time attention backends: dense against Hugging Face, ReAttention against dense, selection, bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from endo_retrieval.attention import AttentionError, Dense, ReAttention, get_backend, installed
+from endo_retrieval.attention.generate import eos_ids, generate_ids
+from endo_retrieval.kernels.topk_attention import order_bits, topk_scores_reference, unpack
+
+PROMPT = ("Maple Street runs past the old mill, where the river bends twice before the bridge. " * 25
+          + "\n\nThe lighthouse keeper's name is Orlanda Vesk. " + "Gulls circled the harbour all afternoon. " * 20
+          + "\n\nWhat is the lighthouse keeper's name?")
+
+
+def hf_greedy(bb, ids, n):
+    eos = eos_ids(bb)
+    with torch.inference_mode():
+        out = bb.model.generate(ids.view(1, -1), max_new_tokens=n, do_sample=False, temperature=None, top_p=None,
+                                top_k=None, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                pad_token_id=bb.tokenizer.eos_token_id, eos_token_id=sorted(eos))
+    toks = out[0, len(ids):].tolist()
+    return next((toks[:i] for i, t in enumerate(toks) if t in eos), toks)
+
+
+def test_dense_backend_matches_hugging_face_on_every_family(tiny_backbone):
+    ids = tiny_backbone.chat_ids("A short prompt for a tiny random model, long enough for two chunks.")[0]
+    assert list(generate_ids(tiny_backbone, ids, Dense(chunk_size=8), 12)) == hf_greedy(tiny_backbone, ids, 12)
+    assert "forward" not in tiny_backbone.model.model.layers[0].self_attn.__dict__  # uninstalled afterwards
+
+
+def test_dense_and_covering_reattention_reproduce_hf_on_the_default_model(backbone):
+    ids = backbone.chat_ids(PROMPT)[0]
+    assert len(ids) > 600
+    reference = hf_greedy(backbone, ids, 16)
+    assert list(generate_ids(backbone, ids, Dense(chunk_size=256), 16)) == reference
+    # a middle exists (global 32 + local 256 < prompt) and every selection covers it: one pick widened by a span
+    # longer than the middle, so [global, selected, local] is the whole cache in order
+    covering = ReAttention(global_size=32, local_size=256, span=1024, top_k_prime=1, chunk_size=128)
+    assert list(generate_ids(backbone, ids, covering, 16)) == reference
+    assert "Orlanda" in backbone.tokenizer.decode(reference)
+
+
+class SinkAndLocalOnly(ReAttention):
+    """The same scope with the middle never selected (StreamingLLM's view): the control for the test below."""
+
+    def select(self, q, middle):
+        return torch.zeros(0, dtype=torch.long)
+
+
+def test_a_narrow_reattention_scope_still_finds_the_needle(backbone):
+    ids = backbone.chat_ids(PROMPT)[0]
+    narrow = dict(global_size=4, local_size=64, span=8, top_k=1, top_k_prime=4, chunk_size=64)  # reads <= 100 keys
+    found = backbone.tokenizer.decode(list(generate_ids(backbone, ids, ReAttention(**narrow), 16)))
+    blind = backbone.tokenizer.decode(list(generate_ids(backbone, ids, SinkAndLocalOnly(**narrow), 16)))
+    assert "Orlanda" in found  # the needle sits ~250 tokens before the local part: only selection reaches it
+    assert "Orlanda" not in blind
+
+
+def test_selection_finds_the_matching_key_and_respects_the_scope():
+    torch.manual_seed(0)
+    bb_free = ReAttention(global_size=4, local_size=16, span=8, top_k=2, top_k_prime=3, window=64)
+    bb_free.local, bb_free.k_prime = 16, 3  # setup() without a model
+    middle = torch.randn(2, 500, 16) * 0.1
+    q = torch.randn(4, 3, 16)
+    middle[1, 321] = q[2:].mean(dim=(0, 1)) * 10  # a key every query of heads 2-3 (kv head 1) aligns with
+    chosen = bb_free.select(q, middle)
+    assert 321 in chosen.tolist()
+    assert torch.all(chosen[1:] > chosen[:-1])  # sorted, no duplicates
+    assert len(chosen) <= 3 * 8
+    span_around = chosen[(chosen >= 321 - 4) & (chosen < 321 + 4)]
+    assert len(span_around) == 8  # widened to 8 neighbours
+
+
+def test_backbone_generate_takes_an_attention_backend(backbone):
+    text = backbone.generate(PROMPT, max_new_tokens=12, attention="dense")
+    assert text == backbone.generate(PROMPT, max_new_tokens=12)
+    pieces = list(backbone.generate(PROMPT, max_new_tokens=12, attention=ReAttention(local_size=512), stream=True))
+    assert "".join(pieces).strip() == text  # 700 tokens fit in global + local: same as dense
+    with pytest.raises(AttentionError, match="Unknown attention backend 'sparse'; known: dense, reattention"):
+        backbone.generate("hi", attention="sparse")
+
+
+def test_bad_reattention_settings_show_the_arithmetic(backbone):
+    with pytest.raises(AttentionError, match=r"global 32 \+ k' 200 x span 32 \+ local 4096 = 10528 exceeds the "
+                                             r"trained window 8192; use k' <= 127"):
+        ReAttention(top_k_prime=200).setup(backbone)
+    with pytest.raises(AttentionError, match="chunk_size 1024 > local 512"):
+        ReAttention(local_size=512, chunk_size=1024).setup(backbone)
+    rb = ReAttention()
+    rb.setup(backbone)
+    assert (rb.local, rb.k_prime) == (4096, 127)  # section 3.1's defaults at an 8k window
+
+
+def test_a_model_without_rope_is_refused(tiny_backbone):
+    rotary = tiny_backbone.model.model.rotary_emb
+    try:
+        tiny_backbone.model.model.rotary_emb = None
+        with pytest.raises(AttentionError, match="no rotary position embedding"):
+            with installed(tiny_backbone, get_backend("reattention")):
+                pass
+    finally:
+        tiny_backbone.model.model.rotary_emb = rotary
+
+
+def test_topk_twin_and_packing():
+    torch.manual_seed(1)
+    q, k = torch.randn(6, 5, 32), torch.randn(2, 300, 32)
+    values, index = topk_scores_reference(q, k, 4)
+    brute = torch.stack([q[h] @ k[h // 3].T for h in range(6)])
+    assert torch.allclose(values, brute.topk(4, dim=-1).values)
+    assert torch.allclose(brute.gather(-1, index), values)
+    scores = torch.tensor([-3.5, -0.0, 0.0, 1e-30, 2.0, -1e30, 7.25])
+    bits = order_bits(scores)
+    assert torch.equal(torch.argsort(bits, stable=True)[[0, 1]], torch.tensor([5, 0]))
+    assert torch.all(bits[[3, 4, 6]].diff() > 0)
+    packed = (bits.to(torch.int64) << 32) | torch.arange(7)
+    back, idx = unpack(packed)
+    assert torch.equal(back, scores) and torch.equal(idx, torch.arange(7))
