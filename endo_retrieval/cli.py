@@ -14,6 +14,7 @@ COMMANDS = {
     "query": ("endo_retrieval.commands", "query_", "retrieve evidence for a question from an index"),
     "compress": ("endo_retrieval.commands", "compress_", "compress one long context for one question"),
     "train-sae": ("endo_retrieval.train_sae", "", "train Top-k sparse autoencoders on key projections"),
+    "train-phi": ("endo_retrieval.train_phi", "", "distil phi feature maps for completion attention"),
     "calibrate-ilre": ("endo_retrieval.ilre_calibrate", "", "pick ILRe's retrieval layer with a passkey task"),
     "bench": ("endo_retrieval.eval.bench", "", "benchmarks: quality | perf | attention"),
     "mcp": ("endo_retrieval.mcp_server", "", "serve an index to agents over the Model Context Protocol (stdio)"),

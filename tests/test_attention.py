@@ -117,3 +117,26 @@ def test_topk_twin_and_packing():
     packed = (bits.to(torch.int64) << 32) | torch.arange(7)
     back, idx = unpack(packed)
     assert torch.equal(back, scores) and torch.equal(idx, torch.arange(7))
+
+
+@pytest.mark.device
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and Triton (run on the device tool)")
+@pytest.mark.parametrize("heads,kv_heads,dim,queries,keys,dtype", [(9, 3, 64, 512, 5000, torch.bfloat16),
+                                                                   (32, 8, 128, 1, 70000, torch.float16),
+                                                                   (4, 4, 64, 77, 129, torch.float32)])
+def test_triton_topk_scores_agree_with_the_twin(heads, kv_heads, dim, queries, keys, dtype):
+    from endo_retrieval.kernels.sae_topk import triton_available
+    from endo_retrieval.kernels.topk_attention import topk_scores_triton
+
+    if not triton_available():
+        pytest.skip("Triton is not installed")
+    torch.manual_seed(0)
+    q = torch.randn(heads, queries, dim, device="cuda", dtype=dtype)
+    k = torch.randn(kv_heads, keys, dim, device="cuda", dtype=dtype)
+    values, index = topk_scores_triton(q, k, 4)
+    ref_values, _ = topk_scores_reference(q, k, 4)
+    exact = torch.einsum("htd,htkd->htk", q.float(), k.float().repeat_interleave(heads // kv_heads, 0)[
+        torch.arange(heads, device="cuda")[:, None, None], index])  # true scores of the kernel's picks
+    assert torch.allclose(values, exact, atol=2e-2, rtol=1e-3)  # the kernel's scores belong to its indices
+    assert torch.allclose(values, ref_values, atol=2e-2, rtol=1e-3)  # and they are the top 4 (ties may reorder)
+    assert torch.all(values[..., :-1] >= values[..., 1:])  # largest first

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from endo_retrieval.attention.base import AttentionBackend, AttentionError, KVCache, installed
+from endo_retrieval.attention.completion import Completion
 from endo_retrieval.attention.dense import Dense
+from endo_retrieval.attention.prhs import PrHS
 from endo_retrieval.attention.reattention import ReAttention
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"dense": Dense, "reattention": ReAttention}
+BACKENDS: dict[str, type[AttentionBackend]] = {"dense": Dense, "reattention": ReAttention, "prhs": PrHS,
+                                                 "completion": Completion}
 
 
 def get_backend(attention: "str | AttentionBackend", **settings) -> AttentionBackend:

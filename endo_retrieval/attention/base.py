@@ -77,6 +77,11 @@ class AttentionBackend:
         self.backbone = backbone
         self.cache = KVCache(backbone.n_layers)
 
+    @property
+    def scope(self) -> int | None:
+        """The most cached keys one query reads after `setup` (None: all of them)."""
+        return None
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         """q (H, T, d), k and v (H_kv, T, d): pre-RoPE states of the T new tokens at `layer` -> output (H, T, d)."""
         raise NotImplementedError

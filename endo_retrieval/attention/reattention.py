@@ -53,6 +53,10 @@ class ReAttention(AttentionBackend):
                                  "the local part (section 4.1)")
         self.local, self.k_prime = local, kp
 
+    @property
+    def scope(self) -> int:
+        return self.global_size + self.k_prime * self.span + self.local
+
     def select(self, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
         """Sorted indices into `middle` (H_kv, M, d) that the queries (H, T, d) pick: Eq. 2 top-k per head and
         query, voted to the top-k', each widened to a span of neighbours (overlaps merged)."""
