@@ -6,7 +6,7 @@ import torch
 
 from endo_retrieval.attention import AttentionError, Dense, ReAttention, get_backend, installed
 from endo_retrieval.attention.generate import eos_ids, generate_ids
-from endo_retrieval.kernels.topk_attention import order_bits, topk_scores_reference, unpack
+from endo_retrieval.kernels.topk_attention import topk_scores_reference
 
 PROMPT = ("Maple Street runs past the old mill, where the river bends twice before the bridge. " * 25
           + "\n\nThe lighthouse keeper's name is Orlanda Vesk. " + "Gulls circled the harbour all afternoon. " * 20
@@ -103,20 +103,13 @@ def test_a_model_without_rope_is_refused(tiny_backbone):
         tiny_backbone.model.model.rotary_emb = rotary
 
 
-def test_topk_twin_and_packing():
+def test_topk_twin_against_a_per_head_loop():
     torch.manual_seed(1)
     q, k = torch.randn(6, 5, 32), torch.randn(2, 300, 32)
     values, index = topk_scores_reference(q, k, 4)
-    brute = torch.stack([q[h] @ k[h // 3].T for h in range(6)])
+    brute = torch.stack([q[h] @ k[h // 3].T for h in range(6)])  # query head h reads key head h // 3
     assert torch.allclose(values, brute.topk(4, dim=-1).values)
     assert torch.allclose(brute.gather(-1, index), values)
-    scores = torch.tensor([-3.5, -0.0, 0.0, 1e-30, 2.0, -1e30, 7.25])
-    bits = order_bits(scores)
-    assert torch.equal(torch.argsort(bits, stable=True)[[0, 1]], torch.tensor([5, 0]))
-    assert torch.all(bits[[3, 4, 6]].diff() > 0)
-    packed = (bits.to(torch.int64) << 32) | torch.arange(7)
-    back, idx = unpack(packed)
-    assert torch.equal(back, scores) and torch.equal(idx, torch.arange(7))
 
 
 @pytest.mark.device

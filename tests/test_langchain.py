@@ -141,6 +141,9 @@ def test_chat_invoke_and_stream_agree():
     assert "".join(c.content for c in chat.stream("Name a colour.")) == text
     last_word = text.split()[-1]
     assert chat.invoke("Name a colour.", stop=[last_word]).content == text[:text.index(last_word)]
+    sparse = ChatEndo(max_new_tokens=12, attention="reattention")  # the prompt fits the local part: same answer
+    assert sparse.invoke("Name a colour.").content == text
+    assert "".join(c.content for c in sparse.stream("Name a colour.")) == text
 
 
 @pytest.mark.slow

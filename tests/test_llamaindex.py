@@ -250,6 +250,9 @@ def test_llm_complete_chat_and_stream_agree():
     assert chat.message.content == text
     assert list(llm.stream_chat([ChatMessage(role="user", content="Name a colour.")]))[-1].message.content == text
     assert llm.metadata.is_chat_model and llm.metadata.context_window == 8192
+    sparse = EndoLLM(max_new_tokens=12, attention="reattention")  # the prompt fits the local part: same answer
+    assert sparse.complete("Name a colour.").text == text
+    assert list(sparse.stream_chat([ChatMessage(role="user", content="Name a colour.")]))[-1].message.content == text
 
 
 @pytest.mark.slow

@@ -54,6 +54,11 @@ class Completion(AttentionBackend):
         self._share_sum, self._share_n = 0.0, 0
 
     @property
+    def scope(self) -> int | None:
+        """Exact reads per decode step when the budget is a token count (a fraction depends on the prefill)."""
+        return self.budget if isinstance(self.budget, int) else None
+
+    @property
     def stats(self) -> dict:
         """Mean completion mass share rho_Z = Z_R / (Z_E + Z_R) over completed (step, layer, head) (Eq. 56)."""
         return {"completion_mass_share": self._share_sum / self._share_n if self._share_n else None}

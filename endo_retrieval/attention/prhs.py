@@ -67,6 +67,11 @@ class PrHS(AttentionBackend):
         self._retrievals, self._steps = 0, 0
 
     @property
+    def scope(self) -> int:
+        """Keys one decode query reads: sink + local + k, plus the dilation of a shared set (Eq. 13)."""
+        return self.sink + self.local + self.top_k + (self.top_k // 3) * 2 * self.radius * self.cis
+
+    @property
     def stats(self) -> dict:
         """rho-hat = mean over decode steps of R_t / (H * N) (section V-A)."""
         slots = self._steps * self.backbone.n_heads * self.backbone.n_layers

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -104,13 +105,13 @@ def passkey_rows(backbone, data: str, lengths: list[int], depths: int, runs: lis
     return rows, grid
 
 
-def kernel_rows(key_counts: list[int], shapes: dict[str, tuple[int, int, int]], queries: int = 512,
+def kernel_rows(key_counts: list[int], shapes: dict[str, tuple[int, int, int]], query_counts=(1, 512, 4096),
                 top_k: int = 4, repeats: int = 5) -> list[dict]:
     """Fused Triton top-k scores vs the plain torch version: median time and peak memory above the inputs."""
     from endo_retrieval.kernels.topk_attention import topk_scores_reference, topk_scores_triton
 
     rows = []
-    for shape_name, (heads, kv_heads, dim) in shapes.items():
+    for (shape_name, (heads, kv_heads, dim)), queries in itertools.product(shapes.items(), query_counts):
         for m in key_counts:
             q = torch.randn(heads, queries, dim, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(kv_heads, m, dim, device="cuda", dtype=torch.bfloat16)

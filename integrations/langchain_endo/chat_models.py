@@ -60,6 +60,8 @@ class ChatEndo(BaseChatModel):
 
     max_new_tokens: int = Field(default=256, gt=0)
     backbone: Any = Field(default=None, exclude=True, repr=False)
+    attention: Any = Field(default=None, description="None (the model's own attention) or a decode-time backend: "
+                           "'reattention', 'prhs', 'completion', 'dense', or an instance such as ReAttention()")
     _backbone: Backbone = PrivateAttr()
 
     def model_post_init(self, __context: Any) -> None:
@@ -106,7 +108,8 @@ class ChatEndo(BaseChatModel):
                   tool_choice: str | None = None, **kwargs: Any) -> ChatResult:
         message = self._tool_call(messages, tools, tool_choice)
         if message is None:
-            text = self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens)
+            text = self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens,
+                                           attention=self.attention)
             message = AIMessage(content=_cut_at_stop(text, stop))
         return ChatResult(generations=[ChatGeneration(message=message)])
 
@@ -119,7 +122,8 @@ class ChatEndo(BaseChatModel):
                 {"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": 0} for c in call.tool_calls]))
             return
         text = ""
-        for piece in self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=True):
+        for piece in self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=True,
+                                                attention=self.attention):
             kept = _cut_at_stop(text + piece, stop)[len(text):]
             text += kept
             if kept:

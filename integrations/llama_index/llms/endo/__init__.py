@@ -27,10 +27,13 @@ class EndoLLM(CustomLLM):
     """The endo backbone (SmolLM2-135M-Instruct unless another is given) as a LlamaIndex LLM."""
 
     max_new_tokens: int = Field(default=256, gt=0, description="tokens generated at most per call")
+    attention: Any = Field(default=None, description="None (the model's own attention) or a decode-time backend: "
+                           "'reattention', 'prhs', 'completion', 'dense', or an instance such as ReAttention()")
     _backbone: Backbone = PrivateAttr()
 
-    def __init__(self, backbone: Backbone | None = None, max_new_tokens: int = 256, **kwargs: Any):
-        super().__init__(max_new_tokens=max_new_tokens, **kwargs)
+    def __init__(self, backbone: Backbone | None = None, max_new_tokens: int = 256, attention: Any = None,
+                 **kwargs: Any):
+        super().__init__(max_new_tokens=max_new_tokens, attention=attention, **kwargs)
         self._backbone = backbone or Backbone.default()
 
     @property
@@ -56,12 +59,14 @@ class EndoLLM(CustomLLM):
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        text = self._backbone.generate(self._messages(prompt), max_new_tokens=self.max_new_tokens)
+        text = self._backbone.generate(self._messages(prompt), max_new_tokens=self.max_new_tokens,
+                                           attention=self.attention)
         return CompletionResponse(text=text)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        pieces = self._backbone.generate(self._messages(prompt), max_new_tokens=self.max_new_tokens, stream=True)
+        pieces = self._backbone.generate(self._messages(prompt), max_new_tokens=self.max_new_tokens, stream=True,
+                                             attention=self.attention)
 
         def gen() -> CompletionResponseGen:
             text = ""
@@ -73,12 +78,14 @@ class EndoLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        text = self._backbone.generate(self._messages(messages), max_new_tokens=self.max_new_tokens)
+        text = self._backbone.generate(self._messages(messages), max_new_tokens=self.max_new_tokens,
+                                           attention=self.attention)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        pieces = self._backbone.generate(self._messages(messages), max_new_tokens=self.max_new_tokens, stream=True)
+        pieces = self._backbone.generate(self._messages(messages), max_new_tokens=self.max_new_tokens, stream=True,
+                                             attention=self.attention)
 
         def gen() -> ChatResponseGen:
             text = ""
