@@ -133,3 +133,28 @@ def test_triton_topk_scores_agree_with_the_twin(heads, kv_heads, dim, queries, k
     assert torch.allclose(values, exact, atol=2e-2, rtol=1e-3)  # the kernel's scores belong to its indices
     assert torch.allclose(values, ref_values, atol=2e-2, rtol=1e-3)  # and they are the top 4 (ties may reorder)
     assert torch.all(values[..., :-1] >= values[..., 1:])  # largest first
+
+
+def test_bench_attention_writes_the_contract(tmp_path):
+    import json
+
+    from endo_retrieval.cli import main
+    from conftest import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path / "tiny")
+    filler = tmp_path / "filler"
+    filler.mkdir()
+    (filler / "a.txt").write_text("The river bends twice before the bridge. Gulls circle the harbour. " * 40)
+    out = tmp_path / "bench" / "att.json"
+    assert main(["bench", "attention", "--data", f"passkey:{filler}", "--context-tokens", "300,600", "--depths", "2",
+                 "--max-new-tokens", "3", "--model", str(model), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["schema"] == "endo-bench-attention/1"
+    rows = {(r["attention"], r["context_tokens"]): r for r in result["rows"]}
+    assert set(rows) == {(a, n) for a in ("dense", "reattention") for n in (300, 600)}
+    assert rows[("reattention", 600)]["budget"] == 32 + 63 * 32 + 2048 == 4096  # 4096 window: local 2048, k' 63
+    assert rows[("dense", 300)]["budget"] is None and rows[("dense", 300)]["n"] == 2
+    assert {"accuracy", "attn_rel_l1", "latency_ms", "peak_mem_mb", "device"} <= set(rows[("dense", 300)])
+    assert set(result["grid"]["reattention"]["600"]) == {"0.00", "1.00"}
+    assert out.with_suffix(".png").stat().st_size > 0 and "| reattention | 4096 |" in out.with_suffix(".md").read_text()
+    assert main(["bench", "attention", "--attention", "sparse", "--out", str(out)]) == 2  # unknown backend: listed

@@ -136,19 +136,23 @@ def kernel_rows(key_counts: list[int], shapes: dict[str, tuple[int, int, int]], 
     return rows
 
 
+def length_label(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
 def markdown(result: dict) -> str:
     lines = []
     rows = result["rows"]
     if rows:
         lengths = sorted({r["context_tokens"] for r in rows})
-        lines += ["| attention | scope | " + " | ".join(f"{n // 1024}k" for n in lengths) + " |",
+        lines += ["| attention | scope | " + " | ".join(length_label(n) for n in lengths) + " |",
                   "|---|---|" + "---|" * len(lengths)]
         for name, scope in dict.fromkeys((r["attention"], r["budget"]) for r in rows):
             acc = {r["context_tokens"]: r for r in rows if (r["attention"], r["budget"]) == (name, scope)}
             lines.append(f"| {name} | {scope or 'all'} | " + " | ".join(
                 f"{acc[n]['accuracy']:.2f}" if n in acc else "-" for n in lengths) + " |")
         lines += ["", "Mean seconds per example (prefill + answer): " + "; ".join(
-            f"{r['attention']} {r['context_tokens'] // 1024}k {r['latency_ms'] / 1000:.1f}" for r in rows)]
+            f"{r['attention']} {length_label(r['context_tokens'])} {r['latency_ms'] / 1000:.1f}" for r in rows)]
     if result.get("kernel"):
         lines += ["", "| shape (heads/kv/dim) | queries | keys | triton ms | torch ms | speed-up | triton MB | "
                   "torch MB | memory ratio |", "|---|---|---|---|---|---|---|---|---|"]
@@ -172,7 +176,7 @@ def heatmap(grid: dict, path: Path) -> None:
         depths = sorted({d for n in lengths for d in grid[name][n]}, key=float)
         cells = np.array([[float(grid[name][n].get(d, np.nan)) for n in lengths] for d in depths])
         ax.imshow(cells, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-        ax.set_xticks(range(len(lengths)), [f"{int(n) // 1024}k" for n in lengths])
+        ax.set_xticks(range(len(lengths)), [length_label(int(n)) for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths])
         ax.set_xlabel("context length")
         ax.set_ylabel("needle depth")
