@@ -9,9 +9,10 @@ Triton is imported lazily: on a machine without it the twin runs.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
+
+from endo_retrieval.kernels import kernel_or_twin
 
 
 def sae_topk_reference(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_dec: torch.Tensor, k: int,
@@ -39,20 +40,10 @@ def triton_available() -> bool:
 
 def sae_topk(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_dec: torch.Tensor, k: int,
              use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: the fused kernel for CUDA tensors when Triton is there, else the twin.
-
-    A kernel that fails to compile on this GPU / Triton version warns once and falls back to the twin."""
-    global _kernel_failed
-    if use_kernel and x.is_cuda and triton_available() and x.shape[0] > 0 and not _kernel_failed:
-        try:
-            return sae_topk_triton(x, W_enc, b_enc, b_dec, k)
-        except Exception as e:  # compile errors surface as many exception types across Triton versions
-            _kernel_failed = True
-            warnings.warn(f"Triton SAE kernel failed ({type(e).__name__}: {e}); using the torch twin.")
+    """Dispatch: the fused kernel for CUDA tensors when Triton is there, else the twin (same contract)."""
+    if use_kernel and x.is_cuda and triton_available() and x.shape[0] > 0:
+        return kernel_or_twin("SAE", sae_topk_triton, sae_topk_reference, x, W_enc, b_enc, b_dec, k)
     return sae_topk_reference(x, W_enc, b_enc, b_dec, k)
-
-
-_kernel_failed = False
 
 
 @functools.cache

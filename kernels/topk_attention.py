@@ -11,10 +11,10 @@ Triton is imported lazily; without it (or on CPU) the twin runs.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
+from endo_retrieval.kernels import kernel_or_twin
 from endo_retrieval.kernels.sae_topk import triton_available
 
 
@@ -29,20 +29,10 @@ def topk_scores_reference(q: torch.Tensor, k: torch.Tensor, top_k: int) -> tuple
 
 def topk_scores(q: torch.Tensor, k: torch.Tensor, top_k: int, use_kernel: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: the fused kernel for CUDA tensors when Triton is there, else the twin (same contract).
-
-    A kernel that fails to compile on this GPU / Triton version warns once and falls back to the twin."""
-    global _kernel_failed
-    if use_kernel and q.is_cuda and triton_available() and not _kernel_failed and k.shape[1] > 0:
-        try:
-            return topk_scores_triton(q, k, top_k)
-        except Exception as e:  # compile errors surface as many exception types across Triton versions
-            _kernel_failed = True
-            warnings.warn(f"Triton top-k attention kernel failed ({type(e).__name__}: {e}); using the torch twin.")
+    """Dispatch: the fused kernel for CUDA tensors when Triton is there, else the twin (same contract)."""
+    if use_kernel and q.is_cuda and triton_available() and k.shape[1] > 0:
+        return kernel_or_twin("top-k attention", topk_scores_triton, topk_scores_reference, q, k, top_k)
     return topk_scores_reference(q, k, top_k)
-
-
-_kernel_failed = False
 
 
 @functools.cache
