@@ -190,14 +190,41 @@ class Backbone:
             self.model_hash = folder_hash(folder)
             self.model_id = folder.name
         config = AutoConfig.from_pretrained(folder)
+        self._set_device(config, device, dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
+        self.folder = folder
+        self._init_shape_and_lock(config)
+
+    @classmethod
+    def random(cls, config, tokenizer_from: str | os.PathLike | None = None, device: str | None = None,
+               dtype=None) -> "Backbone":
+        """A model of `config`'s shape with random weights, built on the device (benchmarks of large shapes, e.g.
+        an 8B Llama at 1M tokens, without its weights). Text goes through the tokenizer of `tokenizer_from`
+        (default: the default model's), whose ids must fit the config's vocabulary."""
+        from transformers import AutoModelForCausalLM
+
+        self = cls.__new__(cls)
+        self._set_device(config, device, dtype)
+        self.tokenizer = (cls.default(device) if tokenizer_from is None else cls(tokenizer_from, "cpu")).tokenizer
+        if len(self.tokenizer) > config.vocab_size:
+            raise UnsupportedModelError(f"The tokenizer has {len(self.tokenizer)} ids; the config's vocabulary "
+                                        f"holds {config.vocab_size}. Raise vocab_size.")
+        with torch.device(self.device):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype).eval()
+        self.folder, self.model_hash = None, f"random-{config.model_type}"
+        self.model_id = f"random {config.model_type} ({sum(p.numel() for p in self.model.parameters()) / 1e9:.1f}B)"
+        self._init_shape_and_lock(config)
+        return self
+
+    def _set_device(self, config, device, dtype) -> None:
         if config.model_type not in SUPPORTED_FAMILIES:
             raise UnsupportedModelError(
                 f"Model family '{config.model_type}' is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}.")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
-        self.folder = folder
+
+    def _init_shape_and_lock(self, config) -> None:
         self.config = config
         self.family = config.model_type
         self.n_layers = config.num_hidden_layers
