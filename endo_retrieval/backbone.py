@@ -296,13 +296,16 @@ class Backbone:
 
     def stream(self, ids, layers: Sequence[int], *, chunk_size: int = 1024, mode: str = "independent",
                sink: int = 4, window: int = 512, capture: Sequence[str] = ("k",),
-               split_at: int | None = None) -> Iterator[Chunk]:
+               split_at: int | None = None, positions: str = "frame") -> Iterator[Chunk]:
         """Forward `ids` chunk by chunk up to max(layers) only, yielding each chunk's pre-RoPE states.
 
         mode="independent": every chunk alone at positions 0..T-1 (S3-Attention appendix I).
         mode="sink_window": every chunk attends to the first `sink` tokens and the last `window` tokens before it
         (ILRe section 3.3, the Lambda-shaped mask); they are recomputed with the chunk rather than cached, so
-        memory stays bounded by sink + window + chunk and positions stay inside the trained window.
+        memory stays bounded by sink + window + chunk. Their RoPE positions (sink_window only):
+          "frame"    sink, window and chunk at 0..S+W+T-1: every distance stays inside the trained window;
+          "absolute" every token at its own index (ILRe without DCA);
+          "dca"      absolute, but from the third chunk on the sink moves up by (i-2) chunk sizes (ILRe Eq. 6).
         `split_at`: no chunk crosses this position (e.g. context | query part).
         """
         ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
@@ -312,22 +315,30 @@ class Backbone:
             raise BackboneError(f"Unknown mode {mode!r}; use 'independent' or 'sink_window'.")
         if chunk_size < 1 or sink < 0 or window < 0:
             raise BackboneError("chunk_size must be >= 1 and sink, window >= 0.")
+        if positions not in ("frame", "absolute", "dca"):
+            raise BackboneError(f"Unknown positions {positions!r}; use 'frame', 'absolute' or 'dca'.")
         if not set(capture) <= {"k", "q"}:
             raise BackboneError("capture takes 'k' and/or 'q'.")
         layers = self._check_layers(layers)
         parts = [0, split_at, len(ids)] if split_at is not None and 0 < split_at < len(ids) else [0, len(ids)]
         bounds = sorted({b for a, z in zip(parts[:-1], parts[1:]) for b in range(a, z, chunk_size)} | {len(ids)})
-        for s, e in zip(bounds[:-1], bounds[1:]):
-            # sink_window: the chunk is forwarded behind its S sink tokens and the W tokens before it, the frame
-            # placed at positions 0..S+W+T-1, so every query-key distance stays inside the trained window however
-            # long the stream (absolute positions past an 8k window lost every passkey at 32k: docs/ilre.md).
-            frame = torch.cat([ids[:min(sink, s)], ids[max(sink, s - window):s]]) if mode == "sink_window" \
-                else ids[:0]
-            x = torch.cat([frame, ids[s:e]]).unsqueeze(0).to(self.device)
-            pos = torch.arange(x.shape[1], device=self.device)
-            n = len(frame)
+        for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            # sink_window: the chunk is forwarded behind its S sink tokens and the W tokens before it. "frame"
+            # places them at 0..S+W+T-1, so every query-key distance stays inside the trained window however long
+            # the stream (absolute positions past an 8k window lost every passkey at 32k: docs/ilre.md).
+            n_sink, w0 = (min(sink, s), min(s, max(sink, s - window))) if mode == "sink_window" else (0, s)
+            x = torch.cat([ids[:n_sink], ids[w0:e]]).unsqueeze(0).to(self.device)
+            n = x.shape[1] - (e - s)
+            if mode == "independent" or positions == "frame":
+                pos = torch.arange(x.shape[1], device=self.device)
+            else:  # Eq. 6: chunk i (1-based) re-RoPEs the sink by (i-2) D_C for i > 2; i - 2 = this loop's i - 1
+                shift = (i - 1) * chunk_size if positions == "dca" and i >= 2 else 0
+                pos = torch.cat([torch.arange(n_sink) + shift, torch.arange(w0, e)]).to(self.device)
+            # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed sequence
+            # and hides the sink from the chunk
             with self._lock, torch.inference_mode(), self._run_to(layers[-1], layers, capture) as store:
-                self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), use_cache=False)
+                self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), attention_mask=torch.ones_like(x),
+                                 use_cache=False)
             yield Chunk(s, e, pos[n:], keys={l: k[:, n:] for l, k in store["k"].items()},
                         queries={l: q[:, n:] for l, q in store["q"].items()})
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.methods.ilre import (DEFAULT_AVG_KERNELS, DEFAULT_MAX_KERNELS, ILReError, allocate,
+from endo_retrieval.methods.ilre import (DEFAULT_AVG_KERNELS, DEFAULT_MAX_KERNELS, ILReError, POSITIONS, allocate,
                                          context_scores, prefill)
 from endo_retrieval.profiles import ilre_profile_path
 
@@ -97,8 +97,10 @@ def parse_ints(text: str, upper: int | None = None) -> list[int]:
 
 
 def calibrate(backbone, filler: str, lengths: list[int], layers: list[int], key_lengths: list[int],
-              n_depths: int = N_SEGMENTS, budget: int = 1024, seed: int = 0, progress: bool = True) -> dict:
-    """Run the passkey task; returns {"layer": l_R, "recall": {layer: x}, ...} (the profile's body)."""
+              n_depths: int = N_SEGMENTS, budget: int = 1024, seed: int = 0, progress: bool = True,
+              positions: str = "frame") -> dict:
+    """Run the passkey task; returns {"layer": l_R, "recall": {layer: x}, ...} (the profile's body).
+    `positions`: the prefill's RoPE layout (ILRe.positions; "dca" adds Eq. 7 at every layer scored)."""
     filler_enc = backbone.encode(filler)
     rng = random.Random(seed)
     jobs = [(n, k, s) for n in lengths for k in key_lengths for s in segments_for(n_depths)]
@@ -110,14 +112,15 @@ def calibrate(backbone, filler: str, lengths: list[int], layers: list[int], key_
         sample = make_sample(backbone, filler_enc.ids, filler_enc.offsets, filler, length, key_length, segment, rng)
         enc = backbone.encode(sample.context)
         needed = passkey_tokens(enc.offsets, sample.value_chars)
-        states = prefill(backbone, enc.ids, backbone.encode(sample.query).ids, layers)
+        states = prefill(backbone, enc.ids, backbone.encode(sample.query).ids, layers, positions=positions)
         for layer in layers:
-            scores = context_scores(backbone, states[layer])
+            scores = context_scores(backbone, states[layer], dca=positions == "dca")
             for name, (max_k, avg_k) in KERNEL_SETS.items():
                 kept = allocate(scores, budget, 4, max_k, avg_k)
                 hits[name][layer].append((length, key_length, bool(np.isin(needed, kept).all())))
         del states
-    return summarise(backbone, hits, lengths, key_lengths, n_depths, budget, seed, time.time() - started)
+    return summarise(backbone, hits, lengths, key_lengths, n_depths, budget, seed, time.time() - started) | {
+        "positions": positions}
 
 
 def summarise(backbone, hits: dict, lengths, key_lengths, n_depths, budget, seed, seconds) -> dict:
@@ -176,6 +179,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how many of the 20 segment starts to use, evenly spread (default: all 20)")
     parser.add_argument("--budget", type=int, default=1024, help="token budget (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--positions", choices=POSITIONS, default="frame",
+                        help="RoPE layout of the prefill: frame (default), dca (Eq. 6-7) or absolute (no DCA); "
+                             "other than frame needs --out, so the shipped profile stays as calibrated")
     parser.add_argument("--out", default=None, help="profile JSON (default: the model's shipped profile)")
     parser.add_argument("--plot", default=None, help="PNG of recall per layer (default: beside the profile)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -199,9 +205,12 @@ def run(args: argparse.Namespace) -> int:
         raise ILReError(f"--layers must lie in 0..{backbone.n_layers - 1}.")
     if min(lengths) <= args.budget:
         raise ILReError(f"Every --lengths value must exceed the budget {args.budget}.")
+    if args.positions != "frame" and not args.out:
+        raise ILReError("--positions other than 'frame' needs --out FILE: the shipped profile is calibrated "
+                        "with 'frame' and ILRe reads it with that layout.")
     filler = load_filler(Path(args.data))
     profile = calibrate(backbone, filler, lengths, layers, key_lengths, args.depths, args.budget, args.seed,
-                        progress=not args.no_progress and sys.stderr.isatty())
+                        progress=not args.no_progress and sys.stderr.isatty(), positions=args.positions)
     out = Path(args.out) if args.out else ilre_profile_path(backbone)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=1) + "\n")

@@ -137,7 +137,9 @@ def train_maps(maps: PhiMaps, traces: dict, steps: int, batch: int = 4, lr: floa
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="default", help="'default' or a local Hugging Face model folder")
     parser.add_argument("--corpus", default=str(DEFAULT_DATA), help="training text file or folder of *.txt")
-    parser.add_argument("--out", required=True, help="output folder: card.json + phi.safetensors")
+    parser.add_argument("--out", default=None, help="output folder: card.json + phi.safetensors (default: where "
+                        "the model's maps ship, endo_retrieval/assets/phi/<model>/, which phi='default' loads)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--layers", default="all", help="comma-separated layer indices, or 'all'")
     parser.add_argument("--length", type=int, default=1024, help="prefill length the maps will serve")
     parser.add_argument("--windows", type=int, default=16, help="text windows of --length tokens to log")
@@ -155,7 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from endo_retrieval.backbone import Backbone
 
-    bb = Backbone(None if args.model == "default" else args.model, device="cpu", dtype=torch.float32)
+    from endo_retrieval.attention.phi import shipped_dir
+
+    bb = Backbone(None if args.model == "default" else args.model, device=args.device, dtype=torch.float32)
+    out = args.out or shipped_dir(bb.model_id)
     try:
         layers = list(range(bb.n_layers)) if args.layers == "all" else sorted({int(t) for t in args.layers.split(",")})
     except ValueError:
@@ -166,14 +171,14 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     traces = log_traces(bb, read_corpus(args.corpus), layers, args.length, args.queries, args.windows,
                         progress=interactive)
-    maps = PhiMaps.for_backbone(bb, layers, d_phi=args.d_phi, length=args.length, seed=args.seed)
+    maps = PhiMaps.for_backbone(bb, layers, d_phi=args.d_phi, length=args.length, seed=args.seed).to(bb.device)
     loss = DistillLoss(**{k: getattr(args, k) for k in asdict(DistillLoss())})
     losses = train_maps(maps, traces, args.steps, args.batch, args.lr, loss, args.seed, interactive)
     train = {"corpus": Path(args.corpus).name, "windows": int(next(iter(traces.values()))[0].shape[1]),
              "queries": args.queries, "steps": args.steps, "batch": args.batch, "lr": args.lr, "loss": asdict(loss),
              "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
              "seconds": round(time.time() - t0, 1)}
-    maps.save(args.out, train=train)
-    print(f"phi maps for layers {layers} -> {args.out} (loss {train['loss_first']:.4f} -> {train['loss_last']:.4f}, "
+    maps.save(out, train=train)
+    print(f"phi maps for layers {layers} -> {out} (loss {train['loss_first']:.4f} -> {train['loss_last']:.4f}, "
           f"{train['seconds']} s)")
     return 0

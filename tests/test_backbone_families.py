@@ -52,6 +52,28 @@ def test_sink_window_frames_each_chunk_behind_sink_and_window(tiny_backbone):
     assert torch.equal(chunks[0].rope_positions, torch.arange(128))
 
 
+def test_absolute_and_dca_positions(tiny_backbone):
+    """positions="absolute": every token at its own index; "dca": the same, except that from the third chunk on the
+    sink is re-RoPEd by (i-2) chunk sizes (ILRe Eq. 6), which changes the later layers' keys of that chunk only."""
+    bb = tiny_backbone
+    kw = dict(chunk_size=128, mode="sink_window", window=64, split_at=250, capture=("k",))
+    absolute = list(bb.stream(IDS, [2], positions="absolute", **kw))
+    dca = list(bb.stream(IDS, [2], positions="dca", **kw))
+    assert [c.rope_positions.tolist() for c in absolute] == [list(range(0, 128)), list(range(128, 250)),
+                                                             list(range(250, 300))]
+    assert [c.rope_positions.tolist() for c in dca] == [c.rope_positions.tolist() for c in absolute]
+    torch.testing.assert_close(dca[1].keys[2], absolute[1].keys[2])  # chunk 2: no shift yet
+    assert not torch.allclose(dca[2].keys[2], absolute[2].keys[2], atol=1e-4)
+    # chunk 3 by hand: sink tokens 0..3 at positions 128..131 (one chunk size up), window 186..249, chunk 250..299
+    ids = torch.as_tensor(np.concatenate([IDS[:4], IDS[186:300]]))[None]
+    pos = torch.cat([torch.arange(4) + 128, torch.arange(186, 300)])[None]
+    with torch.inference_mode(), bb._run_to(2, [2], ("k",)) as store:
+        bb.model.model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False)
+    torch.testing.assert_close(dca[2].keys[2], store["k"][2][:, 68:])
+    with pytest.raises(BackboneError, match="positions"):
+        list(bb.stream(IDS, [0], positions="relative"))
+
+
 def test_query_states_and_rope(tiny_backbone):
     bb = tiny_backbone
     q = bb.query_states(IDS[:20], [1])[1]

@@ -8,7 +8,8 @@ linear + exp in log space, per query head (phi_q) and per KV head (phi_k):
 Initialised at W = sqrt(scaling) * omega, omega ~ N(0, I), b = -log(d_phi) / 2, this is Performer's positive random
 feature map, an unbiased estimate of exp(scaling q.k) before any training; `endo train-phi` then distils W and b
 (appendix B). The maps are saved as safetensors plus a JSON card (model_hash, head_dim, layers, heads, d_phi,
-length) and refused for another model, head size or head count.
+length) and refused for another model, head size or head count. The default model's maps ship in
+endo_retrieval/assets/phi/<model slug>/ (like the SAEs); `phi="default"` loads them.
 """
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ from endo_retrieval.attention.base import AttentionError
 from endo_retrieval.files import atomic_write
 
 CARD, WEIGHTS = "card.json", "phi.safetensors"
+
+
+def shipped_dir(model_id: str | None = None) -> Path:
+    """Where a model's phi maps ship: endo_retrieval/assets/phi/<slug>/ (default: the default model's)."""
+    from endo_retrieval.backbone import DEFAULT_MODEL
+    from endo_retrieval.profiles import ASSETS, model_slug
+
+    return ASSETS / "phi" / model_slug(model_id or DEFAULT_MODEL)
 
 
 class PhiMaps(torch.nn.Module):
@@ -62,7 +71,7 @@ class PhiMaps(torch.nn.Module):
         return _log_features(k, w, b, self.scaling)
 
     def check(self, backbone) -> None:
-        """AttentionError unless these maps were trained for `backbone`."""
+        """AttentionError unless these maps were trained for `backbone`; then put them on its device."""
         want = {"model_hash": backbone.model_hash, "head_dim": backbone.head_dim, "n_heads": backbone.n_heads,
                 "n_kv_heads": backbone.n_kv_heads}
         wrong = {k: (self.card.get(k), v) for k, v in want.items() if self.card.get(k) != v}
@@ -72,6 +81,7 @@ class PhiMaps(torch.nn.Module):
                                  "model with `endo train-phi`")
         if max(self.layers) >= backbone.n_layers:
             raise AttentionError(f"phi maps cover layers {self.layers} but the model has {backbone.n_layers}")
+        self.to(backbone.device)  # loaded maps sit on the CPU; the summary and the queries live with the model
 
     def save(self, folder: str | Path, **extra) -> None:
         folder = Path(folder)
@@ -83,6 +93,14 @@ class PhiMaps(torch.nn.Module):
 
     @classmethod
     def load(cls, folder: str | Path) -> "PhiMaps":
+        """Maps from a folder of `endo train-phi`, or "default": the shipped maps of the default model (`check`
+        then refuses them for any other model)."""
+        if str(folder) == "default":
+            folder = shipped_dir()
+            if not (folder / CARD).exists():
+                raise AttentionError(f"no phi maps ship in {folder}; distil them for the default model with `endo "
+                                     f"train-phi --length 8192 --out {folder}` (a GPU: about 3 minutes) or pass "
+                                     "phi=<folder of your own maps>")
         folder = Path(folder)
         if not (folder / CARD).exists() or not (folder / WEIGHTS).exists():
             raise AttentionError(f"{folder} holds no phi maps ({CARD} + {WEIGHTS}); train them with `endo train-phi`")

@@ -1,8 +1,12 @@
-"""`endo bench attention`: decode-time attention backends side by side.
+"""`endo bench attention`: decode-time attention backends side by side (`--measure accuracy,error,latency`).
 
-* Passkey grid (ReAttention section 3.3, Figure 2): for each context length and needle depth, the local model reads
-  the whole haystack through each backend and answers; accuracy = the key appears in the answer. A heat-map PNG
-  (length x depth per backend) is written beside the JSON.
+* Accuracy. Passkey grid (ReAttention section 3.3, Figure 2): for each context length and needle depth, the local
+  model reads the whole haystack through each backend and answers; accuracy = the key appears in the answer. A
+  heat-map PNG (length x depth per backend) is written beside the JSON. HotpotQA (`--data PATH.json`): greedy
+  answers scored with SQuAD F1 / exact match; accuracy = F1.
+* Error (`eval/attention_error.py`): mean relative l1 of the attention output against dense versus the
+  token-equivalent read budget, split by head entropy (seed 002, Table 2's accounting, Figure 2); FILE_error.png.
+* Latency (CUDA only): the attention operator of each backend against bare SDPA, and decode tokens/s.
 * Kernel (section 3.4, Figure 5): the fused Triton top-k scores against the plain torch version at growing key
   counts, time and peak accelerator memory (CUDA only).
 """
@@ -29,14 +33,50 @@ def _ints(text: str) -> list[int]:
     return _int_list(text)
 
 
+def _fractions(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions like 0.02,0.05; got {text!r}") from None
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"budget fractions must lie in (0, 1], got {text!r}")
+    return values
+
+
+MEASURES = ("accuracy", "error", "latency", "kernel")
+# label -> (backend, settings): seed 002's selection-only Top-K and its hybrid are `completion` with phi off / on
+VARIANTS = {"topk": ("completion", {"phi": None}), "topk+phi": ("completion", {"charge_phi_cache": True})}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", default=None, help="passkey:DIR (text files to hide the keys in), e.g. "
-                   "passkey:../shared/data/pg_essays; omit to run only the kernel comparison")
+    p.add_argument("--data", action="append", default=None,
+                   help="passkey:DIR (text files to hide the keys in), e.g. passkey:../shared/data/pg_essays, and/or "
+                        "a HotpotQA PATH.json (F1-scored generation); repeat for both; omit to skip accuracy")
+    p.add_argument("--measure", default="accuracy,kernel",
+                   help=f"comma-separated, any of {', '.join(MEASURES)} (default accuracy,kernel; kernel and "
+                        "latency need CUDA)")
     p.add_argument("--out", required=True, help="FILE.json; FILE.md and FILE.png go beside it")
     p.add_argument("--context-tokens", type=_ints, default=[8192, 16384, 32768, 65536, 131072],
                    help="haystack lengths (default 8192,16384,32768,65536,131072)")
     p.add_argument("--depths", type=int, default=5, help="needle depths per length, evenly from 0 to 1 (default 5)")
-    p.add_argument("--attention", default="dense,reattention", help="backends (default dense,reattention)")
+    p.add_argument("--attention", default="dense,reattention",
+                   help="backends (default dense,reattention): dense, reattention, completion, prhs, and the variants "
+                        "topk (completion, phi off) and topk+phi (completion with --phi maps, fetch charged)")
+    p.add_argument("--budgets", type=_fractions, default=[0.01, 0.02, 0.03, 0.05],
+                   help="error sweep: token-equivalent budgets per step as fractions f of the context, n = ceil(fN) "
+                        "(Eq. 13; default 0.01,0.02,0.03,0.05)")
+    p.add_argument("--accuracy-budget", type=float, default=None,
+                   help="accuracy runs: budget fraction for topk, topk+phi and prhs (default: each backend's own)")
+    p.add_argument("--phi", default="default",
+                   help="phi maps for topk+phi: a folder from `endo train-phi`, or 'default' (the shipped maps)")
+    p.add_argument("--limit", type=int, default=10, help="HotpotQA questions per length (default 10)")
+    p.add_argument("--error-text", default=None, help="text file or folder for the error sweep (default: the "
+                   "pg_essays folder of the shared data)")
+    p.add_argument("--error-windows", type=int, default=2, help="text windows per length in the error sweep")
+    p.add_argument("--error-queries", type=int, default=16, help="decode queries per window in the error sweep")
+    p.add_argument("--latency-keys", type=int, default=4096, help="cached keys per sequence (default 4096)")
+    p.add_argument("--latency-batch", type=int, default=16, help="sequences decoded together (default 16)")
+    p.add_argument("--latency-steps", type=int, default=32, help="decode steps timed per backend (default 32)")
     p.add_argument("--scopes", type=_ints, default=None,
                    help="ReAttention attended scopes to compare (its `window`: local = half, k' fills the rest); "
                         "default: the model's trained window only")
@@ -67,40 +107,86 @@ def variants(backends: list[str], scopes: list[int] | None) -> list[tuple[str, s
         if name == "reattention" and scopes:
             out += [(f"reattention@{s}", name, {"window": s}) for s in scopes]
         else:
-            out.append((name, name, {}))
+            out.append((name, *VARIANTS.get(name, (name, {}))))
     return out
 
 
-def passkey_rows(backbone, data: str, lengths: list[int], depths: int, runs: list[tuple[str, str, dict]], seed: int,
-                 max_new_tokens: int, dense_max: int | None, progress: bool = True) -> tuple[list[dict], dict]:
+def budget_settings(label: str, fraction: float | None, n_context: int, phi) -> dict:
+    """The settings that put a backend at n = ceil(f N) exact reads per step (Eq. 13): Top-K and Top-K+phi take it
+    as their budget, PrHS fills it after its sink and local tokens; phi maps go to topk+phi."""
+    from endo_retrieval.attention.prhs import PrHS
+    from endo_retrieval.eval.attention_error import budget_tokens
+
+    settings = {"phi": phi} if label == "topk+phi" else {}
+    if fraction is None:
+        return settings
+    n = budget_tokens(fraction, n_context)
+    if label in VARIANTS or label == "completion":
+        settings["budget"] = n
+    elif label == "prhs":
+        settings["top_k"] = max(1, n - PrHS.sink - PrHS.local)
+    return settings
+
+
+def accuracy_rows(backbone, data: str, lengths: list[int], depths: int, limit: int,
+                  runs: list[tuple[str, str, dict]], seed: int, max_new_tokens: int, dense_max: int | None,
+                  fraction: float | None = None, phi=None, progress: bool = True) -> tuple[list[dict], dict]:
+    """Passkey (`passkey:DIR`, `depths` needles per length, accuracy = key found) or HotpotQA / JSONL (the first
+    `limit` questions, accuracy = SQuAD F1, plus em)."""
     from tqdm import tqdm
 
-    from endo_retrieval.attention import get_backend
+    from endo_retrieval.attention import AttentionError, get_backend
     from endo_retrieval.attention.generate import generate_text
     from endo_retrieval.eval.data import load_examples
+    from endo_retrieval.eval.metrics import exact_match, f1_score
+    from endo_retrieval.eval.runner import Prompter
+
+    passkey = data.startswith("passkey:")
+    task = "passkey" if passkey else "hotpotqa"
+    prompter = Prompter(backbone)
+
+    def prompt(ex) -> torch.Tensor:
+        if passkey:
+            return passkey_prompt(backbone, ex.context)
+        p = prompter(ex.context, ex.question, ex.answers[0])
+        return torch.cat([p.prefill, p.suffix])
 
     rows, grid = [], {}
     jobs = [(n, run) for n in lengths for run in runs if not (run[1] == "dense" and dense_max and n > dense_max)]
-    bar = tqdm(total=len(jobs) * depths, desc="passkey", disable=not progress)
+    count = depths if passkey else limit
+    bar = tqdm(total=len(jobs) * count, desc=task, disable=not progress)
     for n in lengths:
-        examples = load_examples(data, count_tokens=backbone.count_tokens, context_tokens=n, limit=depths, seed=seed)
+        examples = load_examples(data, count_tokens=backbone.count_tokens, context_tokens=n, limit=count, seed=seed)
         for label, name, settings in [r for l, r in jobs if l == n]:
-            hits, seconds, peak = [], 0.0, 0.0
+            scores, ems, seconds, peak, note = [], [], 0.0, 0.0, None
+            settings = {**settings, **budget_settings(label, fraction, n, phi)}
             for ex in examples:
                 backend = get_backend(name, **settings)
                 if backbone.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 t = time.perf_counter()
-                answer = generate_text(backbone, passkey_prompt(backbone, ex.context), backend, max_new_tokens)
+                try:
+                    answer = generate_text(backbone, prompt(ex), backend, max_new_tokens)
+                except AttentionError as err:  # budget below the anchors, phi maps absent or for another model
+                    note = str(err)
+                    bar.update()
+                    continue
                 seconds += time.perf_counter() - t
                 peak = max(peak, _peak_mb(backbone.device))
-                hits.append(ex.answers[0] in answer)
-                grid.setdefault(label, {}).setdefault(str(n), {})[f"{ex.meta['depth']:.2f}"] = hits[-1]
+                scores.append(float(ex.answers[0] in answer) if passkey else f1_score(answer, ex.answers))
+                ems.append(None if passkey else exact_match(answer, ex.answers))
+                if passkey:
+                    grid.setdefault(label, {}).setdefault(str(n), {})[f"{ex.meta['depth']:.2f}"] = bool(scores[-1])
                 bar.update()
-            rows.append({"attention": name, "context_tokens": n, "budget": backend.scope, "n": len(hits),
-                         "accuracy": sum(hits) / len(hits), "attn_rel_l1": None,
-                         "latency_ms": 1000 * seconds / len(hits), "peak_mem_mb": peak,
-                         "device": backbone.device.type})
+            done = len(scores)
+            rows.append({"attention": name, "variant": label, "task": task, "context_tokens": n,
+                         "budget": backend.scope if done else None, "budget_fraction": fraction
+                         if label in ("topk", "topk+phi", "completion", "prhs") else None, "n": done,
+                         "accuracy": sum(scores) / done if done else None, "attn_rel_l1": None,
+                         "f1": None if passkey or not done else sum(scores) / done,
+                         "em": None if passkey or not done else sum(ems) / done,
+                         "latency_ms": 1000 * seconds / done if done else None, "peak_mem_mb": peak,
+                         "device": backbone.device.type, "note": note})
     bar.close()
     return rows, grid
 
@@ -136,23 +222,152 @@ def kernel_rows(key_counts: list[int], shapes: dict[str, tuple[int, int, int]], 
     return rows
 
 
+class _Folded:
+    """The backbone seen by a backend that decodes `batch` sequences at once: the sequences' heads side by side
+    (B*H query heads over B*H_kv KV heads; query head b*H + h maps to KV head b*H_kv + h // group, as GQA needs)."""
+
+    def __init__(self, backbone, batch: int):
+        self.model, self.apply_rope, self.n_layers = backbone.model, backbone.apply_rope, backbone.n_layers
+        self.n_heads, self.n_kv_heads = batch * backbone.n_heads, batch * backbone.n_kv_heads
+        self.head_dim, self.model_hash, self.model_id = backbone.head_dim, backbone.model_hash, backbone.model_id
+
+
+def _cuda_ms(fn, repeats: int) -> float:
+    """Median milliseconds of `fn()` over `repeats` calls, each synchronised."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def operator_rows(backbone, text: str, runs: list[tuple[str, str, dict]], keys: int = 4096, batch: int = 16,
+                  steps: int = 32, layer: int | None = None) -> tuple[list[dict], str]:
+    """Attention-operator latency at one decode step (seed 003, section V-D): `batch` sequences of `keys` cached
+    tokens each (real text windows of the model, their own queries), one new query per sequence; one layer.
+    Bare SDPA over the whole cache (bf16, flash) is the dense baseline; each backend's `attend` (append + RoPE +
+    selection + attention) is timed per step over `steps` consecutive decode steps of real queries, so CIS shares
+    as it would. Returns rows and a torch.profiler table of PrHS's steps (where its time goes)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from endo_retrieval.attention import get_backend
+    from endo_retrieval.eval.attention_error import capture_window
+
+    layer = backbone.n_layers // 2 if layer is None else layer
+    ids = torch.as_tensor(backbone.encode(text).ids)
+    if len(ids) < batch * (keys + steps):
+        raise ValueError(f"the latency text has {len(ids)} tokens; {batch} windows of {keys} + {steps} need more")
+    windows = [capture_window(backbone, ids[b * (keys + steps):(b + 1) * (keys + steps)], keys) for b in range(batch)]
+    dtype = backbone.dtype
+    fold = lambda part: torch.cat([getattr(w, part)[layer] for w in windows]).to(dtype)  # (B*H, T, d)
+    q, k, v = fold("q"), fold("k"), fold("v")
+    folded, scaling = _Folded(backbone, batch), windows[0].scaling
+    H, Hkv, d = backbone.n_heads, backbone.n_kv_heads, backbone.head_dim
+    qs = backbone.apply_rope(q[:, :1], torch.arange(keys, keys + 1)).view(batch, H, 1, d)
+    ks = backbone.apply_rope(k[:, :keys], torch.arange(keys)).view(batch, Hkv, keys, d)
+    vs = v[:, :keys].reshape(batch, Hkv, keys, d)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        sdpa = lambda: F.scaled_dot_product_attention(qs, ks, vs, scale=scaling, enable_gqa=True)
+        sdpa()
+        sdpa_ms = _cuda_ms(sdpa, 50)
+    base = {"context_tokens": keys, "batch": batch, "layer": layer, "n": steps, "accuracy": None,
+            "attn_rel_l1": None, "device": "cuda", "task": "latency_operator"}
+    rows = [{**base, "attention": "sdpa", "variant": "sdpa", "budget": None, "latency_ms": sdpa_ms,
+             "speedup_vs_sdpa": 1.0, "peak_mem_mb": None}]
+    profile = ""
+    for label, name, settings in runs:
+        backend = get_backend(name, **settings)
+
+        def decode(profiler=None):
+            backend.setup(folded)
+            backend.cache.append(layer, backend.rope(k[:, :keys], 0, keys), v[:, :keys])
+            times = []
+            for t in range(steps):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                backend.attend(layer, q[:, t:t + 1], k[:, keys + t:keys + t + 1], v[:, keys + t:keys + t + 1], scaling)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+                if profiler is not None:
+                    profiler.step()
+            return 1000 * sorted(times)[len(times) // 2]
+
+        with torch.inference_mode():
+            decode()  # warm-up
+            ms = decode()
+            if name == "prhs":
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    decode(prof)
+                profile = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+        stats = getattr(backend, "stats", {}) or {}
+        rows.append({**base, "attention": name, "variant": label, "budget": backend.scope, "latency_ms": ms,
+                     "speedup_vs_sdpa": sdpa_ms / ms, "peak_mem_mb": None, "rho_hat": stats.get("rho_hat")})
+    return rows, profile
+
+
+def throughput_rows(backbone, text: str, runs: list[tuple[str, str, dict]], context: int = 4096,
+                    new_tokens: int = 64) -> list[dict]:
+    """Decode tokens/s of `generate_ids` with each backend after a `context`-token prompt of real text (the time
+    from the first generated token to the last; prefill excluded). Batch 1, as the backends decode."""
+    from endo_retrieval.attention import get_backend
+    from endo_retrieval.attention.generate import generate_ids
+
+    ids = torch.as_tensor(backbone.encode(text).ids[:context])
+    rows = []
+    for label, name, settings in runs:
+        backend = get_backend(name, **settings)
+        stamps = [time.perf_counter() for _ in generate_ids(backbone, ids, backend, new_tokens)]
+        tokens_per_s = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else None
+        rows.append({"attention": name, "variant": label, "task": "throughput", "context_tokens": context,
+                     "budget": backend.scope, "n": len(stamps), "accuracy": None, "attn_rel_l1": None,
+                     "tokens_per_s": tokens_per_s, "latency_ms": 1000 / tokens_per_s if tokens_per_s else None,
+                     "peak_mem_mb": _peak_mb(backbone.device), "device": backbone.device.type})
+    return rows
+
+
 def length_label(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def markdown(result: dict) -> str:
+    from endo_retrieval.eval.attention_error import error_markdown
+
     lines = []
-    rows = result["rows"]
+    rows = [r for r in result["rows"] if r.get("task", "passkey") in ("passkey", "hotpotqa")]
     if rows:
         lengths = sorted({r["context_tokens"] for r in rows})
-        lines += ["| attention | scope | " + " | ".join(length_label(n) for n in lengths) + " |",
-                  "|---|---|" + "---|" * len(lengths)]
-        for name, scope in dict.fromkeys((r["attention"], r["budget"]) for r in rows):
-            acc = {r["context_tokens"]: r for r in rows if (r["attention"], r["budget"]) == (name, scope)}
-            lines.append(f"| {name} | {scope or 'all'} | " + " | ".join(
-                f"{acc[n]['accuracy']:.2f}" if n in acc else "-" for n in lengths) + " |")
+        lines += ["Accuracy (passkey: key found; hotpotqa: SQuAD F1) and, where measured, the attention-output error "
+                  "at the same budget.", "",
+                  "| task | attention | scope | " + " | ".join(length_label(n) for n in lengths) + " |",
+                  "|---|---|---|" + "---|" * len(lengths)]
+        for task, name, scope in dict.fromkeys((r["task"], r["variant"], r["budget"]) for r in rows):
+            acc = {r["context_tokens"]: r for r in rows if (r["task"], r["variant"], r["budget"]) == (task, name, scope)}
+            lines.append(f"| {task} | {name} | {scope or 'all'} | " + " | ".join(_accuracy_cell(acc.get(n))
+                                                                             for n in lengths) + " |")
         lines += ["", "Mean seconds per example (prefill + answer): " + "; ".join(
-            f"{r['attention']} {length_label(r['context_tokens'])} {r['latency_ms'] / 1000:.1f}" for r in rows)]
+            f"{r['task']} {r['variant']} {length_label(r['context_tokens'])} {r['latency_ms'] / 1000:.1f}"
+            for r in rows if r["latency_ms"] is not None)]
+        notes = dict.fromkeys(r["note"] for r in rows if r.get("note"))
+        lines += [f"Not run: {n}" for n in notes]
+    error = error_markdown(result["rows"])
+    if error:
+        lines += ["", error]
+    timing = [r for r in result["rows"] if r.get("task") in ("latency_operator", "throughput")]
+    if timing:
+        lines += ["", "| attention | what | keys | batch | ms | speed-up vs SDPA | tokens/s | rho-hat |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {'operator' if r['task'] == 'latency_operator' else 'decode'} | "
+                  f"{r['context_tokens']} | {r.get('batch', 1)} | {_num(r['latency_ms'], 3)} | "
+                  f"{_num(r.get('speedup_vs_sdpa'), 2)} | {_num(r.get('tokens_per_s'), 1)} | "
+                  f"{_num(r.get('rho_hat'), 2)} |" for r in timing]
+    for note in ("latency_note", "kernel_note"):
+        if result.get(note):
+            lines += ["", result[note]]
     if result.get("kernel"):
         lines += ["", "| shape (heads/kv/dim) | queries | keys | triton ms | torch ms | speed-up | triton MB | "
                   "torch MB | memory ratio |", "|---|---|---|---|---|---|---|---|---|"]
@@ -160,6 +375,16 @@ def markdown(result: dict) -> str:
                   f"{r['triton_ms']:.2f} | {r['torch_ms']:.2f} | {r['speedup']:.0f}x | {r['triton_mem_mb']:.1f} | "
                   f"{r['torch_mem_mb']:.0f} | {r['memory_ratio']:.0f}x |" for r in result["kernel"]]
     return "\n".join(lines) + "\n"
+
+
+def _num(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _accuracy_cell(row: dict | None) -> str:
+    if row is None or row["accuracy"] is None:
+        return "-"
+    return f"{row['accuracy']:.2f}" + (f" (err {row['attn_rel_l1']:.3f})" if row.get("attn_rel_l1") is not None else "")
 
 
 def heatmap(grid: dict, path: Path) -> None:
@@ -187,37 +412,84 @@ def heatmap(grid: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _measures(text: str) -> set[str]:
+    chosen = {m.strip() for m in text.split(",") if m.strip()}
+    if not chosen or chosen - set(MEASURES):
+        raise ValueError(f"--measure takes a comma-separated subset of {', '.join(MEASURES)}, got {text!r}")
+    return chosen
+
+
 def run(args) -> int:
+    from endo_retrieval.attention import BACKENDS, AttentionError
     from endo_retrieval.backbone import Backbone
+    from endo_retrieval.eval import attention_error
     from endo_retrieval.files import atomic_write
+    from endo_retrieval.train_phi import DEFAULT_DATA
+    from endo_retrieval.train_sae import read_corpus
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    measures = _measures(args.measure)
     backends = [b.strip() for b in args.attention.split(",") if b.strip()]
-    from endo_retrieval.attention import BACKENDS, AttentionError
-
-    unknown = [b for b in backends if b not in BACKENDS]
+    unknown = [b for b in backends if b not in BACKENDS and b not in VARIANTS]
     if unknown:
-        raise AttentionError(f"Unknown attention backend {unknown[0]!r}; known: {', '.join(BACKENDS)}.")
+        raise AttentionError(f"Unknown attention backend {unknown[0]!r}; known: {', '.join([*BACKENDS, *VARIANTS])}.")
     result = {"schema": SCHEMA, "config": {"data": args.data, "context_tokens": args.context_tokens,
                                            "depths": args.depths, "attention": backends, "scopes": args.scopes,
-                                           "seed": args.seed,
+                                           "seed": args.seed, "measure": sorted(measures), "budgets": args.budgets,
+                                           "accuracy_budget": args.accuracy_budget, "phi": args.phi,
+                                           "limit": args.limit,
                                            "max_new_tokens": args.max_new_tokens}, "rows": [], "grid": {}}
-    if args.data:
+    runs = variants(backends, args.scopes)
+    backbone = None
+    if args.data or measures - {"accuracy"}:
         backbone = Backbone(args.model) if args.model else Backbone.default()
         result["config"]["model"] = backbone.model_id
-        result["rows"], result["grid"] = passkey_rows(
-            backbone, args.data, args.context_tokens, args.depths, variants(backends, args.scopes), args.seed,
-            args.max_new_tokens, args.dense_max)
-        heatmap(result["grid"], out.with_suffix(".png"))
+    text = lambda: read_corpus(args.error_text or DEFAULT_DATA)
+    if "error" in measures:
+        methods = [m for m in attention_error.METHODS if m in backends]
+        result["config"].update(error_windows=args.error_windows, error_queries=args.error_queries,
+                                entropy_bins="terciles of (layer, head) by dense mid-normalised entropy (Eq. 52)")
+        result["rows"] += attention_error.error_rows(
+            backbone, text(), args.context_tokens, args.budgets, methods, args.error_windows, args.error_queries,
+            args.phi if "topk+phi" in methods else None, progress=True)
+        attention_error.error_plot(result["rows"], out.with_name(out.stem + "_error.png"))
+    if "accuracy" in measures and args.data:
+        errors = {(r["variant"], r["context_tokens"], r["budget_fraction"]): r["attn_rel_l1"]
+                  for r in result["rows"] if r["task"] == "attn_error"}
+        for data in args.data:
+            rows, grid = accuracy_rows(backbone, data, args.context_tokens, args.depths, args.limit, runs, args.seed,
+                                       args.max_new_tokens, args.dense_max, args.accuracy_budget, args.phi)
+            for row in rows:  # the error measured at the same method, length and budget
+                row["attn_rel_l1"] = errors.get((row["variant"], row["context_tokens"], row["budget_fraction"]))
+            result["rows"] += rows
+            result["grid"].update(grid)
+        if result["grid"]:
+            heatmap(result["grid"], out.with_suffix(".png"))
+    if "latency" in measures:
+        if backbone.device.type != "cuda":
+            result["latency_note"] = "latency skipped: the operator and throughput timings need a CUDA GPU"
+        else:
+            timed = [r for r in runs if r[0] != "topk+phi"]  # phi maps are per head: not foldable into a batch
+            timed = [(l, n, {**s, **budget_settings(l, args.accuracy_budget, args.latency_keys, None)})
+                     for l, n, s in timed]
+            rows, profile = operator_rows(backbone, text(), [r for r in timed if r[1] != "dense"],
+                                          args.latency_keys, args.latency_batch, args.latency_steps)
+            result["rows"] += rows + throughput_rows(backbone, text(), timed, args.latency_keys)
+            result["latency_profile"] = profile
+            result["config"]["latency"] = {"keys": args.latency_keys, "batch": args.latency_batch,
+                                           "batch_means": "sequences decoded together, one new query each "
+                                                          "(seed 003 section V-D), folded into the head axis"}
     from endo_retrieval.kernels.sae_topk import triton_available
 
-    if triton_available():
+    if "kernel" not in measures:
+        pass
+    elif triton_available():
         result["kernel"] = kernel_rows(args.kernel_keys, {"SmolLM2-135M": (9, 3, 64), "Llama-8B": (32, 8, 128)})
     else:
         result["kernel_note"] = "kernel comparison skipped: needs a CUDA GPU with Triton"
     atomic_write(out, lambda p: p.write_text(json.dumps(result, indent=2), encoding="utf-8"))
     atomic_write(out.with_suffix(".md"), lambda p: p.write_text(markdown(result), encoding="utf-8"))
     print(markdown(result))
-    print(f"wrote {out} and {out.with_suffix('.md').name}" + (f", {out.with_suffix('.png').name}" if args.data else ""))
+    print(f"wrote {out} and {out.with_suffix('.md').name} (and the plots beside them)")
     return 0

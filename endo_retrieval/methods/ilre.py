@@ -20,6 +20,7 @@ from endo_retrieval.profiles import ilre_profile
 
 DEFAULT_MAX_KERNELS = (2, 4, 8)
 DEFAULT_AVG_KERNELS = tuple(range(1, 17))
+POSITIONS = ("frame", "dca", "absolute")  # RoPE layouts of the streaming prefill (ILRe.positions)
 
 
 class ILReError(ValueError):
@@ -201,12 +202,13 @@ def _preallocate(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Sequence[int], *, sink: int = 4,
-            window: int = 512, chunk_size: int = 1024) -> dict[int, LayerStates]:
+            window: int = 512, chunk_size: int = 1024, positions: str = "frame") -> dict[int, LayerStates]:
     """One streaming chunked prefill of context + query part, run only up to max(layers) (early exit).
 
     Lower layers see sink + window tokens (the Lambda-shaped mask); each layer in `layers` keeps its full-length
     context keys and the query part's queries. The query part is its own chunk (split_at = len(context)).
-    Passing several layers captures them all in one pass (the calibration does this).
+    Passing several layers captures them all in one pass (the calibration does this). `positions`: the RoPE
+    layout of `Backbone.stream` ("frame", "absolute", or "dca" for Eq. 6).
     """
     length = len(context_ids)
     shape = (backbone.n_kv_heads, length, backbone.head_dim)
@@ -216,7 +218,7 @@ def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Se
     query_positions, chunk_starts = [], []
     ids = np.concatenate([np.asarray(context_ids), np.asarray(query_ids)])
     for ch in backbone.stream(ids, layers, chunk_size=chunk_size, mode="sink_window", sink=sink, window=window,
-                              capture=("k", "q"), split_at=length):
+                              capture=("k", "q"), split_at=length, positions=positions):
         if ch.start < length:
             chunk_starts.append(ch.start)
             key_positions[ch.start:ch.end] = ch.rope_positions.cpu()
@@ -232,7 +234,8 @@ def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Se
 
 
 def context_scores(backbone, states: LayerStates, dca: bool = False) -> np.ndarray:
-    """A^C (Eq. 5) from one layer's states, optionally with the DCA key positions (Eq. 7)."""
+    """A^C (Eq. 5) from one layer's states, optionally with the DCA key positions (Eq. 7; meant for states
+    prefilled with positions="dca", whose key positions are absolute)."""
     key_positions = dca_key_positions(states.key_positions, states.chunk_starts) if dca else states.key_positions
     return attention_scores(states.keys, states.queries, key_positions, states.query_positions, backbone.apply_rope)
 
@@ -269,7 +272,10 @@ class ILRe:
     query_tokens: int = 64
     max_kernels: tuple[int, ...] = DEFAULT_MAX_KERNELS
     avg_kernels: tuple[int, ...] = DEFAULT_AVG_KERNELS
-    dca: bool = False
+    # RoPE layout of the streaming prefill: "frame" keeps every distance inside the trained window by
+    # construction (our default: 1.0 passkey recall to 128k, docs/ilre.md); "dca" is the paper's Dual Chunk
+    # Attention (Eq. 6 in the lower layers, Eq. 7 at l_R); "absolute" is the paper's ILRe without DCA.
+    positions: str = "frame"
 
     def __post_init__(self):
         if self.backbone is None:
@@ -285,6 +291,8 @@ class ILRe:
             self.layer = int(profile["layer"])
         if not 0 <= self.layer < self.backbone.n_layers:
             raise ILReError(f"layer must lie in 0..{self.backbone.n_layers - 1}, got {self.layer}.")
+        if self.positions not in POSITIONS:
+            raise ILReError(f"positions must be one of {POSITIONS}, got {self.positions!r}.")
         if self.query_tokens < 1 or self.chunk_size < 1 or self.window < 0 or self.sink < 0:
             raise ILReError("query_tokens and chunk_size must be >= 1, window and sink >= 0.")
 
@@ -292,8 +300,8 @@ class ILRe:
         """A^C at l_R (Eq. 5) of the context tokens for this query part: one early-exit streaming prefill."""
         self._check_query(query_ids)
         states = prefill(self.backbone, context_ids, query_ids, [self.layer], sink=self.sink, window=self.window,
-                         chunk_size=self.chunk_size)[self.layer]
-        return context_scores(self.backbone, states, self.dca)
+                         chunk_size=self.chunk_size, positions=self.positions)[self.layer]
+        return context_scores(self.backbone, states, dca=self.positions == "dca")
 
     def _check_query(self, query_ids: np.ndarray) -> None:
         if len(query_ids) > self.window:
