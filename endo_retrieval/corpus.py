@@ -44,7 +44,7 @@ def split_sentences(text: str) -> np.ndarray:
             if text[nxt].islower():
                 continue
             if set(m.group().rstrip().rstrip("\"'\u201d\u2019)]")) == {"."}:  # ended by periods only
-                before = text[: m.start()].split()
+                before = text[max(0, m.start() - 64): m.start()].split()  # the word before (not the whole prefix)
                 word = before[-1].lstrip("(\"'[").lower() if before else ""
                 if word in ABBREVIATIONS or (len(word) == 1 and word.isalpha()):
                     continue

@@ -27,8 +27,11 @@ def tiny(tmp_path_factory):
     return bb, bank
 
 
-def test_index_scores_match_a_naive_rebuild(tiny):
+@pytest.mark.parametrize("handoff", [None, 100])  # 100: features reach the host every second chunk
+def test_index_scores_match_a_naive_rebuild(tiny, handoff, monkeypatch):
     bb, bank = tiny
+    if handoff:
+        monkeypatch.setattr("endo_retrieval.engine.HANDOFF_TOKENS", handoff)
     idx = EndoIndex(bb, saes=bank, chunk_size=64)
     idx.add_documents([Document("a", FILLER), Document("b", NEEDLE + FILLER[:300])])
     got = idx.s3_scores(QUESTION)
