@@ -237,6 +237,10 @@ class FeatureIndex:
 
     # statistics -------------------------------------------------------------------------------------------------
 
+    def tokens(self, layer: int) -> np.ndarray:
+        """Sorted token positions indexed at `layer` (also those whose features were all absent)."""
+        return self._compact(self._layer(layer)).tokens
+
     def freq(self, layer: int) -> np.ndarray:
         """freq(f): postings of each feature at `layer` (appendix D notation), int64 (d_latent,)."""
         return np.diff(self.postings(layer)[0])

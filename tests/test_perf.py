@@ -24,6 +24,8 @@ REQUIRED = {"index_tokens_per_s": "tok/s", "bare_forward_tokens_per_s": "tok/s",
 def tiny(tmp_path_factory):
     from endo_retrieval import Backbone, SAEBank, TopKSAE
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model gains nothing from threads and loses much on a shared machine
     root = tmp_path_factory.mktemp("perf")
     folder = make_tiny_model("llama", root / "model", layers=3)
     bb = Backbone(folder, device="cpu")
@@ -33,7 +35,8 @@ def tiny(tmp_path_factory):
     bank.save(root / "sae")
     (root / "text").mkdir()
     (root / "text" / "filler.txt").write_text(perf.generated_filler(sentences=240))  # ~3.5k tokens
-    return bb, bank, root
+    yield bb, bank, root
+    torch.set_num_threads(threads)
 
 
 def cli(root, *extra) -> int:

@@ -473,7 +473,7 @@ def run(args) -> int:
             timed = [r for r in runs if r[0] != "topk+phi"]  # phi maps are per head: not foldable into a batch
             timed = [(l, n, {**s, **budget_settings(l, args.accuracy_budget, args.latency_keys, None)})
                      for l, n, s in timed]
-            rows, profile = operator_rows(backbone, text(), [r for r in timed if r[1] != "dense"],
+            rows, profile = operator_rows(backbone, text(), timed,
                                           args.latency_keys, args.latency_batch, args.latency_steps)
             result["rows"] += rows + throughput_rows(backbone, text(), timed, args.latency_keys)
             result["latency_profile"] = profile

@@ -259,7 +259,7 @@ def tile_index(index, copies: int):
     for layer in fi.layers:
         indptr, positions = fi.postings(layer)
         feats = np.repeat(np.arange(fi.d_latent, dtype=np.int32), np.diff(indptr))
-        tokens = fi._compact(fi._layer(layer)).tokens  # FeatureIndex has no public accessor for indexed tokens yet
+        tokens = fi.tokens(layer)
         # one (position, feature) pair per posting, plus each indexed token with an empty slot (-1) so tokens
         # without active features stay counted (they matter for a share-based stop_freq)
         pos = np.concatenate([positions.astype(np.int64), tokens])
@@ -448,7 +448,7 @@ def markdown(result: dict) -> str:
             cells = {r["context_tokens"]: r for r in rows if (r["metric"], series_label(r)) == (metric, label)}
             lines.append(f"| {metric} | {label} | {unit} | " + " | ".join(_cell(cells.get(n)) for n in lengths) + " |")
         notes = sorted({r["note"] for r in rows if r.get("note")})
-        lines += [""] + [f"- {n}" for n in notes] + [""]
+        lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
     for fit in result.get("ttft_fit", []):
         lines.append(f"- ttft fit, {fit['method']} [{fit['model']}]: time = {fit['intercept_ms']:.1f} ms + "
                      f"{fit['ms_per_1k_tokens']:.2f} ms per 1k tokens, R^2 = "
@@ -492,13 +492,13 @@ def plot(rows: list[dict], section: str, path: Path) -> bool:
     return True
 
 
-def write_outputs(result: dict, out: Path) -> list[Path]:
+def write_outputs(result: dict, out: Path, plots: bool = True) -> list[Path]:
     from endo_retrieval.files import atomic_write
 
     atomic_write(out, lambda p: p.write_text(json.dumps(result, indent=1), encoding="utf-8"))
     atomic_write(out.with_suffix(".md"), lambda p: p.write_text(markdown(result), encoding="utf-8"))
     written = [out, out.with_suffix(".md")]
-    for section in PLOTS:
+    for section in PLOTS if plots else ():
         path = out.with_suffix(f".{section}.png")
         if plot(result["rows"], section, path):
             written.append(path)
@@ -536,6 +536,10 @@ def run(args) -> int:
         SAEBank.for_backbone(backbone)
     source = TextSource.load(backbone, args.text, repeat=not args.no_repeat, seed=args.seed)
     source.check(longest(settings, args.random_llama_8b))
+    if {"e2e", "ttft"} & set(settings["sections"]):
+        from endo_retrieval.methods.ilre import ILRe
+
+        ILRe(backbone, layer=args.ilre_layer)  # a missing calibration or a bad layer fails now, not an hour in
     result = {"schema": SCHEMA, "config": config_of(backbone, saes, source, settings, args), "rows": [],
               "ttft_fit": []}
     s, rows = settings, result["rows"]
@@ -559,7 +563,7 @@ def run(args) -> int:
                                      args.chunk_size, bar=bar)
             rows += new
             result["ttft_fit"] += perf_e2e.fits(new, backbone.model_id)
-        write_outputs(result, out)  # after every section: a later failure keeps what was measured
+        write_outputs(result, out, plots=False)  # after every section: a later failure keeps what was measured
     bar.close()
     if "ttft" in s["sections"] and args.random_llama_8b:
         new = perf_e2e.random_8b_rows(source, s["ttft_lengths_8b"], args.budget, args.chunk_size)
