@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.backbone import Backbone, as_text
+from endo_retrieval.bm25 import OkapiPostings
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.index import FeatureIndex
 from endo_retrieval.methods.base import Span
@@ -63,14 +64,12 @@ class SentenceBM25:
     """BM25 (rank-bm25 Okapi) over a corpus's sentences and sentence windows, built once per corpus state."""
 
     bounds: list[np.ndarray]  # per document: sentence start positions + its end
-    sentences: object  # BM25Okapi over single sentences
-    windows: object  # BM25Okapi over each sentence with `window` neighbours each side
+    sentences: OkapiPostings  # rank-bm25 Okapi over single sentences
+    windows: OkapiPostings  # ... over each sentence with `window` neighbours each side
     n_positions: int
 
     @classmethod
     def build(cls, corpus: CorpusMap, window: int = 1) -> "SentenceBM25":
-        from rank_bm25 import BM25Okapi
-
         bounds, own_all, windows = [], [], []
         for doc in corpus.documents():
             starts = np.append(doc.sentence_starts, doc.end)
@@ -78,7 +77,7 @@ class SentenceBM25:
             bounds.append(starts)
             own_all += own
             windows += [sum(own[max(0, i - window): i + window + 1], []) for i in range(len(own))]
-        return cls(bounds, BM25Okapi(own_all), BM25Okapi(windows), corpus.n_positions)
+        return cls(bounds, OkapiPostings.build(own_all), OkapiPostings.build(windows), corpus.n_positions)
 
     def token_scores(self, question: str, context_weight: float = 0.5) -> np.ndarray:
         """Each sentence's own score plus `context_weight` times its window's, spread over its tokens: the own
@@ -98,7 +97,8 @@ class SentenceBM25:
 
 
 class EndoIndex:
-    """A persistent endogenous index over documents: S3 feature postings, the corpus map, and BM25 sentences."""
+    """A persistent endogenous index over documents: S3 feature postings, the corpus map, and BM25 sentences.
+    `method="bm25"` builds no feature postings (BM25 needs only the corpus map), so it cannot search with S3."""
 
     def __init__(self, backbone: Backbone | None = None, method: str = "s3-hybrid", saes=None,
                  chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None):
@@ -140,7 +140,10 @@ class EndoIndex:
         bar = _progress(sum(len(e) for *_, e in encoded), "indexing", progress)
         for d, text, enc in encoded:
             start, _ = self.corpus.add_document(d.doc_id, text, enc.offsets, d.metadata)
-            self._index_tokens(enc.ids, start, bar)
+            if self.method == "bm25":  # BM25 reads only the corpus map: no SAE pass, no feature postings
+                bar.update(len(enc.ids))
+            else:
+                self._index_tokens(enc.ids, start, bar)
         bar.close()
         return [d.doc_id for d in docs]
 
@@ -196,6 +199,9 @@ class EndoIndex:
 
     def s3_scores(self, question: str) -> np.ndarray:
         """S[t] = sum_l sum_f w_{q,f} IDF(f) 1[t in I_l[f]] (Eq. 7/9), vectorised over postings."""
+        if self.method == "bm25":
+            raise ValueError("This index was built with method='bm25' and holds no S3 feature postings; build it "
+                             "with method='s3' or 's3-hybrid' to search with S3.")
         return self.index.score(self.query_features(question), n_positions=self.corpus.n_positions,
                                 prune=self.prune)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, shared_data
 from endo_retrieval.eval import runner
 from endo_retrieval.eval.data import DataError
 from endo_retrieval.eval.metrics import exact_match, f1_score
@@ -250,3 +250,188 @@ def test_kvpress_peer_at_full_budget_is_full_and_keeps_the_matched_budget(tmp_pa
             assert got[example, peer, 1000]["kl"] == pytest.approx(0.0, abs=1e-6)  # nothing dropped
             assert got[example, peer, 48]["selected_tokens"] == 48
             assert got[example, peer, 48]["kl"] > 0 and got[example, peer, 48]["sp_recall"] is None
+
+
+def test_feeding_several_tokens_in_one_forward_equals_one_at_a_time(tiny):
+    """runner.feed's one multi-token forward (explicit positions, mask from the cache) against single tokens, on a
+    full cache, on a cache with pairs dropped from its middle (positions run past its length, as after kvpress),
+    and on layers of different lengths (PyramidKV), where feed itself falls back to single tokens."""
+    import copy
+
+    from transformers import DynamicCache
+
+    model = tiny.model
+    ids = torch.tensor(tiny.encode("The Velna rises in the Kesh hills and flows north to Zanthor.").ids)
+    new = torch.tensor(tiny.encode(" Mara Tesk was a weaver").ids)
+    for case in ("full", "dropped", "uneven"):
+        cache = DynamicCache()
+        with torch.inference_mode():
+            model.model(input_ids=ids[None], past_key_values=cache)
+        for i, layer in enumerate(cache.layers):
+            if case != "full":
+                keep = torch.cat([torch.arange(3), torch.arange(8 + (i if case == "uneven" else 0), len(ids))])
+                layer.keys, layer.values = layer.keys[..., keep, :], layer.values[..., keep, :]
+        other = copy.deepcopy(cache)
+        with torch.inference_mode():
+            together = runner.feed(model, cache, new, len(ids))
+            alone = torch.cat([runner.feed(model, other, new[i:i + 1], len(ids) + i) for i in range(len(new))])
+        assert together.shape == (len(new), model.config.vocab_size)
+        torch.testing.assert_close(together, alone, atol=1e-4, rtol=1e-4)
+        assert [l.keys.shape[-2] for l in cache.layers] == [l.keys.shape[-2] for l in other.layers]
+
+
+def naive_press_scored(bb, prompt: runner.Prompt, press, max_new_tokens: int) -> tuple[torch.Tensor, str, int]:
+    """The press on its own, as kvpress documents it (`with press(model)` around the prefill), then every token
+    fed alone: the reference for the runner's one shared prefill and its multi-token feeds."""
+    from transformers import DynamicCache
+
+    model, cache, position = bb.model, DynamicCache(), len(prompt.prefill)
+    with torch.inference_mode():
+        with press(model) if press is not None else torch.inference_mode():
+            model.model(input_ids=prompt.prefill[None], past_key_values=cache)
+        kept = cache.get_seq_length()
+        rows = []
+        for token in torch.cat([prompt.suffix, prompt.answer]).tolist():
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                        position_ids=torch.tensor([[position]]))
+            rows.append(out.logits[0, -1].float())
+            position += 1
+        logits = torch.stack(rows[len(prompt.suffix) - 1: -1])
+        for layer in cache.layers:  # back to the end of the header
+            n = layer.keys.shape[-2] - len(prompt.answer)
+            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+        position -= len(prompt.answer)
+        tokens = [int(logits[0].argmax())]
+        stop = runner._eos_ids(bb)
+        while tokens[-1] not in stop and len(tokens) < max_new_tokens:
+            out = model(input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache,
+                        position_ids=torch.tensor([[position]]))
+            tokens.append(int(out.logits[0, -1].argmax()))
+            position += 1
+    return logits, bb.tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True).strip(), kept
+
+
+@pytest.mark.slow  # importing kvpress takes ~20 s here
+def test_one_shared_prefill_equals_each_press_alone(tiny):
+    pytest.importorskip("kvpress")
+    from endo_retrieval.methods.baselines import PyramidKV, SnapKV, StreamingLLM
+
+    # long enough that PyramidKV at ratio 0.2 gives its layers different budgets (kvpress: >= 1,280 kept pairs)
+    context = " ".join(f"Paragraph {i} says the river Velna passes mill {i}." for i in range(160))
+    prompt = runner.Prompter(tiny)(context, "Which river passes the mills?", "the Velna")
+    presses = [None] + [peer().make_press(0.6) for peer in (SnapKV, StreamingLLM, PyramidKV)]
+    presses.append(PyramidKV().make_press(0.2))
+    got = runner.score_prompt(tiny, prompt, presses, max_new_tokens=4)
+    for press, scored in zip(presses, got):
+        logits, prediction, kept = naive_press_scored(tiny, prompt, press, 4)
+        torch.testing.assert_close(scored.answer_logits, logits, atol=1e-4, rtol=1e-4)
+        assert (scored.prediction, scored.kv_kept) == (prediction, kept)
+        assert scored.prefill_ms > 0 and scored.generate_ms >= scored.prefill_ms
+    assert got[1].kv_kept < got[0].kv_kept == len(prompt.prefill)
+    assert got[4].kv_kept > len(prompt.prefill) * 0.8 + 1  # layer 0 holds more than the mean: uneven layers
+
+
+class Indexed:
+    """A two-stage method whose index is shared with others of its `index_kind`; counts its indexing."""
+
+    index_kind = "words"
+    built: list = []
+
+    def __init__(self, backbone=None):
+        self.backbone = backbone
+
+    def prepare(self, context: str):
+        self.built.append(type(self).__name__)
+        return context.split()
+
+    def select(self, words: list[str], question: str, budget: int) -> Compressed:
+        text = " ".join(words[:budget])
+        return Compressed(text, [], self.backbone.count_tokens(text), "indexed", budget)
+
+
+class IndexedToo(Indexed):
+    pass
+
+
+class OwnIndex(Indexed):
+    index_kind = None
+
+
+def test_methods_of_one_index_kind_share_the_index(tmp_path, tiny, monkeypatch):
+    for name, cls in (("indexed", "Indexed"), ("indexed-too", "IndexedToo"), ("own", "OwnIndex")):
+        monkeypatch.setitem(runner.METHODS, name, f"{__name__}:{cls}")
+    Indexed.built.clear()
+    cfg = config(tmp_path, toy_hotpotqa(tmp_path / "toy.json"), methods=("indexed", "indexed-too", "own"),
+                 budgets=[8, 16], generate=False)
+    runner.run_quality(cfg, tiny)
+    # per example: one index for both methods of kind "words" at both budgets; the kind-less one builds each time
+    assert Indexed.built == ["Indexed", "OwnIndex", "OwnIndex"] * 2
+    got = records(cfg.out)
+    for example in ("toy0", "toy1"):
+        assert got[example, "indexed-too"]["latency_ms"]["index"] == got[example, "indexed"]["latency_ms"]["index"]
+        assert got[example, "indexed-too"]["latency_ms"]["index"] > 0
+
+
+def test_bm25_index_skips_the_sae_pass_and_refuses_s3(tiny):
+    from endo_retrieval import BM25, Document, EndoIndex, SAEBank, TopKSAE
+
+    torch.manual_seed(0)
+    bank = SAEBank({l: TopKSAE(tiny.head_dim, 64, 4) for l in (0, 1)},
+                   {"d_latent": 64, "k": 4, "model_hash": tiny.model_hash, "model": tiny.model_id})
+    context = " ".join(f"Sentence {i} is about clouds over the hills." for i in range(40))
+    context += " Zanthor lies on the Velna."
+    lexical = EndoIndex(tiny, method="bm25", saes=bank)
+    lexical.add_documents([Document("context", context)])
+    assert lexical.index.n_postings == 0
+    with pytest.raises(ValueError, match="method='bm25'.*'s3'"):
+        lexical.search("Where is Zanthor?", method="s3")
+    both = EndoIndex(tiny, method="s3-hybrid", saes=bank)
+    both.add_documents([Document("context", context)])
+    assert both.index.n_postings > 0
+    question = "Where does Zanthor lie?"
+    assert lexical.select(question, 40, "bm25") == both.select(question, 40, "bm25")
+    out = BM25(tiny, saes=bank).compress(context, question, 40)
+    assert "Zanthor lies on the Velna." in out.text and out.n_tokens <= 40
+
+
+def test_legacy_cache_adapter_round_trips_llmlinguas_tuples(tiny):
+    """llmlingua slices the returned cache as (keys, values) pairs and hands it back: logits must equal one plain
+    forward over the whole text."""
+    from endo_retrieval.methods.baselines import _LegacyCacheModel
+
+    ids = torch.from_numpy(tiny.encode("Zanthor is a city on the Velna river, founded by weavers.").ids)[None]
+    wrapped = _LegacyCacheModel(tiny.model)
+    with torch.inference_mode():
+        whole = tiny.model(ids).logits
+        first = wrapped(ids[:, :6], attention_mask=torch.ones(1, 6, dtype=torch.long), use_cache=True)
+        pairs = first.past_key_values
+        assert isinstance(pairs, list) and all(len(p) == 2 for p in pairs) and pairs[0][0].shape[2] == 6
+        pairs = [[k[:, :, :5], v[:, :, :5]] for k, v in pairs]  # llmlingua drops the last position and refeeds it
+        rest = wrapped(ids[:, 5:], attention_mask=torch.ones(ids.shape, dtype=torch.long), past_key_values=pairs)
+    torch.testing.assert_close(rest.logits, whole[:, 5:], atol=1e-4, rtol=1e-4)
+    assert wrapped.config is tiny.model.config
+
+
+@pytest.mark.slow  # importing llmlingua takes ~10 s here
+def test_longllmlingua_compresses_with_the_local_model(tiny):
+    pytest.importorskip("llmlingua")
+    from endo_retrieval.methods.baselines import LongLLMLingua
+
+    # the first paragraph does not survive the tokenizer's default decode clean-up (" ," -> ","), which
+    # llmlingua's get_prefix_length asserts against
+    context = "\n\n".join(['Algiers (Arabic: \u0627\u0644\u062c\u0627\u0645\u0639 \u200e , "Jemaa Kebir") is old .']
+                           + [f"Mill {i}: the river Velna turns the wheel of mill {i} every spring." for i in range(12)])
+    out = LongLLMLingua(tiny).compress(context, "Which river turns the wheels?", budget=40)
+    assert 0 < out.n_tokens <= 40 and out.n_tokens == tiny.count_tokens(out.text)
+
+
+def test_bm25_chunks_shorten_the_weakest_chunk_as_often_as_needed(tiny):
+    """HotpotQA dev example 152b9e..: the first shortening of the weakest chunk was not enough and the second one
+    looked the shortened chunk up among the originals (ValueError)."""
+    from endo_retrieval.methods.baselines import BM25Chunks
+
+    data = shared_data("hotpotqa", "dev30.json")
+    (example,) = [e for e in runner.load_examples(str(data), count_tokens=tiny.count_tokens, context_tokens=4096,
+                                                  limit=5, seed=0) if e.id.startswith("152b9e2c")]
+    out = BM25Chunks(tiny).compress(example.context, example.question, 1024)
+    assert 1000 <= out.n_tokens <= 1024 and out.n_tokens == tiny.count_tokens(out.text)

@@ -3,7 +3,8 @@
 Per example, context length, method and budget: the method hands the generator at most `budget` context tokens
 (the kvpress peers keep `budget` context KV pairs instead); one prompt template for all, the gold answer appended
 as assistant text and teacher-forced. The full context's answer logits are computed once per example and cached,
-so every method's KL(P_full || P_comp) reuses them. Each finished record is appended to a JSONL file beside the
+so every method's KL(P_full || P_comp) reuses them; that one prefill of the whole prompt also serves every kvpress
+peer at every budget (`score_prompt`). Each finished record is appended to a JSONL file beside the
 output, so an interrupted run picks up where it stopped; the rows are aggregated at the end.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -124,50 +126,100 @@ class Scored:
     generate_ms: float           # prefill plus greedy decoding (prefill alone without generation)
 
 
-def score_prompt(bb, prompt: Prompt, press=None, max_new_tokens: int = MAX_NEW_TOKENS) -> Scored:
-    """Prefill (under a kvpress `press` if given), then feed the assistant header and the gold answer one token
-    at a time, then rewind the cache and decode greedily. Single tokens need no attention mask, so caches whose
-    layers kept different numbers of pairs (PyramidKV) work; positions continue from the uncompressed length,
-    as kvpress's own pipeline does."""
+def score_prompt(bb, prompt: Prompt, presses: Sequence = (None,), max_new_tokens: int = MAX_NEW_TOKENS
+                 ) -> list[Scored]:
+    """Prefill the prompt once; each entry of `presses` gets its own cache from it (None: the full cache, else a
+    kvpress press, see `_fan_out`). For each cache: feed the assistant header and the gold answer, rewind to the
+    header and decode greedily. Positions continue from the uncompressed length, as kvpress's own pipeline does.
+    Times: the shared prefill plus the entry's own compression, header, and (generate) decoding."""
     from transformers import DynamicCache
 
     model, device = bb.model, bb.device
-    cache = DynamicCache()
-    position = len(prompt.prefill)
-
-    def feed(ids: torch.Tensor) -> torch.Tensor:
-        nonlocal position
-        rows = []
-        for token in ids.tolist():
-            out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
-                        position_ids=torch.tensor([[position]], device=device))
-            rows.append(out.logits[0, -1].float().cpu())
-            position += 1
-        return torch.stack(rows)
-
+    full = DynamicCache()
+    caches = [full if press is None else DynamicCache() for press in presses]
+    own_ms = [0.0] * len(presses)
     with bb._lock, torch.inference_mode():
         start = time.perf_counter()
-        with press(model) if press is not None else contextlib.nullcontext():
-            model.model(input_ids=prompt.prefill[None].to(device), past_key_values=cache)
-        kv_kept = cache.get_seq_length()
-        first = feed(prompt.suffix)[-1]
-        prefill_ms = (time.perf_counter() - start) * 1e3
-        lengths, resume_at = [layer.keys.shape[-2] for layer in cache.layers], position
-        answer_logits = torch.cat([first[None], feed(prompt.answer[:-1])]) if len(prompt.answer) > 1 else first[None]
-        for layer, n in zip(cache.layers, lengths):  # rewind: generation starts right after the header
-            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
-        position = resume_at
-        prediction = None
-        if max_new_tokens > 0:
+        with _fan_out(model, presses, caches, own_ms):
+            model.model(input_ids=prompt.prefill[None].to(device), past_key_values=full)
+        shared_ms = (time.perf_counter() - start) * 1e3 - sum(own_ms)
+        # every press copied its layers out of the full cache during the prefill: the caches share no storage
+        return [_answer_and_decode(bb, prompt, cache, shared_ms + ms, max_new_tokens)
+                for cache, ms in zip(caches, own_ms)]
+
+
+@contextlib.contextmanager
+def _fan_out(model, presses: Sequence, caches: list, own_ms: list[float]):
+    """kvpress compresses the cache in a hook after each attention layer (BasePress.__call__); the layer's output,
+    and so every later layer's input, does not depend on the press. So one prefill serves several presses: after
+    each attention layer, each press's own `forward_hook` compresses its own copy of that layer's full keys and
+    values, exactly as under `with press(model)`. `own_ms[i]` collects press i's hook time."""
+    peers = [(i, press, caches[i]) for i, press in enumerate(presses) if press is not None]
+    if not peers:
+        yield
+        return
+    layers = model.model.layers
+    for _, press, _ in peers:
+        press.post_init_from_model(model)
+
+    def hook(module, args, kwargs, output):
+        full = kwargs["past_key_values"].layers[module.layer_idx]
+        for i, press, cache in peers:
             start = time.perf_counter()
-            stop = _eos_ids(bb)
-            tokens = [int(first.argmax())]
-            while tokens[-1] not in stop and len(tokens) < max_new_tokens:
-                tokens.append(int(feed(torch.tensor(tokens[-1:]))[-1].argmax()))
-            prediction = bb.tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True).strip()
-            decode_ms = (time.perf_counter() - start) * 1e3
-        else:
-            decode_ms = 0.0
+            cache.update(full.keys, full.values, module.layer_idx)
+            press.forward_hook(module, args, {**kwargs, "past_key_values": cache}, output)
+            own_ms[i] += (time.perf_counter() - start) * 1e3
+        return output
+
+    handles = []
+    try:
+        for layer in layers:
+            layer.self_attn.rotary_emb = model.model.rotary_emb  # as kvpress does: SnapKV re-rotates its window
+            handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def feed(model, cache, ids: torch.Tensor, position: int) -> torch.Tensor:
+    """Next-token logits (len(ids), V) after each of `ids`, appended to `cache` from RoPE position `position` on.
+    One forward when every layer holds the same number of pairs (the causal mask is built from layer 0's length);
+    one token at a time otherwise (PyramidKV's layers differ), since a single token needs no mask."""
+    device = model.device
+    lengths = {layer.keys.shape[-2] for layer in cache.layers}
+    steps = [ids] if len(lengths) <= 1 else ids.split(1)
+    rows = []
+    for part in steps:
+        positions = torch.arange(position, position + len(part), device=device)[None]
+        out = model(input_ids=part[None].to(device), past_key_values=cache, position_ids=positions)
+        rows.append(out.logits[0].float().cpu())
+        position += len(part)
+    return torch.cat(rows)
+
+
+def _answer_and_decode(bb, prompt: Prompt, cache, prefill_ms: float, max_new_tokens: int) -> Scored:
+    model = bb.model
+    kv_kept = cache.get_seq_length()
+    position = len(prompt.prefill)
+    start = time.perf_counter()
+    first = feed(model, cache, prompt.suffix, position)[-1]
+    prefill_ms += (time.perf_counter() - start) * 1e3
+    position += len(prompt.suffix)
+    lengths = [layer.keys.shape[-2] for layer in cache.layers]
+    answer_logits = torch.cat([first[None], feed(model, cache, prompt.answer[:-1], position)]) \
+        if len(prompt.answer) > 1 else first[None]
+    for layer, n in zip(cache.layers, lengths):  # rewind: generation starts right after the header
+        layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+    prediction, decode_ms = None, 0.0
+    if max_new_tokens > 0:
+        start = time.perf_counter()
+        stop = _eos_ids(bb)
+        tokens = [int(first.argmax())]
+        while tokens[-1] not in stop and len(tokens) < max_new_tokens:
+            tokens.append(int(feed(model, cache, torch.tensor(tokens[-1:]), position + len(tokens) - 1)[-1].argmax()))
+        prediction = bb.tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True).strip()
+        decode_ms = (time.perf_counter() - start) * 1e3
     return Scored(answer_logits, prediction, kv_kept, prefill_ms, prefill_ms + decode_ms)
 
 
@@ -225,52 +277,85 @@ class RecordStore:
 
 
 class Evaluator:
-    """Runs one method on one example at one budget and scores it against the cached full-context logits."""
+    """Runs one method on one example at one budget and scores it against the cached full-context logits.
+    Work that several rows of one example share is done once: the whole prompt's prefill (for `full` and every
+    kvpress peer at every budget, see `score_prompt`) and a context index shared by methods of one `index_kind`
+    (S3 and S3-Hybrid); each row still reports what its own method would take alone."""
 
-    def __init__(self, bb, config: QualityConfig, cache_dir: Path):
+    def __init__(self, bb, config: QualityConfig, cache_dir: Path, methods: dict | None = None):
         self.bb, self.config, self.cache_dir = bb, config, cache_dir
         self.prompter = Prompter(bb)
         self.longest_prompt = 0
+        self.presses = {m.name: m for m in (methods or {}).values() if hasattr(m, "make_press")}
+        self._whole: tuple | None = None     # ((example id, context tokens), prompt, {(method, budget): Scored})
+        self._prepared: tuple | None = None  # ((module, index kind, example id, context tokens), prepared, ms)
 
-    def _score(self, prompt: Prompt, press=None) -> Scored:
+    def _score(self, prompt: Prompt, presses=(None,)) -> list[Scored]:
         self.longest_prompt = max(self.longest_prompt, len(prompt.prefill) + len(prompt.suffix) + len(prompt.answer))
-        return score_prompt(self.bb, prompt, press, self.config.max_new_tokens if self.config.generate else 0)
+        return score_prompt(self.bb, prompt, presses, self.config.max_new_tokens if self.config.generate else 0)
 
     def full_logits(self, example: Example, context_tokens: int, scored: Scored | None = None) -> torch.Tensor:
         """The full context's answer logits, computed once per example (`scored`: already computed) and kept."""
         path = self.cache_dir / f"{hashlib.sha1(example.id.encode()).hexdigest()[:16]}-{context_tokens}.pt"
         if path.exists():
             return torch.load(path)
-        scored = scored or self._score(self.prompter(example.context, example.question, example.answers[0]))
+        scored = scored or self.whole_prompt(example, context_tokens)[1]["full", None]
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         torch.save(scored.answer_logits, tmp)
         tmp.replace(path)  # atomic: an interrupted write is never read back
         return scored.answer_logits
 
+    def whole_prompt(self, example: Example, context_tokens: int) -> tuple[Prompt, dict]:
+        """The whole context's prompt and its Scored for `full` and for every kvpress peer at every budget, from
+        one prefill; kept for the example's later rows."""
+        key = (example.id, context_tokens)
+        if self._whole is None or self._whole[0] != key:
+            prompt = self.prompter(example.context, example.question, example.answers[0])
+            overhead = len(prompt.prefill) - self.bb.count_tokens(example.context)  # instruction, question, template
+            entries = [("full", None)] + [(name, b) for name in self.presses for b in self.config.budgets]
+            # kvpress keeps int(n * (1 - ratio)) pairs: the half token makes that exactly budget + overhead
+            presses = [None] + [self.presses[name].make_press(
+                max(0.0, 1.0 - (budget + overhead + 0.5) / len(prompt.prefill))) for name, budget in entries[1:]]
+            self._whole = key, prompt, dict(zip(entries, self._score(prompt, presses)))
+        return self._whole[1:]
+
+    def prepared(self, method, example: Example, context_tokens: int) -> tuple[object, float]:
+        """`method.prepare(context)` and the ms it took; reused by the next method of the same `index_kind`."""
+        kind = getattr(method, "index_kind", None)
+        key = (type(method).__module__, kind, example.id, context_tokens)
+        if kind is not None and self._prepared is not None and self._prepared[0] == key:
+            return self._prepared[1:]
+        start = time.perf_counter()
+        prepared = method.prepare(example.context)
+        elapsed = (time.perf_counter() - start) * 1e3
+        if kind is not None:
+            self._prepared = key, prepared, elapsed
+        return prepared, elapsed
+
     def evaluate(self, method, example: Example, budget: int | None, context_tokens: int) -> dict:
         n_context = self.bb.count_tokens(example.context)
         record = {"example": example.id, "budget": budget, "context_tokens": context_tokens, "n_context": n_context}
         latency = {"index": 0.0, "query": 0.0, "generate": 0.0}
         if hasattr(method, "make_press"):  # KV-cache peer: whole text, `budget` context KV pairs kept
-            prompt = self.prompter(example.context, example.question, example.answers[0])
-            overhead = len(prompt.prefill) - n_context  # instruction, question and template stay
-            # kvpress keeps int(n * (1 - ratio)) pairs: the half token makes that exactly budget + overhead
-            ratio = max(0.0, 1.0 - (budget + overhead + 0.5) / len(prompt.prefill))
-            scored = self._score(prompt, method.make_press(ratio))
+            prompt, scored = self.whole_prompt(example, context_tokens)
+            scored = scored[method.name, budget]
+            overhead = len(prompt.prefill) - n_context
             selected_text, n_selected = None, max(scored.kv_kept - overhead, 1)
         else:
             start = time.perf_counter()
             if hasattr(method, "prepare"):  # two stages: index the context, then answer the question
-                prepared = method.prepare(example.context)
-                latency["index"] = (time.perf_counter() - start) * 1e3
+                prepared, latency["index"] = self.prepared(method, example, context_tokens)
                 start = time.perf_counter()
                 compressed = method.select(prepared, example.question, budget)
             else:
                 compressed = method.compress(example.context, example.question, budget)
             latency["query"] = (time.perf_counter() - start) * 1e3
             selected_text, n_selected = compressed.text, compressed.n_tokens
-            scored = self._score(self.prompter(selected_text, example.question, example.answers[0]))
+            if getattr(method, "name", None) == "full":
+                scored = self.whole_prompt(example, context_tokens)[1]["full", None]
+            else:
+                (scored,) = self._score(self.prompter(selected_text, example.question, example.answers[0]))
         latency["generate"] = scored.generate_ms
         reference = self.full_logits(example, context_tokens, scored if selected_text == example.context else None)
         record.update(
@@ -300,6 +385,8 @@ def _load_method(name: str, bb):
     method = getattr(importlib.import_module(module), cls)(backbone=bb)
     if hasattr(method, "compress"):
         method.compress(*WARM_UP, 16)
+    if hasattr(method, "make_press"):  # imports kvpress now: a missing peer library is reported by its row
+        method.make_press(0.5)
     return method
 
 
@@ -317,7 +404,6 @@ def run_quality(config: QualityConfig, backbone=None) -> dict:
     wall = time.perf_counter()
     bb = backbone or Backbone.default()
     store = RecordStore(config.out.with_suffix(".records.jsonl"), fingerprint(bb, config))
-    evaluator = Evaluator(bb, config, config.out.with_suffix(".cache"))
     methods, unavailable = {}, {}
     for name in config.methods:
         try:
@@ -325,6 +411,7 @@ def run_quality(config: QualityConfig, backbone=None) -> dict:
         except Exception as err:  # noqa: BLE001 - a method that cannot run here: its row says why
             unavailable[name] = f"cannot run here: {err}"
             logger.warning("%s: %s", name, unavailable[name])
+    evaluator = Evaluator(bb, config, config.out.with_suffix(".cache"), methods)
     datasets = {L: load_examples(config.data, count_tokens=bb.count_tokens, context_tokens=L, limit=config.limit,
                                  seed=config.seed, skip_bad=config.skip_bad) for L in config.context_tokens}
     jobs = [(L, example, name, None if name == "full" else b)
@@ -373,6 +460,10 @@ def _notes(bb, evaluator: Evaluator, methods: dict) -> list[str]:
              "kvpress peers (snapkv, streamingllm, pyramidkv) compress the KV cache of the prompt's prefill (question "
              "included, so SnapKV's window sees it) to `budget` context pairs plus the instruction/question/template; "
              "they select no text, so sp_recall/answer_recall are null and compression counts kept KV pairs",
+             "full and the kvpress peers share one prefill of the whole prompt per example (each peer's press "
+             "compresses its own copy of every layer's keys and values, as under its own `with press(model)`); "
+             "their latency_ms.generate counts that prefill, their own compression and their own decoding. S3 and "
+             "S3-Hybrid share the context's index; each row's latency_ms.index is the time it took to build",
              "peak_rss_mb: the process's peak resident memory (ru_maxrss) when the row's last record finished; "
              "it never goes down during a run",
              "full ignores the budget: computed once per example and repeated under each budget"]

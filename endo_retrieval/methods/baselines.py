@@ -4,7 +4,7 @@ libraries: LongLLMLingua (`llmlingua`) and KV-cache compression from NVIDIA's `k
 
 Text methods follow the protocol of base.py (`compress(context, question, budget) -> Compressed`). The kvpress
 peers compress the KV cache, not the text, so they expose `make_press(compression_ratio)` instead and the bench
-runner prefills the prompt under that press.
+runner prefills the prompt under that press (one prefill serves all of them, eval/runner.py `_fan_out`).
 """
 from __future__ import annotations
 
@@ -94,22 +94,22 @@ class _ChunkRetriever:
         bb = self.backbone or Backbone.default()
         chunks: Chunks = prepared[0]
         ranked = np.argsort(-self.scores(prepared, question), kind="stable")
-        kept, used = [], 0
-        for i in ranked:  # best first; a chunk that does not fit is passed over for a shorter one
+        kept, used = [], 0  # (chunk index, span), best first
+        for i in ranked:  # a chunk that does not fit is passed over for a shorter one
             if used + chunks.spans[i].n_tokens <= budget:
-                kept.append(chunks.spans[i])
+                kept.append((i, chunks.spans[i]))
                 used += chunks.spans[i].n_tokens
         while True:  # "\n" joins tokenise a little longer than the chunks' sum: shorten the weakest chunk
             scored = [replace(span, score=float(len(kept) - rank), signals=(self.name,))
-                      for rank, span in enumerate(kept)]
+                      for rank, (_, span) in enumerate(kept)]
             out = join_spans(scored, self.name, budget)
             out.n_tokens = bb.count_tokens(out.text)
             if out.n_tokens <= budget or not kept:
                 return out
-            weakest = kept.pop()
+            i, weakest = kept.pop()
             over = out.n_tokens - budget
-            if weakest.n_tokens > over:
-                kept.append(chunks.shortened(chunks.spans.index(weakest), weakest.n_tokens - over, prepared[2]))
+            if weakest.n_tokens > over:  # may be shortened again on the next pass
+                kept.append((i, chunks.shortened(i, weakest.n_tokens - over, prepared[2])))
 
     def compress(self, context: str, question: str, budget: int) -> Compressed:
         return self.select(self.prepare(context), question, budget)
@@ -193,6 +193,27 @@ def _offline_tiktoken(tokenizer):
         tiktoken.encoding_for_model = original
 
 
+class _LegacyCacheModel:
+    """llmlingua 0.2.2 reads and slices `past_key_values` as a list of per-layer (keys, values) pairs; transformers 5
+    models take and return `Cache` objects instead. This wrapper converts at the model call, nothing else."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, past_key_values=None, **kwargs):
+        from transformers import DynamicCache
+
+        if past_key_values is not None and not isinstance(past_key_values, DynamicCache):
+            past_key_values = DynamicCache(past_key_values)  # list of (k, v) -> one layer each
+        out = self.model(*args, past_key_values=past_key_values, **kwargs)
+        if isinstance(out.past_key_values, DynamicCache):
+            out.past_key_values = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return out
+
+
 @dataclass
 class LongLLMLingua:
     """LongLLMLingua (Jiang et al., ACL 2024, https://arxiv.org/abs/2310.06839) through the `llmlingua` package:
@@ -215,8 +236,12 @@ class LongLLMLingua:
 
             bb = self.backbone or Backbone.default()
             with _offline_tiktoken(bb.tokenizer):
-                self._compressor = PromptCompressor(model_name=str(bb.folder), device_map=bb.device.type,
-                                                    model_config={"trust_remote_code": False})
+                compressor = PromptCompressor(model_name=str(bb.folder), device_map=bb.device.type,
+                                              model_config={"trust_remote_code": False})
+            compressor.model = _LegacyCacheModel(compressor.model)
+            # llmlingua asserts decode(encode(text)) == text; the tokenizer's default clean-up turns " ," into ","
+            compressor.tokenizer.clean_up_tokenization_spaces = False
+            self._compressor = compressor
         return self._compressor
 
     def compress(self, context: str, question: str, budget: int) -> Compressed:
