@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from endo_retrieval.eval.perf import peak_rss_mb
+from endo_retrieval.eval.perf import length_label, peak_rss_mb
 
 SCHEMA = "endo-bench-attention/1"
 QUESTION = "What is the pass key?"
@@ -328,10 +328,6 @@ def throughput_rows(backbone, text: str, runs: list[tuple[str, str, dict]], cont
                      "tokens_per_s": tokens_per_s, "latency_ms": 1000 / tokens_per_s if tokens_per_s else None,
                      "peak_mem_mb": _peak_mb(backbone.device), "device": backbone.device.type})
     return rows
-
-
-def length_label(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def markdown(result: dict) -> str:

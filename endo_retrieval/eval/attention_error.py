@@ -30,6 +30,7 @@ from endo_retrieval.attention.base import AttentionBackend, AttentionError
 from endo_retrieval.attention.completion import Completion
 from endo_retrieval.attention.dense import Dense
 from endo_retrieval.attention.prhs import PrHS
+from endo_retrieval.eval.perf import length_label
 
 EPS = 1e-6  # Eq. 53's epsilon
 SINK, TAIL = 4, 16  # seed 002's anchors (section 6.3); also the mid region M of the entropy (Eq. 51)
@@ -371,7 +372,3 @@ def error_plot(rows: list[dict], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def length_label(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)

@@ -14,7 +14,6 @@ import hashlib
 import importlib
 import json
 import logging
-import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 from endo_retrieval.eval import metrics
 from endo_retrieval.eval.data import Example, load_examples
+from endo_retrieval.eval.perf import peak_rss_mb
 from endo_retrieval.methods import REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -230,10 +230,6 @@ def _eos_ids(bb) -> set[int]:
 
 
 # ---------------------------------------------------------------- records (resumable) and one evaluation
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 class RecordStore:
