@@ -37,12 +37,13 @@ def density(scores: np.ndarray, kernel: int = QA_KERNEL, segment_bounds: np.ndar
         padded = np.concatenate((np.zeros(kernel // 2 + 1), s, np.zeros((kernel - 1) // 2)))
         csum = np.cumsum(padded)
         return ((csum[kernel:] - csum[:-kernel]) / kernel).astype(np.float32)
+    if kernel == 1:  # the window is the position itself
+        return s.astype(np.float32)
     csum = np.concatenate(([0.0], np.cumsum(s)))
     t = np.arange(len(s))
-    bounds = np.asarray(segment_bounds, dtype=np.int64)
-    i = np.searchsorted(bounds, t, side="right")
-    seg_start = np.where(i > 0, bounds[np.maximum(i - 1, 0)], 0)
-    seg_end = np.minimum(np.where(i < len(bounds), bounds[np.minimum(i, len(bounds) - 1)], len(s)), len(s))
+    bounds = np.unique(np.clip(np.concatenate(([0], np.asarray(segment_bounds, dtype=np.int64), [len(s)])),
+                               0, len(s)))
+    seg_start, seg_end = np.repeat(bounds[:-1], np.diff(bounds)), np.repeat(bounds[1:], np.diff(bounds))
     lo = np.maximum(t - kernel // 2, seg_start)
     hi = np.minimum(t + (kernel - 1) // 2 + 1, seg_end)
     return ((csum[hi] - csum[lo]) / kernel).astype(np.float32)

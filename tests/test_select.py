@@ -111,12 +111,17 @@ def test_nms_matches_naive_greedy_reference_on_long_curve():
     assert peaks(d, n=None, radius=radius).tolist() == expected
 
 
-def test_density_does_not_leak_across_segments():
+@pytest.mark.parametrize("kernel", [1, 5, 8])
+@pytest.mark.parametrize("given", [[0, 17, 40, 60], [17, 40], [17, 17, 40, 75]])  # ends implied, repeated, past n
+def test_density_does_not_leak_across_segments(kernel, given):
     scores = np.random.default_rng(4).random(60)
-    bounds = np.array([0, 17, 40, 60])
-    box = np.ones(8) / 8
+    bounds = [0, 17, 40, 60]
+    box = np.ones(kernel) / kernel
     expected = np.concatenate([np.convolve(scores[a:b], box, mode="same") for a, b in zip(bounds, bounds[1:])])
-    np.testing.assert_allclose(density(scores, 8, segment_bounds=bounds), expected, atol=1e-6)
+    np.testing.assert_allclose(density(scores, kernel, segment_bounds=np.array(given)), expected, atol=1e-6)
+
+
+def test_spans_stay_inside_their_document():
     scores = np.zeros(30)
     scores[9] = 1.0  # last token of a document; [10, 20) is a removed document's empty range
     spans = select_spans(scores, np.array([0, 10, 20]), 25, kernel=8, segment_bounds=np.array([0, 10, 20, 30]))
