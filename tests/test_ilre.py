@@ -207,6 +207,26 @@ def test_compress_prompt_keeps_the_last_query_tokens(tiny_backbone):
     assert out.spans[-1].start <= len(enc) - 8 and out.text.endswith("Answer:")
 
 
+def test_positions_change_the_scores_only_as_described(tiny_backbone):
+    """"dca" = absolute positions + the Eq. 6 sink shift in the stream + Eq. 7 at l_R; the prefill's key positions
+    are absolute for both "absolute" and "dca", and each layout ranks the context differently."""
+    bb = tiny_backbone
+    ids = bb.encode(FILLER[:3000]).ids
+    query = bb.encode("Question: where did the cat sleep?\nAnswer:").ids
+    kw = dict(sink=4, window=64, chunk_size=128)
+    absolute = prefill(bb, ids, query, [1], positions="absolute", **kw)[1]
+    dca = prefill(bb, ids, query, [1], positions="dca", **kw)[1]
+    assert absolute.key_positions.tolist() == list(range(len(ids)))
+    assert torch.equal(dca.key_positions, absolute.key_positions)
+    assert absolute.query_positions.tolist() == list(range(len(ids), len(ids) + len(query)))
+    scores = {p: ILRe(bb, layer=1, positions=p, **kw).scores(ids, query) for p in ("frame", "absolute", "dca")}
+    assert not np.allclose(scores["dca"], scores["absolute"]) and not np.allclose(scores["frame"], scores["absolute"])
+    out = ILRe(bb, layer=1, positions="dca", **kw).compress(FILLER[:3000], "where did the cat sleep?", 100)
+    assert 0 < out.n_tokens <= 100
+    with pytest.raises(ILReError, match="positions"):
+        ILRe(bb, layer=1, positions="relative")
+
+
 def test_missing_calibration_says_what_to_run(tiny_backbone):
     assert ilre_profile(tiny_backbone) is None
     with pytest.raises(ILReError, match="calibrate-ilre"):
