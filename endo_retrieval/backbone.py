@@ -202,11 +202,12 @@ class Backbone:
         """A model of `config`'s shape with random weights, built on the device (benchmarks of large shapes, e.g.
         an 8B Llama at 1M tokens, without its weights). Text goes through the tokenizer of `tokenizer_from`
         (default: the default model's), whose ids must fit the config's vocabulary."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self = cls.__new__(cls)
         self._set_device(config, device, dtype)
-        self.tokenizer = (cls.default(device) if tokenizer_from is None else cls(tokenizer_from, "cpu")).tokenizer
+        self.tokenizer = cls.default(device).tokenizer if tokenizer_from is None else \
+            AutoTokenizer.from_pretrained(tokenizer_from)
         if len(self.tokenizer) > config.vocab_size:
             raise UnsupportedModelError(f"The tokenizer has {len(self.tokenizer)} ids; the config's vocabulary "
                                         f"holds {config.vocab_size}. Raise vocab_size.")

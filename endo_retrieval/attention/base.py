@@ -13,7 +13,6 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from endo_retrieval.backbone import Backbone, BackboneError
 
@@ -58,12 +57,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     mask = None
     if T > 1:
         mask = torch.arange(N, device=q.device)[None, :] <= torch.arange(N - T, N, device=q.device)[:, None]
-    # not cuDNN: it builds a plan per new key length, and sparse backends change the length at every call
-    # (measured on an H100: ReAttention at 16k took 44 s with cuDNN in the mix, 3.5 s for dense)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0).to(q.dtype),
-                                              v.unsqueeze(0).to(q.dtype), attn_mask=mask, scale=scaling,
-                                              enable_gqa=True)[0]
+    # cuDNN's SDPA, which builds a plan per key length, is switched off by `Backbone` on CUDA
+    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
+                                          attn_mask=mask, scale=scaling, enable_gqa=True)[0]
 
 
 @dataclass

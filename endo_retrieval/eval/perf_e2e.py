@@ -75,18 +75,17 @@ def time_s3(backbone, saes, context: str, questions: list[str], budget: int, max
             chunk_size: int) -> tuple[float, list[Timing]]:
     """(seconds to index the context, one Timing per question from the same index)."""
     from endo_retrieval.engine import Document, EndoIndex
-    from endo_retrieval.methods.s3 import S3Hybrid, join_spans
+    from endo_retrieval.methods.s3 import S3Hybrid
 
     device = backbone.device
     start = clock(device)
     index = EndoIndex(backbone, "s3-hybrid", saes=saes, chunk_size=chunk_size)
     index.add_documents([Document("context", context)])
     index_s = clock(device) - start
-    timings = []
+    hybrid, timings = S3Hybrid(backbone, saes=saes), []
     for q in questions:
         start = clock(device)
-        spans = index.select(q, budget, lead_tail=min(S3Hybrid.lead_tail, budget // 8))
-        kept = join_spans(spans, "s3-hybrid", budget).text
+        kept = hybrid.select(index, q, budget).text
         timings.append(greedy(backbone, kept, q, max_new_tokens)[0].after(clock(device) - start))
     return index_s, timings
 

@@ -29,7 +29,7 @@ class _EngineMethod:
     def prepare(self, context: str):
         from endo_retrieval.engine import Document, EndoIndex
 
-        index = EndoIndex(self.backbone, method="bm25" if self.index_kind == "bm25" else self.name, saes=self.saes)
+        index = EndoIndex(self.backbone, method=self.name, saes=self.saes)  # "bm25" builds no feature postings
         index.add_documents([Document("context", context)])
         return index
 
