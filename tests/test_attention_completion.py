@@ -169,3 +169,12 @@ def test_train_phi_lowers_the_distillation_loss_and_round_trips(tiny_backbone, t
     x = torch.randn(tiny_backbone.n_heads, 5, 16)
     assert torch.equal(again.log_phi_q(1, x), maps.log_phi_q(1, x).detach())
     Completion(phi=tmp_path / "phi").setup(tiny_backbone)  # loads from the folder and passes the model check
+
+
+def test_the_default_models_maps_ship_and_fit_only_it(backbone, tiny_backbone):
+    shipped = PhiMaps.load("default")
+    assert shipped.card["model_hash"] == backbone.model_hash and shipped.card["length"] == 8192
+    assert shipped.layers == list(range(backbone.n_layers)) and shipped.card["train"]["steps"] > 0
+    Completion(phi="default").setup(backbone)
+    with pytest.raises(AttentionError, match="trained for another model"):
+        Completion(phi="default").setup(tiny_backbone)
