@@ -40,7 +40,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # T, M and SPLIT_LEN change with every decode step: unspecialised, so a new length never recompiles
+    @triton.jit(do_not_specialize=["T", "M", "SPLIT_LEN"])
     def fused_topk_scores(q_ptr, k_ptr, val_ptr, idx_ptr, T, M, D, GROUP, SPLIT_LEN,
                           K_OUT: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr):

@@ -180,3 +180,24 @@ def test_text_errors_say_how_much_text_there_is(tiny, capsys, tmp_path):
     source = perf.TextSource.load(bb, str(root / "text"))  # repeating: about n tokens, the text twice and more
     longer = source.take(2 * held + 100)
     assert longer.startswith(source.text * 2) and abs(bb.count_tokens(longer) - (2 * held + 100)) <= 4
+
+
+def test_s3_timings_never_exceed_the_wall_clock(tiny, monkeypatch):
+    """Each question's time is its selection plus one generation: the sum cannot exceed the elapsed time (a
+    selection clock read after generating once counted every generation twice)."""
+    import time
+
+    bb, bank, root = tiny
+
+    def slow_greedy(backbone, context, question, new):
+        time.sleep(0.2)
+        return perf_e2e.Timing(0.05, 0.2), [0]
+
+    monkeypatch.setattr(perf_e2e, "greedy", slow_greedy)
+    context = perf.TextSource.load(bb, str(root / "text")).take(512)
+    start = time.perf_counter()
+    index_s, timings = perf_e2e.time_s3(bb, bank, context, ["What do the ships carry?"] * 3, 64, 2, 128)
+    wall = time.perf_counter() - start
+    assert len(timings) == 3 and all(t.ttft_s < t.total_s for t in timings)
+    assert index_s + sum(t.total_s for t in timings) <= wall + 1e-3
+    assert all(t.total_s - t.ttft_s == pytest.approx(0.15) for t in timings)

@@ -32,7 +32,7 @@ def test_triton_matches_twin(n, d_in, d_latent, k):
     from endo_retrieval.kernels.sae_topk import sae_topk_triton
 
     W, b_enc, b_dec = weights(d_in, d_latent, device="cuda")
-    x = 3 * torch.randn(n, d_in, device="cuda")
+    x = (3 * torch.randn(n, d_in, generator=torch.Generator().manual_seed(n))).to("cuda")  # seeded: no flaky ties
     ids, acts = sae_topk_triton(x, W, b_enc, b_dec, k)
     ref_ids, ref_acts = sae_topk_reference(x, W, b_enc, b_dec, k)
     z = torch.relu((x - b_dec) @ W.T + b_enc)  # exact fp32 activations of every latent

@@ -86,7 +86,8 @@ def time_s3(backbone, saes, context: str, questions: list[str], budget: int, max
     for q in questions:
         start = clock(device)
         kept = hybrid.select(index, q, budget).text
-        timings.append(greedy(backbone, kept, q, max_new_tokens)[0].after(clock(device) - start))
+        selected = clock(device) - start  # taken before generating, or the generation would count twice
+        timings.append(greedy(backbone, kept, q, max_new_tokens)[0].after(selected))
     return index_s, timings
 
 
