@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     from endo_retrieval.backbone import BackboneError
 
     try:
-        return int(run(args) or 0)
+        rc = run(args)
+        return rc if isinstance(rc, int) else 0  # some commands return their report (train-sae: the card)
     except (BackboneError, ValueError, FileNotFoundError) as e:
         print(f"endo {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikite
 DEFAULT_EXPANSION = 16  # head_dim 64 -> 1024 latents (docs/sae.md: fewer dead latents, stabler features)
 DEFAULT_K = 16
 STABILITY_CHUNKS = (512, 1024, 2048, 4096)
+FITS = ("keys", "keys+queries")
 
 
 @dataclass
@@ -271,6 +272,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in OUT")
+    parser.add_argument("--fit", choices=FITS, default="keys",
+                        help="vectors to train on: 'keys' (the paper, section 3.3) or 'keys+queries' (as many queries as "
+                             "keys, drawn at random: one codebook that also reconstructs the queries of Eq. 6)")
     parser.add_argument("--stability-tokens", type=int, default=8192,
                         help="held-out tokens for the chunk-stability table (S3 Table 9); 0 to skip")
     return parser
@@ -305,7 +309,7 @@ def run(args: argparse.Namespace) -> dict:
         path = out / "vectors" / f"{name}.safetensors"
         if path.exists():
             cached, meta = load_states(path)
-            if all(l in cached.get("k", {}) for l in layers):
+            if all(l in cached.get(kind, {}) for l in layers for kind in capture):
                 return cached, meta
         b = bb()
         got = collect_states(b, read_corpus(corpus), layers, max_tokens, args.chunk_size, capture, interactive)
@@ -314,7 +318,7 @@ def run(args: argparse.Namespace) -> dict:
         save_states(path, got, meta)
         return got, meta
 
-    train, meta = states("train", args.corpus, args.max_tokens, ("k",))
+    train, meta = states("train", args.corpus, args.max_tokens, ("k", "q") if args.fit == "keys+queries" else ("k",))
     d_in = next(iter(train["k"].values())).shape[-1]
     cfg = TrainConfig(d_latent=args.expansion * d_in, k=args.k, steps=args.steps, batch_size=args.batch_size,
                       seed=args.seed, device=device)
@@ -328,6 +332,10 @@ def run(args: argparse.Namespace) -> dict:
         if ckpt.exists() and not args.resume:
             ckpt.unlink()
         vectors = train["k"][l].reshape(-1, d_in)  # the layer's KV heads share one SAE
+        if args.fit == "keys+queries":
+            queries = train["q"][l].reshape(-1, d_in)
+            pick = torch.randperm(len(queries), generator=torch.Generator().manual_seed(args.seed))[: len(vectors)]
+            vectors = torch.cat([vectors, queries[pick]])
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         sae, stats = train_sae(vectors, cfg, checkpoint=ckpt, progress=interactive, desc=f"layer {l}")
         stats["vectors"] = len(vectors)
@@ -336,7 +344,7 @@ def run(args: argparse.Namespace) -> dict:
         sae.save(folder, model_hash=meta["model_hash"], model=meta["model"], layer=l, train=stats)
     card = {"model": meta["model"], "model_hash": meta["model_hash"], "layers": layers, "d_in": d_in,
             "d_latent": cfg.d_latent, "k": cfg.k, "expansion": args.expansion, "aggregation": AGGREGATION,
-            "shared_across_kv_heads": True, "training_corpus": Path(meta["corpus"]).name,
+            "shared_across_kv_heads": True, "fit": args.fit, "training_corpus": Path(meta["corpus"]).name,
             "training_tokens": meta["tokens"], "training_vectors": {str(l): s.get("vectors") for l, s in train_stats.items()},
             "recipe": {**{k: v for k, v in asdict(cfg).items() if k not in ("device", "d_latent", "k")},
                        "aux_k": cfg.aux_k or d_in // 2},

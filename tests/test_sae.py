@@ -210,3 +210,22 @@ def test_shipped_saes_reconstruct_heldout_keys():
         fvu = sae.fvu(chunk.keys[layer].reshape(-1, sae.d_in))
         assert fvu <= 0.12, f"layer {layer}: held-out key FVU {fvu:.3f}"
         assert math.isclose(bank.card["fvu_k"][str(layer)], fvu, abs_tol=0.05)
+
+
+@pytest.mark.parametrize("fit", ["keys", "keys+queries"])
+def test_train_sae_command_fits_keys_or_keys_and_queries(fit, tmp_path):
+    """`endo train-sae` end to end on a tiny model: exit code 0, and keys+queries trains on as many queries as keys."""
+    from conftest import make_tiny_model
+    from endo_retrieval.cli import main
+
+    folder = make_tiny_model("llama", tmp_path / "model", layers=2)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The harbour master counted the ships that came in with the tide. " * 30)
+    out = tmp_path / "sae"
+    assert main(["train-sae", "--model", str(folder), "--corpus", str(corpus), "--heldout", "none", "--layers", "1",
+                 "--out", str(out), "--steps", "3", "--batch-size", "32", "--expansion", "4", "--k", "4",
+                 "--fit", fit, "--device", "cpu"]) == 0
+    card = json.loads((out / "card.json").read_text())
+    tokens, kv_heads = card["training_tokens"], 2  # make_tiny_model: 2 KV heads
+    assert card["fit"] == fit
+    assert card["training_vectors"]["1"] == tokens * kv_heads * (2 if fit == "keys+queries" else 1)
