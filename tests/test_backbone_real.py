@@ -1,4 +1,5 @@
 """The real default model: greedy answers, chunked key states against a full pass (S3 appendix I)."""
+import numpy as np
 import pytest
 
 from endo_retrieval.eval.consistency import key_consistency
@@ -31,3 +32,29 @@ def test_chunked_keys_against_full_pass_on_real_8k_text(backbone):
     assert cos[("independent", 15)] >= 0.95 and cos[("independent", 29)] >= 0.95
     for layer in (15, 29):  # sink + window keeps more of the history than a lone chunk
         assert rel[("sink_window", layer)] < rel[("independent", layer)]
+
+
+def test_long_texts_tokenise_in_pieces_exactly_as_in_one_pass(backbone, monkeypatch):
+    """Cuts after newlines are kept only where a window across them agrees; the result is the one-pass encoding."""
+    text = "".join(f"Record {i}: the harbour master logged {i * 7} ships, “{i % 13}” of them late — é.\n\n"
+                   f"  An indented note follows line {i}.\n" for i in range(400))
+    whole = backbone._encode_batch([text])[0]
+    for piece_chars in (1000, 4096):
+        pieces = backbone.encode(text, piece_chars=piece_chars)
+        assert np.array_equal(pieces.ids, whole.ids) and np.array_equal(pieces.offsets, whole.offsets)
+    assert backbone._encode_pieces(text, 1000) is not None  # most cuts here are safe: the pieces were used
+    unsafe = "alpha beta gamma.\n   " * 3000  # every newline starts a whitespace run the tokenizer keeps whole
+    assert backbone._encode_pieces(unsafe, 1000) is None  # so no cut is offered
+    assert np.array_equal(backbone.encode(unsafe, piece_chars=1000).ids, backbone._encode_batch([unsafe])[0].ids)
+    one_pass = backbone._encode_batch
+
+    def odd_pieces(texts, starts=None):  # a tokenizer whose piece edges differ from one pass: the check must see it
+        out = one_pass(texts, starts)
+        if starts and len(texts) > 1 and texts[1].startswith("Record"):
+            out[1].ids = out[1].ids.copy()
+            out[1].ids[0] += 1
+        return out
+
+    monkeypatch.setattr(backbone, "_encode_batch", odd_pieces)
+    assert backbone._encode_pieces(text, 1000) is None
+    assert np.array_equal(backbone.encode(text, piece_chars=1000).ids, whole.ids)
