@@ -20,17 +20,12 @@ from pathlib import Path
 
 import torch
 
+from endo_retrieval.eval.bench import _int_list
 from endo_retrieval.eval.perf import length_label, peak_rss_mb
 
 SCHEMA = "endo-bench-attention/1"
 QUESTION = "What is the pass key?"
 ANSWER_PREFIX = "The pass key is"
-
-
-def _ints(text: str) -> list[int]:
-    from endo_retrieval.eval.bench import _int_list
-
-    return _int_list(text)
 
 
 def _fractions(text: str) -> list[float]:
@@ -56,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, any of {', '.join(MEASURES)} (default accuracy,kernel; kernel and "
                         "latency need CUDA)")
     p.add_argument("--out", required=True, help="FILE.json; FILE.md and FILE.png go beside it")
-    p.add_argument("--context-tokens", type=_ints, default=[8192, 16384, 32768, 65536, 131072],
+    p.add_argument("--context-tokens", type=_int_list, default=[8192, 16384, 32768, 65536, 131072],
                    help="haystack lengths (default 8192,16384,32768,65536,131072)")
     p.add_argument("--depths", type=int, default=5, help="needle depths per length, evenly from 0 to 1 (default 5)")
     p.add_argument("--attention", default="dense,reattention",
@@ -77,12 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-keys", type=int, default=4096, help="cached keys per sequence (default 4096)")
     p.add_argument("--latency-batch", type=int, default=16, help="sequences decoded together (default 16)")
     p.add_argument("--latency-steps", type=int, default=32, help="decode steps timed per backend (default 32)")
-    p.add_argument("--scopes", type=_ints, default=None,
+    p.add_argument("--scopes", type=_int_list, default=None,
                    help="ReAttention attended scopes to compare (its `window`: local = half, k' fills the rest); "
                         "default: the model's trained window only")
     p.add_argument("--dense-max", type=int, default=None,
                    help="skip `dense` above this length (it reads every key; default: run it everywhere)")
-    p.add_argument("--kernel-keys", type=_ints, default=[8192, 16384, 32768, 65536],
+    p.add_argument("--kernel-keys", type=_int_list, default=[8192, 16384, 32768, 65536],
                    help="key counts for the kernel comparison (CUDA only)")
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)

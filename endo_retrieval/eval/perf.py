@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from endo_retrieval.eval.bench import _int_list
+
 SCHEMA = "endo-bench-perf/1"
 SECTIONS = ("index", "memory", "query", "e2e", "ttft")
 DEFAULT_TEXT = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pg_essays"
@@ -319,12 +321,6 @@ def query_section(backbone, saes, source: TextSource, sizes: list[int], base_tok
 
 # ---- arguments --------------------------------------------------------------------------------------------------
 
-def _ints(text: str) -> list[int]:
-    from endo_retrieval.eval.bench import _int_list
-
-    return _int_list(text)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from endo_retrieval.engine import CHUNK
 
@@ -336,23 +332,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-repeat", action="store_true", help="refuse lengths longer than the text instead")
     p.add_argument("--index-tokens", type=int, default=None, help=f"index section length (default {cuda[0]} on "
                    f"CUDA, {cpu[0]} on CPU)")
-    p.add_argument("--lengths", type=_ints, default=None, help=f"memory section lengths (default "
+    p.add_argument("--lengths", type=_int_list, default=None, help=f"memory section lengths (default "
                    f"{','.join(map(str, cuda[1]))}; CPU {','.join(map(str, cpu[1]))})")
-    p.add_argument("--corpus-sizes", type=_ints, default=None, help=f"query section corpus sizes in tokens, "
+    p.add_argument("--corpus-sizes", type=_int_list, default=None, help=f"query section corpus sizes in tokens, "
                    f"multiples of --query-base (default {','.join(map(str, cuda[2]))}; CPU "
                    f"{','.join(map(str, cpu[2]))})")
     p.add_argument("--query-base", type=int, default=None, help="tokens really indexed for the query section; "
                    "larger corpora are copies of it (default: the smallest corpus size)")
     p.add_argument("--query-questions", type=int, default=20, help="questions timed per corpus size (default 20)")
-    p.add_argument("--e2e-lengths", type=_ints, default=None, help=f"e2e context lengths (default "
+    p.add_argument("--e2e-lengths", type=_int_list, default=None, help=f"e2e context lengths (default "
                    f"{','.join(map(str, cuda[3]))}; CPU {','.join(map(str, cpu[3]))})")
     p.add_argument("--questions", type=int, default=10, help="questions one s3-hybrid index serves in e2e "
                    "(the amortised row; default 10)")
-    p.add_argument("--ttft-lengths", type=_ints, default=None, help=f"ttft lengths on the model (default "
+    p.add_argument("--ttft-lengths", type=_int_list, default=None, help=f"ttft lengths on the model (default "
                    f"{','.join(map(str, cuda[4]))}; CPU {','.join(map(str, cpu[4]))})")
     p.add_argument("--random-llama-8b", action="store_true", help="also time ttft on a Llama-3-8B-shaped model "
                    "with RANDOM weights (CUDA only)")
-    p.add_argument("--ttft-lengths-8b", type=_ints, default=[131072, 262144, 524288, 1048576],
+    p.add_argument("--ttft-lengths-8b", type=_int_list, default=[131072, 262144, 524288, 1048576],
                    help="ttft lengths of the 8B-shaped model (default 131072,262144,524288,1048576)")
     p.add_argument("--budget", type=int, default=1024, help="context tokens ilre and s3-hybrid keep (default 1024)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per question in e2e (default 64)")
