@@ -24,6 +24,26 @@ def backbone():
     return Backbone.default()
 
 
+class ShapeBackbone:
+    """Enough of a backbone for attention backends on random states: shapes, RoPE at positions, a rotary module."""
+
+    def __init__(self, layers=2, heads=4, kv_heads=2, head_dim=8, device="cpu"):
+        import torch
+
+        self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim = layers, heads, kv_heads, head_dim
+        self.device, self.model_hash, self.model_id = torch.device(device), "shape", "shape"
+        self.model = type("M", (), {"model": type("I", (), {"rotary_emb": True})()})()
+
+    def apply_rope(self, x, positions):
+        import torch
+
+        pos = torch.as_tensor(positions, dtype=torch.float32, device=x.device)[:, None]
+        freq = 1.0 / 100 ** (torch.arange(0, self.head_dim // 2, device=x.device) / (self.head_dim // 2))
+        cos, sin = (pos * freq).cos().repeat(1, 2), (pos * freq).sin().repeat(1, 2)
+        half = self.head_dim // 2
+        return (x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin).to(x.dtype)
+
+
 def make_tiny_model(family: str, folder: Path, layers: int = 4) -> Path:
     """A random-weight model of `family` with the default model's tokenizer (for shapes and plumbing only)."""
     import torch

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import ShapeBackbone
 
 from endo_retrieval.attention import Dense
 from endo_retrieval.eval.attention_error import (
@@ -48,22 +49,6 @@ def test_read_accounting_matches_the_papers_worked_numbers():
     assert completion_reads(10 ** 6, 1000, 2.5, 64, 64) == 1000 + 2.5  # K covers M: no remainder, no fetch
 
 
-class _Shape:
-    """Enough of a backbone for replay on random states: shapes, RoPE at positions, a rotary module."""
-
-    def __init__(self, layers=2, heads=4, kv_heads=2, head_dim=8):
-        self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim = layers, heads, kv_heads, head_dim
-        self.device, self.model_hash, self.model_id = torch.device("cpu"), "shape", "shape"
-        self.model = type("M", (), {"model": type("I", (), {"rotary_emb": True})()})()
-
-    def apply_rope(self, x, positions):
-        pos = torch.as_tensor(positions, dtype=torch.float32)[:, None]
-        freq = 1.0 / 100 ** (torch.arange(0, self.head_dim // 2) / (self.head_dim // 2))
-        cos, sin = (pos * freq).cos().repeat(1, 2), (pos * freq).sin().repeat(1, 2)
-        half = self.head_dim // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
-
-
 def _window(bb, n_prefill=80, queries=4, seed=0):
     from endo_retrieval.eval.attention_error import Window
 
@@ -76,7 +61,7 @@ def _window(bb, n_prefill=80, queries=4, seed=0):
 
 
 def test_top_k_covering_every_token_has_zero_error_and_reads_the_whole_context():
-    bb = _Shape()
+    bb = ShapeBackbone()
     window = _window(bb)
     reference = replay(bb, Dense(), window)
     dense = measure(bb, window, reference, "dense", 80)
@@ -88,7 +73,7 @@ def test_top_k_covering_every_token_has_zero_error_and_reads_the_whole_context()
 
 
 def test_prhs_reads_are_counted_per_head_and_step():
-    bb = _Shape()
+    bb = ShapeBackbone()
     window = _window(bb)
     reference = replay(bb, Dense(), window)
     # top_k = 60 - 8 - 32 = 20 middle keys (of 80 - 40 + t); the gate shut, no PSAW: every head retrieves
@@ -106,7 +91,7 @@ def test_prhs_reads_are_counted_per_head_and_step():
 def test_infeasible_budget_is_a_dash_not_a_crash():
     from endo_retrieval.attention.phi import PhiMaps
 
-    bb = _Shape()
+    bb = ShapeBackbone()
     window = _window(bb)
     maps = PhiMaps({"model_hash": "shape", "head_dim": 8, "n_heads": 4, "n_kv_heads": 2, "layers": [0, 1],
                     "d_phi": 16, "scaling": 8 ** -0.5, "length": None})

@@ -11,6 +11,7 @@ import torch
 from endo_retrieval.attention import AttentionError, Dense
 from endo_retrieval.attention.generate import generate_ids
 from endo_retrieval.attention.prhs import PrHS
+from endo_retrieval.kernels.prhs_step import prhs_step_reference
 
 NEEDLE = ("The tram line follows the canal past the brewery and the old customs house. " * 12
           + "\n\nThe harbour master's name is Ilsabet Quorn. " + "Fog rolled over the quay every morning. " * 10
@@ -82,20 +83,29 @@ def test_retrieval_ratio_counts_one_retrieval_per_block_when_the_gate_is_open(ti
 
 
 def test_cis_shares_the_dilated_set_of_the_reference_query(tiny_backbone):
-    backend = PrHS(top_k=3, sink=2, local=4, tau=-2.0, radius=1, psaw=False, etf=False)
-    backend.setup(tiny_backbone)
-    H, d, N = tiny_backbone.n_heads, tiny_backbone.head_dim, 30
-    keys = torch.zeros(tiny_backbone.n_kv_heads, N + 1, d)
+    H, Hkv, d, N = tiny_backbone.n_heads, tiny_backbone.n_kv_heads, tiny_backbone.head_dim, 30
+    keys = torch.zeros(Hkv, N + 1, d)
     keys[:, [10, 20, 15], 0] = torch.tensor([5.0, 4.0, 3.0])  # scores along q = e0: 10 > 20 > 15 > the rest
+    values = torch.randn(Hkv, N + 1, d, generator=torch.Generator().manual_seed(0))
     q = torch.zeros(H, d)
     q[:, 0] = 1
-    everything = torch.ones(N + 1, dtype=torch.bool)
-    first = backend._critical_set(0, q, q, keys[:, :N], everything[:N])
-    assert first[0].nonzero().flatten().tolist() == [0, 1, 10, 15, 20, 26, 27, 28, 29]  # S*_t undilated
-    shared = backend._critical_set(0, -q, -q, keys, everything)  # gate open: no retrieval, the reference's set
-    # Eq. 13 with m = floor(3/3) = 1: only the best index, 10, widened to 9..11; the local window moved by one
-    assert shared[0].nonzero().flatten().tolist() == [0, 1, 9, 10, 11, 15, 20, 27, 28, 29, 30]
-    assert backend._retrievals == H
+    size = 3 + 1 * 3  # k + m (2r + 1) with m = floor(3/3) = 1, r = 1
+    state = (torch.zeros(H, d), torch.zeros(H, size, dtype=torch.long), torch.full((H,), -1, dtype=torch.long))
+    retrievals = torch.zeros((), dtype=torch.int32)
+    settings = dict(block=0, window=0, sink=2, local=4, top_k=3, radius=1, tau=-2.0, cis=True, scaling=1.0)
+
+    def by_hand(query, n, seen):  # softmax attention of every head over the listed keys
+        seen = torch.tensor(seen)
+        return torch.stack([torch.softmax(keys[h // (H // Hkv), seen] @ query[h], 0) @ values[h // (H // Hkv), seen]
+                            for h in range(H)])
+
+    first = prhs_step_reference(q, q, keys[:, :N], values[:, :N], *state, retrievals, **settings)
+    assert torch.allclose(first, by_hand(q, N, [0, 1, 10, 15, 20, 26, 27, 28, 29]), atol=1e-6)  # S*_t undilated
+    assert state[1][0].tolist() == [10, 20, 15, 9, 10, 11] and state[2].tolist() == [0] * H  # Eq. 13 reference
+    shared = prhs_step_reference(-q, -q, keys, values, *state, retrievals, **settings)  # gate open: no retrieval
+    # the reference's set: the best index, 10, widened to 9..11, with 20 and 15; the local window moved by one
+    assert torch.allclose(shared, by_hand(-q, N + 1, [0, 1, 9, 10, 11, 15, 20, 27, 28, 29, 30]), atol=1e-6)
+    assert int(retrievals) == H
 
 
 def test_psaw_window_and_etf_freezing_follow_eq_15_and_16(tiny_backbone):

@@ -8,7 +8,10 @@ middle [C_sink, t - C_local) with the largest scores (the top-k oracle). Three p
   still retrieve.
 - PSAW (IV-B): from layer l_s on, keys in [C_sink, P_l(t)) are masked, in prefill and decoding (Eq. 15).
 - ETF (IV-C): in prefill, from layer l_s on, tokens in [C_sink, E_l(t)) skip attention (Eq. 16).
-Prefill is otherwise dense; keys are cached rotated at their absolute positions, as in `dense`.
+Prefill is otherwise dense; keys are cached rotated at their absolute positions, as in `dense`. A decode step is
+`kernels/prhs_step.py`: two fused Triton launches on CUDA (gate, scores, top-k, dilation, gathered attention; the
+CIS state and the retrieval count stay on the device), its torch twin elsewhere. While the middle holds no more
+than k keys it is read whole (it is its own top-k) and nothing is counted as a retrieval.
 
 Interface limits (documented, not hidden): the backend sees one layer's attention only, so an ETF-frozen token
 gets a zero attention update (its residual stream passes through attention) but still runs the layer's MLP, and
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from endo_retrieval.attention.base import AttentionBackend, AttentionError
 from endo_retrieval.backbone import Backbone
+from endo_retrieval.kernels.prhs_step import prhs_step
 
 
 @dataclass
@@ -43,6 +47,7 @@ class PrHS(AttentionBackend):
     psi: float = 0.5
     gamma: float = 1.0
     start_layer: int | None = None  # l_s; None: floor(3N/4) (section V-A)
+    use_kernel: bool = True  # the fused Triton decode step on CUDA
 
     name = "prhs"
 
@@ -61,10 +66,9 @@ class PrHS(AttentionBackend):
             raise AttentionError(f"start_layer {self.l_s} is outside the model's layers 0..{n - 1}")
         self.group = backbone.n_heads // backbone.n_kv_heads
         self._step = [0] * n  # decode steps seen per layer
-        self._ref_q: list[torch.Tensor | None] = [None] * n  # (H, d) pre-RoPE query of each head's last retrieval
-        self._ref_set: list[torch.Tensor | None] = [None] * n  # (H, k + m(2r+1)) its dilated set (Eq. 13)
-        self._ref_block: list[torch.Tensor | None] = [None] * n  # (H,) the CIS block of that retrieval
-        self._retrievals, self._steps = 0, 0
+        self._cis: list[tuple | None] = [None] * n  # per layer: ref_q, ref_set, ref_block (see `_cis_state`)
+        self._retrieved: torch.Tensor | None = None  # heads that retrieved, counted on the device (no host sync)
+        self._steps = 0
 
     @property
     def scope(self) -> int:
@@ -75,8 +79,9 @@ class PrHS(AttentionBackend):
     def stats(self) -> dict:
         """rho-hat = mean over decode steps of R_t / (H * N) (section V-A)."""
         slots = self._steps * self.backbone.n_heads * self.backbone.n_layers
-        return {"decode_steps": self._steps, "retrievals": self._retrievals,
-                "rho_hat": self._retrievals / slots if slots else None}
+        retrievals = int(self._retrieved) if self._retrieved is not None else 0
+        return {"decode_steps": self._steps, "retrievals": retrievals,
+                "rho_hat": retrievals / slots if slots else None}
 
     def _fraction(self, layer: int, base: float, power: float) -> float:
         """1 - base^(power (l - l_s) / (N - l_s)) for l >= l_s, else 0: the shared shape of Eq. 15 and 16."""
@@ -96,60 +101,52 @@ class PrHS(AttentionBackend):
         start = self.cache.length(layer)
         stop = start + q.shape[1]
         keys, values = self.cache.append(layer, self.rope(k, start, stop), v)
+        qr = self.rope(q, start, stop)
+        if q.shape[1] == 1:
+            return self._decode(layer, q, qr, keys, values, scaling)
         positions = torch.arange(start, stop, device=q.device)
         key_pos = torch.arange(stop, device=q.device)
         visible = key_pos[None, :] <= positions[:, None]  # causal (T, N)
         if self.psaw:  # Eq. 15: sinks plus [P_l(t), t]
             window = self.window_start(layer, positions + 1)[:, None]
             visible &= (key_pos[None, :] < self.sink) | (key_pos[None, :] >= window)
-        qr = self.rope(q, start, stop)
-        if q.shape[1] > 1:  # prefill
-            out = _masked_attention(qr, keys, values, visible.expand(q.shape[0], -1, -1), scaling)
-            if self.etf:  # Eq. 16: frozen tokens skip attention
-                out[:, (positions >= self.sink) & (positions < self.frozen_end(layer, stop))] = 0
-            return out
-        critical = self._critical_set(layer, q[:, 0], qr[:, 0], keys, visible[0])
-        return _masked_attention(qr, keys, values, (critical & visible[0])[:, None, :], scaling)
+        out = _masked_attention(qr, keys, values, visible.expand(q.shape[0], -1, -1), scaling)
+        if self.etf:  # Eq. 16: frozen tokens skip attention
+            out[:, (positions >= self.sink) & (positions < self.frozen_end(layer, stop))] = 0
+        return out
 
-    def _critical_set(self, layer: int, q: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor,
-                      visible: torch.Tensor) -> torch.Tensor:
-        """Boolean (H, N): sinks, local tokens and each head's middle set, retrieved or shared by CIS."""
-        H, N = q.shape[0], keys.shape[1]
-        key_pos = torch.arange(N, device=q.device)
-        critical = ((key_pos < self.sink) | (key_pos >= N - self.local)).expand(H, N).clone()
+    def _decode(self, layer: int, q: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+        """One decode step: `prhs_step` (fused on CUDA) once the middle holds more than k keys."""
+        N = keys.shape[1]
         step = self._step[layer]
         self._step[layer] += 1
         if layer == 0:
             self._steps += 1
-        block = step // self.block_size
-        ref_q, ref_set, ref_block = self._ref_q[layer], self._ref_set[layer], self._ref_block[layer]
-        share = torch.zeros(H, dtype=torch.bool, device=q.device)
-        if self.cis and ref_q is not None:  # sharing stays inside a block, so its first query retrieves
-            similar = F.cosine_similarity(q.float(), ref_q.float(), dim=-1) > self.tau  # Eq. 12
-            share = (ref_block == block) & similar
-        if bool(share.any()):
-            critical[share] = critical[share].scatter(1, ref_set[share].clamp(0, N - 1), True)
-        need = ~share
-        self._retrievals += int(need.sum())
-        middle = visible & (key_pos >= self.sink) & (key_pos < N - self.local)
-        n_mid = int(middle.sum())
-        if n_mid == 0:
-            return critical
-        heads = need.nonzero().squeeze(1)
-        scores = torch.einsum("hd,hnd->hn", qr[heads].float(), keys[heads // self.group].float())
-        picks = scores.masked_fill(~middle, float("-inf")).topk(min(self.top_k, n_mid), dim=-1).indices  # S*_t
-        critical[heads] = critical[heads].scatter(1, picks, True)
-        if self.cis:
-            m = self.top_k // 3  # dilate the m best of S*_t by +-r (Eq. 13)
-            offsets = torch.arange(-self.radius, self.radius + 1, device=q.device)
-            dilated = torch.cat([picks, (picks[:, :m, None] + offsets).flatten(1)], dim=1)
-            if ref_set is None or ref_set.shape[1] != dilated.shape[1]:  # k fills up while the middle is short
-                self._ref_q[layer], self._ref_set[layer] = q.clone(), dilated.new_zeros(H, dilated.shape[1])
-                self._ref_block[layer] = torch.full((H,), -1, dtype=torch.long, device=q.device)
-            self._ref_q[layer][heads] = q[heads]
-            self._ref_set[layer][heads] = dilated
-            self._ref_block[layer][heads] = block
-        return critical
+        window = math.floor(self._fraction(layer, self.phi, self.alpha) * N) if self.psaw else 0  # P_l(t), Eq. 15
+        if N - self.local - max(self.sink, window) < self.top_k:  # the middle is its own top-k: read it whole
+            pos = torch.arange(N, device=q.device)
+            visible = (pos < self.sink) | (pos >= window)
+            return _masked_attention(qr, keys, values, visible.expand(q.shape[0], 1, N), scaling)
+        out = self._sparse_step(q[:, 0], qr[:, 0], keys, values, self._cis_state(layer, q), scaling,
+                                block=step // self.block_size, window=window, sink=self.sink, local=self.local,
+                                top_k=self.top_k, radius=self.radius, tau=self.tau, cis=self.cis)
+        return out[:, None]
+
+    def _sparse_step(self, q, qr, keys, values, state, scaling, **selection) -> torch.Tensor:
+        return prhs_step(q, qr, keys, values, *state, self._retrieved, use_kernel=self.use_kernel, scaling=scaling,
+                         **selection)
+
+    def _cis_state(self, layer: int, q: torch.Tensor) -> tuple:
+        """This layer's CIS reference (ref_q, ref_set, ref_block = -1: nothing to share yet), made at first use."""
+        if self._cis[layer] is None:
+            H, d = q.shape[0], q.shape[2]
+            size = self.top_k + (self.top_k // 3) * (2 * self.radius + 1)
+            self._cis[layer] = (q.new_zeros(H, d), torch.zeros(H, size, dtype=torch.long, device=q.device),
+                                torch.full((H,), -1, dtype=torch.long, device=q.device))
+        if self._retrieved is None:
+            self._retrieved = torch.zeros((), dtype=torch.int32, device=q.device)
+        return self._cis[layer]
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float

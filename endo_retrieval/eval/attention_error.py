@@ -29,8 +29,9 @@ import torch
 from endo_retrieval.attention.base import AttentionBackend, AttentionError
 from endo_retrieval.attention.completion import Completion
 from endo_retrieval.attention.dense import Dense
-from endo_retrieval.attention.prhs import PrHS
+from endo_retrieval.attention.prhs import PrHS, _masked_attention
 from endo_retrieval.eval.perf import length_label
+from endo_retrieval.kernels.prhs_step import prhs_reads
 
 EPS = 1e-6  # Eq. 53's epsilon
 SINK, TAIL = 4, 16  # seed 002's anchors (section 6.3); also the mid region M of the entropy (Eq. 51)
@@ -147,14 +148,14 @@ class _CountingPrHS(PrHS):
         super().setup(backbone)
         self.attended, self.scored, self.head_steps = 0.0, 0.0, 0
 
-    def _critical_set(self, layer, q, qr, keys, visible):
-        before = self.stats["retrievals"]
-        critical = super()._critical_set(layer, q, qr, keys, visible)
-        middle = int((visible[self.sink:keys.shape[1] - self.local]).sum())
-        self.attended += float((critical & visible).sum())
-        self.scored += (self.stats["retrievals"] - before) * middle
+    def _sparse_step(self, q, qr, keys, values, state, scaling, **selection):  # the twin, whose mask is counted
+        before = int(self._retrieved)
+        reads = prhs_reads(q, qr, keys, *state, self._retrieved, **selection)
+        self.attended += float(reads.sum())
+        middle = keys.shape[1] - self.local - max(self.sink, selection["window"])
+        self.scored += (int(self._retrieved) - before) * middle
         self.head_steps += q.shape[0]
-        return critical
+        return _masked_attention(qr[:, None], keys, values, reads[:, None], scaling)[:, 0]
 
 
 def replay(backbone, backend: AttentionBackend, window: Window) -> torch.Tensor:
