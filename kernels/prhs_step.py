@@ -186,7 +186,7 @@ def _kernels():
 
 def prhs_step_triton(q, qr, keys, values, ref_q, ref_set, ref_block, retrievals, *, block: int, window: int,
                      sink: int, local: int, top_k: int, radius: int, tau: float, cis: bool, scaling: float,
-                     block_n: int = 128) -> torch.Tensor:
+                     block_n: int = 128, warps: int = 8) -> torch.Tensor:
     """The fused kernels on CUDA: same contract as `prhs_step_reference`."""
     import triton
 
@@ -214,5 +214,5 @@ def prhs_step_triton(q, qr, keys, values, ref_q, ref_set, ref_block, retrievals,
         block, tau, scaling, GROUP=group, D=D, SINK=sink, SINK_PAD=max(16, triton.next_power_of_2(sink)),
         LOCAL=local, LOCAL_PAD=max(16, triton.next_power_of_2(local)), TOP_K=top_k, M_BEST=top_k // 3,
         RADIUS=radius, SET=set_size, SET_PAD=max(16, triton.next_power_of_2(set_size)), MID_PAD=mid_pad, CIS=cis,
-        num_warps=8)
+        num_warps=warps)
     return out

@@ -37,7 +37,8 @@ def test_fused_step_matches_the_twin_over_decode_steps(dtype, window, cis, radiu
         want = prhs_step_reference(q, qr, keys[:, :n], values[:, :n], *twin, block=t // 4, **settings)
         assert (got.float() - want.float()).abs().max().item() < tol, f"step {t}"
         assert torch.equal(mine[2], twin[2]) and int(mine[3]) == int(twin[3])
-        assert torch.equal(mine[1].sort(1).values, twin[1].sort(1).values)
+        if cis:  # the kernel writes its set even without CIS (nothing reads it then)
+            assert torch.equal(mine[1].sort(1).values, twin[1].sort(1).values)
     assert 0 < int(twin[3]) < H * steps if cis else int(twin[3]) == H * steps  # some heads shared
 
 
