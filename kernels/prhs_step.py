@@ -9,9 +9,9 @@ Per query head h, with N cached keys, the middle M = [lo, hi) (lo = max(sink, PS
 The CIS state (ref_q (H, d), ref_set (H, k + m(2r+1)), ref_block (H,)) is updated in place and the retrieving
 heads are added to `retrievals`, on the device: a step never synchronises with the host.
 
-Kernel A scores only the retrieving heads' middles, split over many programs (a decode step alone is H programs);
-kernel B, one program per head, takes the top-k by a radix select over the scores (no sort), writes the new
-reference, removes duplicate positions of a dilated set (each slot stakes its position in a scratch row; the slot
+Kernel A scores only the retrieving heads' middles, split over many programs (a decode step alone is H programs),
+each KV tile loaded once for its query heads; kernel B, one program per head, takes the top-k by bisection over the
+scores' order-preserving integer keys (no sort) and the m best among those k, writes the new reference, removes duplicate positions of a dilated set (each slot stakes its position in a scratch row; the slot
 that wins keeps it) and attends with gathered keys. The middle must hold at least k keys (the caller's job).
 Triton is imported lazily; without it (or on CPU) the twin runs.
 """
@@ -86,24 +86,29 @@ def _kernels():
     def score_middle(q_ptr, qr_ptr, k_ptr, ref_q_ptr, ref_block_ptr, score_ptr, k_head_stride, k_row_stride,
                      score_stride, lo, hi, block, tau, GROUP: tl.constexpr, D: tl.constexpr,
                      BLOCK_N: tl.constexpr):
-        h = tl.program_id(0)
-        need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, h, block, tau, D)
+        kv = tl.program_id(0)  # one KV head's tile, scored for each of its query heads that retrieves
         cols = lo + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         dims = tl.arange(0, D)
-        ok = (cols < hi) & need  # a sharing head loads nothing
-        kt = tl.load(k_ptr + (h // GROUP) * k_head_stride + cols[:, None] * k_row_stride + dims[None, :],
+        any_need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, kv * GROUP, block, tau, D)
+        for g in tl.static_range(1, GROUP):
+            any_need = any_need | ~shares(q_ptr, ref_q_ptr, ref_block_ptr, kv * GROUP + g, block, tau, D)
+        ok = (cols < hi) & any_need  # a group whose heads all share loads nothing
+        kt = tl.load(k_ptr + kv * k_head_stride + cols[:, None] * k_row_stride + dims[None, :],
                      mask=ok[:, None], other=0.0).to(tl.float32)
-        q = tl.load(qr_ptr + h * D + dims).to(tl.float32)
-        tl.store(score_ptr + h * score_stride + cols, tl.sum(kt * q[None, :], 1), mask=ok)
+        for g in tl.static_range(GROUP):
+            h = kv * GROUP + g
+            need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, h, block, tau, D)
+            q = tl.load(qr_ptr + h * D + dims).to(tl.float32)
+            tl.store(score_ptr + h * score_stride + cols, tl.sum(kt * q[None, :], 1), mask=ok & need)
 
     @triton.jit
     def kth_largest(key, valid, K):
-        """The K-th largest of the int32 keys where valid, by bisection over the key range (32 rounds)."""
-        lo = tl.min(tl.where(valid, key, 2147483647)).to(tl.int64)
-        hi = tl.max(tl.where(valid, key, -2147483648)).to(tl.int64)
+        """The K-th largest of the int32 keys where valid, by bisection over the keys' range (<= 32 rounds)."""
+        lo = tl.min(tl.where(valid, key, 2147483647))
+        hi = tl.max(tl.where(valid, key, -2147483648))
         for _ in range(32):
-            mid = (lo + hi + 1) >> 1
-            enough = tl.sum((valid & (key.to(tl.int64) >= mid)).to(tl.int32)) >= K
+            mid = ((lo.to(tl.int64) + hi + 1) >> 1).to(tl.int32)
+            enough = tl.sum((valid & (key >= mid)).to(tl.int32)) >= K
             lo = tl.where(enough, mid, lo)
             hi = tl.where(enough, hi, mid - 1)
         return lo
@@ -112,9 +117,18 @@ def _kernels():
     def top(key, valid, K):
         """Mask of exactly K largest keys (ties at the threshold taken in position order)."""
         thr = kth_largest(key, valid, K)
-        above = valid & (key.to(tl.int64) > thr)
-        tie = valid & (key.to(tl.int64) == thr)
-        return above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= K - tl.sum(above.to(tl.int32))))
+        above = valid & (key > thr)
+        tie = valid & (key == thr)
+        chosen = above | tie
+        if tl.sum(chosen.to(tl.int32)) > K:  # rare: more keys equal the threshold than places are left
+            chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= K - tl.sum(above.to(tl.int32))))
+        return chosen
+
+    @triton.jit
+    def sortable(s):
+        """float32 -> int32 with the same order."""
+        bits = s.to(tl.int32, bitcast=True)
+        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
     @triton.jit(do_not_specialize=["N", "lo", "hi", "window", "block", "score_stride", "owner_stride"])
     def select_attend(q_ptr, qr_ptr, k_ptr, v_ptr, ref_q_ptr, ref_set_ptr, ref_block_ptr, score_ptr, owner_ptr,
@@ -122,7 +136,7 @@ def _kernels():
                       owner_stride, N, lo, hi, window, block, tau, scaling, GROUP: tl.constexpr, D: tl.constexpr,
                       SINK: tl.constexpr, SINK_PAD: tl.constexpr, LOCAL: tl.constexpr, LOCAL_PAD: tl.constexpr,
                       TOP_K: tl.constexpr, M_BEST: tl.constexpr, RADIUS: tl.constexpr, SET: tl.constexpr,
-                      SET_PAD: tl.constexpr, MID_PAD: tl.constexpr, CIS: tl.constexpr):
+                      SET_PAD: tl.constexpr, MID_PAD: tl.constexpr, TOP_PAD: tl.constexpr, CIS: tl.constexpr):
         h = tl.program_id(0)
         need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, h, block, tau, D)
         dims = tl.arange(0, D)
@@ -130,15 +144,17 @@ def _kernels():
         if need:  # S*_t: the top-k of the middle, and the reference a later query may share (Eq. 13)
             cols = lo + tl.arange(0, MID_PAD)
             inside = cols < hi
-            s = tl.load(score_ptr + h * score_stride + cols, mask=inside, other=0.0)
-            bits = s.to(tl.int32, bitcast=True)
-            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # float order as signed int order
+            key = sortable(tl.load(score_ptr + h * score_stride + cols, mask=inside, other=0.0))
             picked = top(key, inside, TOP_K)
             tl.store(row + tl.cumsum(picked.to(tl.int32), 0) - 1, cols, mask=picked)  # in position order
-            best = top(key, inside, M_BEST)
+            tl.debug_barrier()
+            slot = tl.arange(0, TOP_PAD)  # the m best are taken among the k picks only
+            pick = tl.load(row + slot, mask=slot < TOP_K, other=0)
+            best = top(sortable(tl.load(score_ptr + h * score_stride + pick, mask=slot < TOP_K, other=0.0)),
+                       slot < TOP_K, M_BEST)
             at = TOP_K + (tl.cumsum(best.to(tl.int32), 0) - 1) * (2 * RADIUS + 1)
             for o in tl.static_range(2 * RADIUS + 1):
-                tl.store(row + at + o, cols + o - RADIUS, mask=best)
+                tl.store(row + at + o, pick + o - RADIUS, mask=best)
             if CIS:
                 tl.store(ref_q_ptr + h * D + dims, tl.load(q_ptr + h * D + dims))
                 tl.store(ref_block_ptr + h, block)
@@ -204,7 +220,7 @@ def prhs_step_triton(q, qr, keys, values, ref_q, ref_set, ref_block, retrievals,
     scores = torch.empty((H, lo + mid_pad), dtype=torch.float32, device=q.device)
     owner = torch.empty((H, N), dtype=torch.int32, device=q.device)
     out = torch.empty((H, D), dtype=q.dtype, device=q.device)
-    score_middle[(H, triton.cdiv(hi - lo, block_n))](
+    score_middle[(keys.shape[0], triton.cdiv(hi - lo, block_n))](
         q, qr, keys, ref_q, ref_block, scores, keys.stride(0), keys.stride(1), scores.stride(0), lo, hi, block,
         tau, GROUP=group, D=D, BLOCK_N=block_n, num_warps=4)
     set_size = ref_set.shape[1]
@@ -213,6 +229,7 @@ def prhs_step_triton(q, qr, keys, values, ref_q, ref_set, ref_block, retrievals,
         keys.stride(1), values.stride(0), values.stride(1), scores.stride(0), owner.stride(0), N, lo, hi, window,
         block, tau, scaling, GROUP=group, D=D, SINK=sink, SINK_PAD=max(16, triton.next_power_of_2(sink)),
         LOCAL=local, LOCAL_PAD=max(16, triton.next_power_of_2(local)), TOP_K=top_k, M_BEST=top_k // 3,
-        RADIUS=radius, SET=set_size, SET_PAD=max(16, triton.next_power_of_2(set_size)), MID_PAD=mid_pad, CIS=cis,
+        RADIUS=radius, SET=set_size, SET_PAD=max(16, triton.next_power_of_2(set_size)), MID_PAD=mid_pad,
+        TOP_PAD=max(16, triton.next_power_of_2(top_k)), CIS=cis,
         num_warps=warps)
     return out
