@@ -10,9 +10,11 @@ The CIS state (ref_q (H, d), ref_set (H, k + m(2r+1)), ref_block (H,)) is update
 heads are added to `retrievals`, on the device: a step never synchronises with the host.
 
 Kernel A scores only the retrieving heads' middles, split over many programs (a decode step alone is H programs),
-each KV tile loaded once for its query heads; kernel B, one program per head, takes the top-k by bisection over the
-scores' order-preserving integer keys (no sort) and the m best among those k, writes the new reference, removes duplicate positions of a dilated set (each slot stakes its position in a scratch row; the slot
-that wins keeps it) and attends with gathered keys. The middle must hold at least k keys (the caller's job).
+each KV tile loaded once for its query heads. Kernel B, one program per head, takes the top-k by a radix select
+over the scores' order-preserving integer keys (four 256-bin histograms, no sort) and the m best among those k,
+writes the new reference, removes duplicate positions of a dilated set (each slot stakes its position in a scratch
+row; the slot that wins keeps it) and attends with gathered keys. The middle must hold at least k keys (the
+caller's job).
 Triton is imported lazily; without it (or on CPU) the twin runs.
 """
 from __future__ import annotations
@@ -102,27 +104,27 @@ def _kernels():
             tl.store(score_ptr + h * score_stride + cols, tl.sum(kt * q[None, :], 1), mask=ok & need)
 
     @triton.jit
-    def kth_largest(key, valid, K):
-        """The K-th largest of the int32 keys where valid, by bisection over the keys' range (<= 32 rounds)."""
-        lo = tl.min(tl.where(valid, key, 2147483647))
-        hi = tl.max(tl.where(valid, key, -2147483648))
-        for _ in range(32):
-            mid = ((lo.to(tl.int64) + hi + 1) >> 1).to(tl.int32)
-            enough = tl.sum((valid & (key >= mid)).to(tl.int32)) >= K
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
-        return lo
-
-    @triton.jit
     def top(key, valid, K):
-        """Mask of exactly K largest keys (ties at the threshold taken in position order)."""
-        thr = kth_largest(key, valid, K)
-        above = valid & (key > thr)
-        tie = valid & (key == thr)
-        chosen = above | tie
-        if tl.sum(chosen.to(tl.int32)) > K:  # rare: more keys equal the threshold than places are left
-            chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= K - tl.sum(above.to(tl.int32))))
-        return chosen
+        """Mask of exactly K largest int32 keys where valid: a radix select, one 8-bit digit at a time from the top
+        (a 256-bin histogram of the candidates' digit finds the digit of the K-th largest); ties at the threshold
+        are taken in position order."""
+        bins = tl.arange(0, 256)
+        cand = valid  # keys that share the K-th largest key's digits so far
+        taken = tl.zeros(key.shape, tl.int1)  # keys already known to be above it
+        left = K  # places still to fill from cand
+        for d in tl.static_range(4):
+            digit = (key >> (24 - 8 * d)) & 0xFF
+            if d == 0:
+                digit = digit ^ 0x80  # the sign bit: negative keys below positive ones
+            hist = tl.histogram(digit, 256, mask=cand)
+            above = tl.cumsum(hist, 0, reverse=True) - hist  # candidates with a larger digit than each bin's
+            b = tl.max(tl.where((above < left) & (above + hist >= left), bins, -1))
+            left = left - tl.sum(tl.where(bins == b, above, 0))
+            taken = taken | (cand & (digit > b))
+            cand = cand & (digit == b)
+        if tl.sum(cand.to(tl.int32)) > left:  # rare: more keys equal the threshold than places are left
+            cand = cand & (tl.cumsum(cand.to(tl.int32), 0) <= left)
+        return taken | cand
 
     @triton.jit
     def sortable(s):
@@ -148,13 +150,14 @@ def _kernels():
             picked = top(key, inside, TOP_K)
             tl.store(row + tl.cumsum(picked.to(tl.int32), 0) - 1, cols, mask=picked)  # in position order
             tl.debug_barrier()
-            slot = tl.arange(0, TOP_PAD)  # the m best are taken among the k picks only
-            pick = tl.load(row + slot, mask=slot < TOP_K, other=0)
-            best = top(sortable(tl.load(score_ptr + h * score_stride + pick, mask=slot < TOP_K, other=0.0)),
-                       slot < TOP_K, M_BEST)
-            at = TOP_K + (tl.cumsum(best.to(tl.int32), 0) - 1) * (2 * RADIUS + 1)
-            for o in tl.static_range(2 * RADIUS + 1):
-                tl.store(row + at + o, pick + o - RADIUS, mask=best)
+            if M_BEST > 0:
+                slot = tl.arange(0, TOP_PAD)  # the m best are taken among the k picks only
+                pick = tl.load(row + slot, mask=slot < TOP_K, other=0)
+                best = top(sortable(tl.load(score_ptr + h * score_stride + pick, mask=slot < TOP_K, other=0.0)),
+                           slot < TOP_K, M_BEST)
+                at = TOP_K + (tl.cumsum(best.to(tl.int32), 0) - 1) * (2 * RADIUS + 1)
+                for o in tl.static_range(2 * RADIUS + 1):
+                    tl.store(row + at + o, pick + o - RADIUS, mask=best)
             if CIS:
                 tl.store(ref_q_ptr + h * D + dims, tl.load(q_ptr + h * D + dims))
                 tl.store(ref_block_ptr + h, block)

@@ -64,3 +64,22 @@ def test_prhs_backend_decodes_the_same_with_and_without_the_kernel():
         outs.append((torch.cat([s.flatten() for s in steps]), backend.stats))
     assert torch.allclose(outs[0][0], outs[1][0], atol=1e-4)
     assert outs[0][1] == outs[1][1] and 0 < outs[0][1]["rho_hat"] < 1
+
+
+@needs_gpu
+@pytest.mark.device
+def test_fused_step_takes_exactly_k_when_scores_tie():
+    from endo_retrieval.kernels.prhs_step import prhs_step_triton
+
+    H, Hkv, d, n, top_k = 6, 2, 64, 600, 40
+    keys = torch.zeros(Hkv, n, d, device="cuda")
+    keys[:, [100, 200, 300, 400, 500], 0] = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0], device="cuda")
+    values = torch.randn(Hkv, n, d, device="cuda")
+    q = torch.zeros(H, d, device="cuda")
+    q[:, 0] = 1  # every other middle key scores exactly 0: 35 of the ~555 ties must be taken
+    state = fresh_state(H, d, top_k + (top_k // 3) * 3, torch.float32)
+    prhs_step_triton(q, q, keys, values, *state, block=0, window=0, sink=8, local=32, top_k=top_k, radius=1,
+                     tau=0.5, cis=True, scaling=1.0)
+    for row in state[1][:, :top_k].tolist():
+        assert len(set(row)) == top_k and {100, 200, 300, 400, 500} <= set(row)
+        assert all(8 <= p < n - 32 for p in row)

@@ -68,7 +68,6 @@ class PrHS(AttentionBackend):
         self._step = [0] * n  # decode steps seen per layer
         self._cis: list[tuple | None] = [None] * n  # per layer: ref_q, ref_set, ref_block (see `_cis_state`)
         self._retrieved: torch.Tensor | None = None  # heads that retrieved, counted on the device (no host sync)
-        self._steps = 0
 
     @property
     def scope(self) -> int:
@@ -77,10 +76,10 @@ class PrHS(AttentionBackend):
 
     @property
     def stats(self) -> dict:
-        """rho-hat = mean over decode steps of R_t / (H * N) (section V-A)."""
-        slots = self._steps * self.backbone.n_heads * self.backbone.n_layers
+        """rho-hat = mean over decode steps and layers of R_t / H (section V-A; R_t / (H N) summed over layers)."""
+        slots = sum(self._step) * self.backbone.n_heads  # (step, layer) pairs decoded, times heads
         retrievals = int(self._retrieved) if self._retrieved is not None else 0
-        return {"decode_steps": self._steps, "retrievals": retrievals,
+        return {"decode_steps": max(self._step), "retrievals": retrievals,
                 "rho_hat": retrievals / slots if slots else None}
 
     def _fraction(self, layer: int, base: float, power: float) -> float:
@@ -121,8 +120,6 @@ class PrHS(AttentionBackend):
         N = keys.shape[1]
         step = self._step[layer]
         self._step[layer] += 1
-        if layer == 0:
-            self._steps += 1
         window = math.floor(self._fraction(layer, self.phi, self.alpha) * N) if self.psaw else 0  # P_l(t), Eq. 15
         if N - self.local - max(self.sink, window) < self.top_k:  # the middle is its own top-k: read it whole
             pos = torch.arange(N, device=q.device)
