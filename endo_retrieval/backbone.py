@@ -303,15 +303,30 @@ class Backbone:
             raise BackboneError(f"Layer index {bad[0]} is out of range: this model has layers 0..{self.n_layers - 1}.")
         return layers
 
+    def _int8_layers(self) -> torch.nn.ModuleList:
+        """The decoder layers with dynamically int8-quantized linear maps (weights 4x smaller than fp32): a CPU
+        forward of a short text reads every weight once per token batch, so it runs ~2x faster (made once)."""
+        if getattr(self, "_q8_layers", None) is None:
+            import copy
+            import warnings
+
+            with warnings.catch_warnings():  # torch.ao's dynamic quantization warns that it moves to torchao
+                warnings.simplefilter("ignore")
+                self._q8_layers = torch.ao.quantization.quantize_dynamic(
+                    copy.deepcopy(self.model.model.layers), {torch.nn.Linear}, dtype=torch.qint8)
+        return self._q8_layers
+
     @contextlib.contextmanager
-    def _run_to(self, last_layer: int, layers: Sequence[int], capture: Sequence[str]):
-        """Truncate the decoder to layers 0..last_layer (early exit) and hook the K/Q projections of `layers`."""
+    def _run_to(self, last_layer: int, layers: Sequence[int], capture: Sequence[str], int8: bool = False):
+        """Truncate the decoder to layers 0..last_layer (early exit) and hook the K/Q projections of `layers`;
+        int8: run the int8-quantized copy of the layers instead."""
         store: dict[str, dict[int, torch.Tensor]] = {"k": {}, "q": {}}
         body = self.model.model
         full = body.layers
+        run = self._int8_layers() if int8 else full
         hooks = []
         for l in layers:
-            attn = full[l].self_attn
+            attn = run[l].self_attn
             for kind in capture:
                 proj, norm = (attn.k_proj, getattr(attn, "k_norm", None)) if kind == "k" else \
                              (attn.q_proj, getattr(attn, "q_norm", None))
@@ -323,7 +338,7 @@ class Backbone:
                     store[kind][l] = x.transpose(0, 1).float()
 
                 hooks.append(proj.register_forward_hook(hook))
-        body.layers = torch.nn.ModuleList(list(full)[: last_layer + 1])
+        body.layers = torch.nn.ModuleList(list(run)[: last_layer + 1])
         try:
             yield store
         finally:
@@ -333,7 +348,7 @@ class Backbone:
 
     def stream(self, ids, layers: Sequence[int], *, chunk_size: int = 1024, mode: str = "independent",
                sink: int = 4, window: int = 512, capture: Sequence[str] = ("k",),
-               split_at: int | None = None, positions: str = "frame") -> Iterator[Chunk]:
+               split_at: int | None = None, positions: str = "frame", int8: bool = False) -> Iterator[Chunk]:
         """Forward `ids` chunk by chunk up to max(layers) only, yielding each chunk's pre-RoPE states.
 
         mode="independent": every chunk alone at positions 0..T-1 (S3-Attention appendix I).
@@ -344,6 +359,7 @@ class Backbone:
           "absolute" every token at its own index (ILRe without DCA);
           "dca"      absolute, but from the third chunk on the sink moves up by (i-2) chunk sizes (ILRe Eq. 6).
         `split_at`: no chunk crosses this position (e.g. context | query part).
+        `int8`: forward through int8-quantized linear maps (CPU only; see `query_states`).
         """
         ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
         if ids.ndim != 1 or len(ids) == 0:
@@ -373,17 +389,20 @@ class Backbone:
                 pos = torch.cat([torch.arange(n_sink) + shift, torch.arange(w0, e)]).to(self.device)
             # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed sequence
             # and hides the sink from the chunk
-            with self._lock, torch.inference_mode(), self._run_to(layers[-1], layers, capture) as store:
+            with self._lock, torch.inference_mode(), self._run_to(layers[-1], layers, capture, int8) as store:
                 self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), attention_mask=torch.ones_like(x),
                                  use_cache=False)
             yield Chunk(s, e, pos[n:], keys={l: k[:, n:] for l, k in store["k"].items()},
                         queries={l: q[:, n:] for l, q in store["q"].items()})
 
-    def query_states(self, ids_or_text, layers: Sequence[int]) -> dict[int, torch.Tensor]:
-        """Pre-RoPE query states of a text forwarded alone: layer -> (n_heads, T, head_dim)."""
+    def query_states(self, ids_or_text, layers: Sequence[int], int8: bool = False) -> dict[int, torch.Tensor]:
+        """Pre-RoPE query states of a text forwarded alone: layer -> (n_heads, T, head_dim).
+        int8 (CPU only): through dynamically int8-quantized linear maps, ~2x faster for a short question."""
+        if int8 and self.device.type != "cpu":
+            raise BackboneError("int8 question forwards run on the CPU only; on a GPU the bf16 forward is faster")
         ids = self.encode(ids_or_text).ids if isinstance(ids_or_text, (str, bytes)) else ids_or_text
         out: dict[int, torch.Tensor] = {}
-        for ch in self.stream(ids, layers, chunk_size=max(1, len(ids)), capture=("q",)):
+        for ch in self.stream(ids, layers, chunk_size=max(1, len(ids)), capture=("q",), int8=int8):
             out.update(ch.queries)
         return out
 

@@ -250,19 +250,22 @@ class EndoIndex:
         sentences = self.corpus.sentence_starts()
         peaks = _interleave(streams, taken, s3_share, sentences)
         spans = spans_from_peaks(peaks, sentences, self.corpus.n_positions, budget, bounds, covered=kept)
-        return [self._span(a, b, taken) for a, b in spans]
+        offered: dict[str, list[int]] = {}  # each signal's peaks in the order it offered them (= its ranks)
+        for sig, p in taken:
+            offered.setdefault(sig, []).append(p)
+        ranked = {sig: np.asarray(ps) for sig, ps in offered.items()}
+        return [self._span(a, b, ranked) for a, b in spans]
 
-    def _span(self, a: int, b: int, taken: list[tuple[str, int]]) -> Span:
+    def _span(self, a: int, b: int, ranked: dict[str, np.ndarray]) -> Span:
         """A selected token range as a Span. Its score is reciprocal-rank fusion over the signals that chose it,
         sum_s 1 / (RRF_K + rank_s), rank_s being the rank of signal s's best peak inside it: evidence that both
         S3 and BM25 picked ranks above evidence only one of them picked."""
         doc_id, c0, c1, text = self.corpus.span_text(a, b)
         best: dict[str, int] = {}
-        seen: dict[str, int] = {}
-        for sig, p in taken:
-            rank = seen[sig] = seen.get(sig, -1) + 1
-            if a <= p < b and sig not in best:
-                best[sig] = rank
+        for sig, peaks in ranked.items():
+            inside = (peaks >= a) & (peaks < b)
+            if inside.any():
+                best[sig] = int(inside.argmax())
         score = sum(1.0 / (RRF_K + r) for r in best.values())
         return Span(a, b, c0, c1, text, score, tuple(sorted(best)), doc_id, self.corpus.doc(doc_id).metadata)
 

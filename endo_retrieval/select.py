@@ -39,14 +39,18 @@ def density(scores: np.ndarray, kernel: int = QA_KERNEL, segment_bounds: np.ndar
         return ((csum[kernel:] - csum[:-kernel]) / kernel).astype(np.float32)
     if kernel == 1:  # the window is the position itself
         return s.astype(np.float32)
+    out = density(s, kernel)  # windows that cross no bound are the unsegmented ones, bit for bit
     csum = np.concatenate(([0.0], np.cumsum(s)))
-    t = np.arange(len(s))
     bounds = np.unique(np.clip(np.concatenate(([0], np.asarray(segment_bounds, dtype=np.int64), [len(s)])),
                                0, len(s)))
-    seg_start, seg_end = np.repeat(bounds[:-1], np.diff(bounds)), np.repeat(bounds[1:], np.diff(bounds))
-    lo = np.maximum(t - kernel // 2, seg_start)
-    hi = np.minimum(t + (kernel - 1) // 2 + 1, seg_end)
-    return ((csum[hi] - csum[lo]) / kernel).astype(np.float32)
+    # only positions within a kernel of an inner bound can have a window that crosses it
+    near = (bounds[1:-1, None] + np.arange(-kernel, kernel + 1)).ravel()
+    t = np.unique(near[(near >= 0) & (near < len(s))])
+    seg = np.searchsorted(bounds, t, side="right")
+    lo = np.maximum(t - kernel // 2, bounds[seg - 1])
+    hi = np.minimum(t + (kernel - 1) // 2 + 1, bounds[seg])
+    out[t] = ((csum[hi] - csum[lo]) / kernel).astype(np.float32)
+    return out
 
 
 def iter_peaks(density: np.ndarray, radius: int = QA_KERNEL) -> Iterator[int]:
@@ -55,12 +59,15 @@ def iter_peaks(density: np.ndarray, radius: int = QA_KERNEL) -> Iterator[int]:
     Only positive density counts. On a flat top (a box kernel turns an isolated hit into a plateau) the centre is the
     middle of the plateau, so the span grows around the hit and not around the plateau's edge.
     """
-    d = np.asarray(density, dtype=np.float64)
+    d = np.asarray(density)
     if len(d) == 0:
         return
-    left = np.concatenate(([-np.inf], d[:-1]))
-    right = np.concatenate((d[1:], [-np.inf]))
-    candidates = np.flatnonzero((d > 0) & (d >= left) & (d >= right))
+    # local maxima, compared in the curve's own dtype (exact); the plateau tests below use float64
+    inner = d[1:-1]
+    candidates = np.flatnonzero((inner > 0) & (inner >= d[:-2]) & (inner >= d[2:])) + 1
+    edges = [i for i in {0, len(d) - 1} if d[i] > 0 and all(d[i] >= d[j] for j in (i - 1, i + 1) if 0 <= j < len(d))]
+    if edges:
+        candidates = np.union1d(candidates, edges)
     suppressed = np.zeros(len(d), dtype=bool)
     for c in _by_height(candidates, d):
         if suppressed[c]:
@@ -68,7 +75,8 @@ def iter_peaks(density: np.ndarray, radius: int = QA_KERNEL) -> Iterator[int]:
         # extent of the flat top around c, looked for within +-radius (prefix-sum noise makes plateau values
         # differ in the last bits, hence the tolerance)
         w0 = max(c - radius, 0)
-        uneven = np.flatnonzero(np.abs(d[w0: c + radius + 1] - d[c]) > 1e-6 * d[c]) + w0
+        window, top = d[w0: c + radius + 1].astype(np.float64), float(d[c])
+        uneven = np.flatnonzero(np.abs(window - top) > 1e-6 * top) + w0
         lo = int(uneven[uneven < c].max(initial=w0 - 1)) + 1
         hi = int(uneven[uneven > c].min(initial=min(c + radius + 1, len(d)))) - 1
         centre = (lo + hi) // 2

@@ -121,6 +121,16 @@ def test_density_does_not_leak_across_segments(kernel, given):
     np.testing.assert_allclose(density(scores, kernel, segment_bounds=np.array(given)), expected, atol=1e-6)
 
 
+def test_density_with_segments_shorter_than_the_kernel():
+    scores = np.random.default_rng(5).random(300)
+    bounds = [0, 1, 3, 4, 9, 50, 52, 200, 203, 300]  # one-token and two-token documents among long ones
+    for kernel in (2, 8, 48):
+        box = np.ones(kernel) / kernel
+        expected = np.concatenate([np.convolve(scores[a:b], box, mode="full")[(kernel - 1) // 2:][: b - a]
+                                   for a, b in zip(bounds, bounds[1:])])
+        np.testing.assert_allclose(density(scores, kernel, segment_bounds=np.array(bounds)), expected, atol=1e-6)
+
+
 def test_spans_stay_inside_their_document():
     scores = np.zeros(30)
     scores[9] = 1.0  # last token of a document; [10, 20) is a removed document's empty range
