@@ -98,13 +98,20 @@ class SentenceBM25:
 
 class EndoIndex:
     """A persistent endogenous index over documents: S3 feature postings, the corpus map, and BM25 sentences.
-    `method="bm25"` builds no feature postings (BM25 needs only the corpus map), so it cannot search with S3."""
+    `method="bm25"` builds no feature postings (BM25 needs only the corpus map), so it cannot search with S3.
+    `int8_queries`: forward questions through int8-quantized linear maps (None: on a CPU backbone, where it halves
+    the question's forward at unchanged S3-Hybrid recall on dev30, README 'Performance'); documents stay fp32/bf16."""
 
     def __init__(self, backbone: Backbone | None = None, method: str = "s3-hybrid", saes=None,
-                 chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None):
+                 chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None,
+                 int8_queries: bool | None = None):
         from endo_retrieval.sae import SAEBank
 
         self.backbone = backbone or Backbone.default()
+        on_cpu = self.backbone.device.type == "cpu"
+        if int8_queries and not on_cpu:
+            raise ValueError("int8_queries runs on a CPU backbone only; on a GPU the bf16 question forward is faster")
+        self.int8_queries = on_cpu if int8_queries is None else bool(int8_queries)
         self.saes = saes or SAEBank.for_backbone(self.backbone)
         self.method = _check_method(method)
         self.chunk_size = chunk_size
@@ -189,7 +196,7 @@ class EndoIndex:
     # ---- phase 2: endogenous scores (Eq. 6-7/9) --------------------------------------------------------------
     def query_features(self, question: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Eq. 6: the question's pre-RoPE queries through the same SAEs -> {layer: (feature ids, weights)}."""
-        states = self.backbone.query_states(question, self.saes.layers)
+        states = self.backbone.query_states(question, self.saes.layers, int8=self.int8_queries)
         out = {}
         for layer, q in states.items():
             feat, act = self.saes.encode_queries(layer, q)
@@ -300,7 +307,8 @@ class EndoIndex:
         return directory
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, backbone: Backbone | None = None, saes=None) -> "EndoIndex":
+    def load(cls, directory: str | os.PathLike, backbone: Backbone | None = None, saes=None,
+             int8_queries: bool | None = None) -> "EndoIndex":
         directory = Path(directory)
         head = directory / "endo-index.json"
         if not head.exists():
@@ -317,7 +325,8 @@ class EndoIndex:
             raise ValueError(f"The index in {directory} was built with model {meta['model']} "
                              f"({meta['model_hash'][:12]}), not with the loaded {backbone.model_id} "
                              f"({backbone.model_hash[:12]}); load that model or rebuild the index.")
-        self = cls(backbone, meta["method"], saes=saes, chunk_size=meta["chunk_size"], prune=meta.get("prune"))
+        self = cls(backbone, meta["method"], saes=saes, chunk_size=meta["chunk_size"], prune=meta.get("prune"),
+                   int8_queries=int8_queries)
         if self.saes.layers != meta["sae_layers"]:
             raise ValueError(f"The index in {directory} was built with SAE layers {meta['sae_layers']}, the loaded "
                              f"SAEs have {self.saes.layers}; rebuild the index.")

@@ -32,24 +32,24 @@ def density(scores: np.ndarray, kernel: int = QA_KERNEL, segment_bounds: np.ndar
         raise ValueError(f"scores must be 1-D, got shape {s.shape}")
     if int(kernel) != kernel or kernel < 1:
         raise ValueError(f"kernel must be a positive integer, got {kernel}")
-    # window of position t: [t - kernel//2, t + (kernel-1)//2], summed through a prefix sum in O(n)
-    if segment_bounds is None or len(segment_bounds) == 0:
-        padded = np.concatenate((np.zeros(kernel // 2 + 1), s, np.zeros((kernel - 1) // 2)))
-        csum = np.cumsum(padded)
-        return ((csum[kernel:] - csum[:-kernel]) / kernel).astype(np.float32)
     if kernel == 1:  # the window is the position itself
         return s.astype(np.float32)
-    out = density(s, kernel)  # windows that cross no bound are the unsegmented ones, bit for bit
+    # window of position t: [t - kernel//2, t + (kernel-1)//2], clipped to t's segment (zero padding beyond), summed
+    # through a prefix sum in O(n); only positions within a kernel of a bound (0 and n among them) need clipping
+    n, back, ahead = len(s), kernel // 2, (kernel - 1) // 2 + 1
     csum = np.concatenate(([0.0], np.cumsum(s)))
-    bounds = np.unique(np.clip(np.concatenate(([0], np.asarray(segment_bounds, dtype=np.int64), [len(s)])),
-                               0, len(s)))
-    # only positions within a kernel of an inner bound can have a window that crosses it
-    near = (bounds[1:-1, None] + np.arange(-kernel, kernel + 1)).ravel()
-    t = np.unique(near[(near >= 0) & (near < len(s))])
-    seg = np.searchsorted(bounds, t, side="right")
-    lo = np.maximum(t - kernel // 2, bounds[seg - 1])
-    hi = np.minimum(t + (kernel - 1) // 2 + 1, bounds[seg])
-    out[t] = ((csum[hi] - csum[lo]) / kernel).astype(np.float32)
+    out = np.empty(n, dtype=np.float32)
+    a, b = min(back, n), max(n - ahead + 1, 0)  # [a, b): windows inside [0, n)
+    if a < b:
+        out[a:b] = (csum[a + ahead: b + ahead] - csum[a - back: b - back]) / kernel
+    bounds = np.unique(np.clip(np.concatenate(([0], np.asarray(
+        segment_bounds if segment_bounds is not None else [], dtype=np.int64), [n])), 0, n))
+    near = (bounds[:, None] + np.arange(-kernel, kernel + 1)).ravel()
+    t = np.unique(near[(near >= 0) & (near < n)])
+    seg = np.minimum(np.searchsorted(bounds, t, side="right"), len(bounds) - 1)
+    lo = np.maximum(t - back, bounds[seg - 1])
+    hi = np.minimum(t + ahead, bounds[seg])
+    out[t] = (csum[hi] - csum[lo]) / kernel
     return out
 
 
@@ -65,9 +65,9 @@ def iter_peaks(density: np.ndarray, radius: int = QA_KERNEL) -> Iterator[int]:
     # local maxima, compared in the curve's own dtype (exact); the plateau tests below use float64
     inner = d[1:-1]
     candidates = np.flatnonzero((inner > 0) & (inner >= d[:-2]) & (inner >= d[2:])) + 1
-    edges = [i for i in {0, len(d) - 1} if d[i] > 0 and all(d[i] >= d[j] for j in (i - 1, i + 1) if 0 <= j < len(d))]
-    if edges:
-        candidates = np.union1d(candidates, edges)
+    first = [0] if d[0] > 0 and (len(d) == 1 or d[0] >= d[1]) else []
+    last = [len(d) - 1] if len(d) > 1 and d[-1] > 0 and d[-1] >= d[-2] else []
+    candidates = np.concatenate((first, candidates, last)).astype(np.int64)  # still sorted
     suppressed = np.zeros(len(d), dtype=bool)
     for c in _by_height(candidates, d):
         if suppressed[c]:

@@ -1,6 +1,7 @@
 """The real default model: greedy answers, chunked key states against a full pass (S3 appendix I)."""
 import numpy as np
 import pytest
+import torch
 
 from endo_retrieval.eval.consistency import key_consistency
 
@@ -58,3 +59,13 @@ def test_long_texts_tokenise_in_pieces_exactly_as_in_one_pass(backbone, monkeypa
     monkeypatch.setattr(backbone, "_encode_batch", odd_pieces)
     assert backbone._encode_pieces(text, 1000) is None
     assert np.array_equal(backbone.encode(text, piece_chars=1000).ids, whole.ids)
+
+
+def test_int8_question_forward_stays_close_to_fp32(backbone):
+    question = "Who was the harbour master of the old town, and when did the customs house close?"
+    exact = backbone.query_states(question, [3, 11, 19])
+    fast = backbone.query_states(question, [3, 11, 19], int8=True)
+    for layer in exact:
+        cos = torch.nn.functional.cosine_similarity(exact[layer].flatten(1), fast[layer].flatten(1), dim=1)
+        assert not torch.equal(exact[layer], fast[layer])  # the quantized maps really ran
+        assert cos.min() > 0.9, (layer, cos)  # every head's queries still point the same way
