@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accuracy runs: budget fraction for topk, topk+phi and prhs (default: each backend's own)")
     p.add_argument("--phi", default="default",
                    help="phi maps for topk+phi: a folder from `endo train-phi`, or 'default' (the shipped maps)")
+    p.add_argument("--phi-tolerance", type=float, default=2.0,
+                   help="accuracy runs: refuse phi maps distilled for a prefill length further than this factor "
+                        "(default 2.0; a 16k haystack plus its question is just over 2 x 8192)")
     p.add_argument("--limit", type=int, default=10, help="HotpotQA questions per length (default 10)")
     p.add_argument("--error-text", default=None, help="text file or folder for the error sweep (default: the "
                    "pg_essays folder of the shared data)")
@@ -106,13 +109,13 @@ def variants(backends: list[str], scopes: list[int] | None) -> list[tuple[str, s
     return out
 
 
-def budget_settings(label: str, fraction: float | None, n_context: int, phi) -> dict:
+def budget_settings(label: str, fraction: float | None, n_context: int, phi, phi_tolerance: float = 2.0) -> dict:
     """The settings that put a backend at n = ceil(f N) exact reads per step (Eq. 13): Top-K and Top-K+phi take it
     as their budget, PrHS fills it after its sink and local tokens; phi maps go to topk+phi."""
     from endo_retrieval.attention.prhs import PrHS
     from endo_retrieval.eval.attention_error import budget_tokens
 
-    settings = {"phi": phi} if label == "topk+phi" else {}
+    settings = {"phi": phi, "length_tolerance": phi_tolerance} if label == "topk+phi" else {}
     if fraction is None:
         return settings
     n = budget_tokens(fraction, n_context)
@@ -125,7 +128,8 @@ def budget_settings(label: str, fraction: float | None, n_context: int, phi) -> 
 
 def accuracy_rows(backbone, data: str, lengths: list[int], depths: int, limit: int,
                   runs: list[tuple[str, str, dict]], seed: int, max_new_tokens: int, dense_max: int | None,
-                  fraction: float | None = None, phi=None, progress: bool = True) -> tuple[list[dict], dict]:
+                  fraction: float | None = None, phi=None, progress: bool = True, phi_tolerance: float = 2.0
+                  ) -> tuple[list[dict], dict]:
     """Passkey (`passkey:DIR`, `depths` needles per length, accuracy = key found) or HotpotQA / JSONL (the first
     `limit` questions, accuracy = SQuAD F1, plus em)."""
     from tqdm import tqdm
@@ -154,7 +158,7 @@ def accuracy_rows(backbone, data: str, lengths: list[int], depths: int, limit: i
         examples = load_examples(data, count_tokens=backbone.count_tokens, context_tokens=n, limit=count, seed=seed)
         for label, name, settings in [r for l, r in jobs if l == n]:
             scores, ems, seconds, peak, note = [], [], 0.0, 0.0, None
-            settings = {**settings, **budget_settings(label, fraction, n, phi)}
+            settings = {**settings, **budget_settings(label, fraction, n, phi, phi_tolerance)}
             for ex in examples:
                 backend = get_backend(name, **settings)
                 if backbone.device.type == "cuda":
@@ -496,6 +500,7 @@ def run(args) -> int:
                                            "depths": args.depths, "attention": backends, "scopes": args.scopes,
                                            "seed": args.seed, "measure": sorted(measures), "budgets": args.budgets,
                                            "accuracy_budget": args.accuracy_budget, "phi": args.phi,
+                                           "phi_tolerance": args.phi_tolerance,
                                            "limit": args.limit,
                                            "max_new_tokens": args.max_new_tokens}, "rows": [], "grid": {}}
     runs = variants(backends, args.scopes)
@@ -517,7 +522,8 @@ def run(args) -> int:
                   for r in result["rows"] if r["task"] == "attn_error"}
         for data in args.data:
             rows, grid = accuracy_rows(backbone, data, args.context_tokens, args.depths, args.limit, runs, args.seed,
-                                       args.max_new_tokens, args.dense_max, args.accuracy_budget, args.phi)
+                                       args.max_new_tokens, args.dense_max, args.accuracy_budget, args.phi,
+                                       phi_tolerance=args.phi_tolerance)
             for row in rows:  # the error measured at the same method, length and budget
                 row["attn_rel_l1"] = errors.get((row["variant"], row["context_tokens"], row["budget_fraction"]))
             result["rows"] += rows
