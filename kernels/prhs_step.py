@@ -11,8 +11,7 @@ heads are added to `retrievals`, on the device: a step never synchronises with t
 
 Kernel A scores only the retrieving heads' middles, split over many programs (a decode step alone is H programs),
 each KV tile loaded once for its query heads. Kernel B, one program per head, takes the top-k by a radix select
-over the scores' order-preserving integer keys (four 256-bin histograms, no sort), run only on the keys above a
-cheap lower bound (the k-th largest maximum of groups of 8) when they are few, and the m best among those k,
+over the scores' order-preserving integer keys (four 256-bin histograms, no sort) and the m best among those k,
 writes the new reference, removes duplicate positions of a dilated set (each slot stakes its position in a scratch
 row; the slot that wins keeps it) and attends with gathered keys. The middle must hold at least k keys (the
 caller's job).
@@ -85,17 +84,6 @@ def _kernels():
         cos = tl.sum(x * y) / tl.sqrt(tl.maximum(tl.sum(x * x) * tl.sum(y * y), 1e-16))
         return (tl.load(ref_block_ptr + h) == block) & (cos > tau)
 
-    @triton.jit
-    def rows(base, row_stride, idx, ok, D: tl.constexpr):
-        """Rows idx of a (N, D) matrix at base, as fp32; zeros where not ok."""
-        dims = tl.arange(0, D)
-        return tl.load(base + idx[:, None] * row_stride + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-
-    @triton.jit
-    def logits(k_head, k_row_stride, idx, ok, q, scaling, D: tl.constexpr):
-        """q . k * scaling for the keys idx; -inf where not ok."""
-        return tl.where(ok, tl.sum(rows(k_head, k_row_stride, idx, ok, D) * q[None, :], 1) * scaling, float("-inf"))
-
     @triton.jit(do_not_specialize=["lo", "hi", "block", "score_stride"])
     def score_middle(q_ptr, qr_ptr, k_ptr, ref_q_ptr, ref_block_ptr, score_ptr, k_head_stride, k_row_stride,
                      score_stride, lo, hi, block, tau, GROUP: tl.constexpr, D: tl.constexpr,
@@ -107,7 +95,8 @@ def _kernels():
         for g in tl.static_range(1, GROUP):
             any_need = any_need | ~shares(q_ptr, ref_q_ptr, ref_block_ptr, kv * GROUP + g, block, tau, D)
         ok = (cols < hi) & any_need  # a group whose heads all share loads nothing
-        kt = rows(k_ptr + kv * k_head_stride, k_row_stride, cols, ok, D)
+        kt = tl.load(k_ptr + kv * k_head_stride + cols[:, None] * k_row_stride + dims[None, :],
+                     mask=ok[:, None], other=0.0).to(tl.float32)
         for g in tl.static_range(GROUP):
             h = kv * GROUP + g
             need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, h, block, tau, D)
@@ -138,12 +127,6 @@ def _kernels():
         return taken | cand
 
     @triton.jit
-    def take_top(key, valid, pos, row, K):
-        """Write the positions of the K largest keys to row[0:K], in position order."""
-        picked = top(key, valid, K)
-        tl.store(row + tl.cumsum(picked.to(tl.int32), 0) - 1, pos, mask=picked)
-
-    @triton.jit
     def sortable(s):
         """float32 -> int32 with the same order."""
         bits = s.to(tl.int32, bitcast=True)
@@ -155,8 +138,7 @@ def _kernels():
                       owner_stride, N, lo, hi, window, block, tau, scaling, GROUP: tl.constexpr, D: tl.constexpr,
                       SINK: tl.constexpr, SINK_PAD: tl.constexpr, LOCAL: tl.constexpr, LOCAL_PAD: tl.constexpr,
                       TOP_K: tl.constexpr, M_BEST: tl.constexpr, RADIUS: tl.constexpr, SET: tl.constexpr,
-                      SET_PAD: tl.constexpr, MID_PAD: tl.constexpr, TOP_PAD: tl.constexpr, CAND_PAD: tl.constexpr,
-                      CIS: tl.constexpr):
+                      SET_PAD: tl.constexpr, MID_PAD: tl.constexpr, TOP_PAD: tl.constexpr, CIS: tl.constexpr):
         h = tl.program_id(0)
         need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, h, block, tau, D)
         dims = tl.arange(0, D)
@@ -165,26 +147,8 @@ def _kernels():
             cols = lo + tl.arange(0, MID_PAD)
             inside = cols < hi
             key = sortable(tl.load(score_ptr + h * score_stride + cols, mask=inside, other=0.0))
-            if CAND_PAD < MID_PAD:
-                # a lower bound on the k-th largest key: the k-th largest of the maxima of groups of 8 positions
-                # (k distinct keys reach it); the keys above it are few, so the exact select runs on those alone
-                groups = tl.max(tl.reshape(tl.where(inside, key, -2147483648), (MID_PAD // 8, 8)), 1)
-                group_ok = tl.max(tl.reshape(inside.to(tl.int32), (MID_PAD // 8, 8)), 1) > 0
-                bound = tl.min(tl.where(top(groups, group_ok, TOP_K), groups, 2147483647))
-                cand = inside & (key >= bound)
-                n_cand = tl.sum(cand.to(tl.int32))
-                if (tl.sum(group_ok.to(tl.int32)) >= TOP_K) & (n_cand <= CAND_PAD):
-                    scratch = owner_ptr + h * owner_stride
-                    tl.store(scratch + tl.cumsum(cand.to(tl.int32), 0) - 1, cols, mask=cand)  # compacted, in order
-                    tl.debug_barrier()
-                    c = tl.arange(0, CAND_PAD)
-                    c_pos = tl.load(scratch + c, mask=c < n_cand, other=0)
-                    c_key = sortable(tl.load(score_ptr + h * score_stride + c_pos, mask=c < n_cand, other=0.0))
-                    take_top(c_key, c < n_cand, c_pos, row, TOP_K)
-                else:
-                    take_top(key, inside, cols, row, TOP_K)
-            else:
-                take_top(key, inside, cols, row, TOP_K)
+            picked = top(key, inside, TOP_K)
+            tl.store(row + tl.cumsum(picked.to(tl.int32), 0) - 1, cols, mask=picked)  # in position order
             tl.debug_barrier()
             if M_BEST > 0:
                 slot = tl.arange(0, TOP_PAD)  # the m best are taken among the k picks only
@@ -208,20 +172,31 @@ def _kernels():
         tl.debug_barrier()
         ok = ok & (tl.load(stake, mask=ok, other=-1) == slots)
 
+        kv = h // GROUP
         q = tl.load(qr_ptr + h * D + dims).to(tl.float32)
-        k_head, v_head = k_ptr + (h // GROUP) * k_head_stride, v_ptr + (h // GROUP) * v_head_stride
         sp = tl.arange(0, SINK_PAD)
         sink_ok = sp < SINK
         lp = hi + tl.arange(0, LOCAL_PAD)
         local_ok = (tl.arange(0, LOCAL_PAD) < LOCAL) & (lp >= window)
-        a_sink = logits(k_head, k_row_stride, sp, sink_ok, q, scaling, D)
-        a_local = logits(k_head, k_row_stride, lp, local_ok, q, scaling, D)
-        a_set = logits(k_head, k_row_stride, idx, ok, q, scaling, D)
+        k_sink = tl.load(k_ptr + kv * k_head_stride + sp[:, None] * k_row_stride + dims[None, :],
+                         mask=sink_ok[:, None], other=0.0).to(tl.float32)
+        k_local = tl.load(k_ptr + kv * k_head_stride + lp[:, None] * k_row_stride + dims[None, :],
+                          mask=local_ok[:, None], other=0.0).to(tl.float32)
+        k_set = tl.load(k_ptr + kv * k_head_stride + idx[:, None] * k_row_stride + dims[None, :],
+                        mask=ok[:, None], other=0.0).to(tl.float32)
+        a_sink = tl.where(sink_ok, tl.sum(k_sink * q[None, :], 1) * scaling, float("-inf"))
+        a_local = tl.where(local_ok, tl.sum(k_local * q[None, :], 1) * scaling, float("-inf"))
+        a_set = tl.where(ok, tl.sum(k_set * q[None, :], 1) * scaling, float("-inf"))
         top_logit = tl.maximum(tl.maximum(tl.max(a_sink), tl.max(a_local)), tl.max(a_set))
         p_sink, p_local, p_set = tl.exp(a_sink - top_logit), tl.exp(a_local - top_logit), tl.exp(a_set - top_logit)
-        acc = tl.sum(p_sink[:, None] * rows(v_head, v_row_stride, sp, sink_ok, D), 0) \
-            + tl.sum(p_local[:, None] * rows(v_head, v_row_stride, lp, local_ok, D), 0) \
-            + tl.sum(p_set[:, None] * rows(v_head, v_row_stride, idx, ok, D), 0)
+        v_sink = tl.load(v_ptr + kv * v_head_stride + sp[:, None] * v_row_stride + dims[None, :],
+                         mask=sink_ok[:, None], other=0.0).to(tl.float32)
+        v_local = tl.load(v_ptr + kv * v_head_stride + lp[:, None] * v_row_stride + dims[None, :],
+                          mask=local_ok[:, None], other=0.0).to(tl.float32)
+        v_set = tl.load(v_ptr + kv * v_head_stride + idx[:, None] * v_row_stride + dims[None, :],
+                        mask=ok[:, None], other=0.0).to(tl.float32)
+        acc = tl.sum(p_sink[:, None] * v_sink, 0) + tl.sum(p_local[:, None] * v_local, 0) \
+            + tl.sum(p_set[:, None] * v_set, 0)
         total = tl.sum(p_sink) + tl.sum(p_local) + tl.sum(p_set)
         tl.store(out_ptr + h * D + dims, (acc / total).to(out_ptr.dtype.element_ty))
 
@@ -244,9 +219,7 @@ def prhs_step_triton(q, qr, keys, values, ref_q, ref_set, ref_block, retrievals,
         raise ValueError("the fused PrHS step needs row-contiguous keys/values and a power-of-two head size")
     q, qr = q.contiguous(), qr.contiguous()
     group = H // keys.shape[0]
-    mid_pad = max(16, triton.next_power_of_2(hi - lo))
-    # candidates above the groups-of-8 bound go to the exact select when the bound exists and they are few
-    cand_pad = min(triton.next_power_of_2(4 * top_k), mid_pad) if mid_pad // 8 >= top_k else mid_pad
+    mid_pad = triton.next_power_of_2(hi - lo)
     scores = torch.empty((H, lo + mid_pad), dtype=torch.float32, device=q.device)
     owner = torch.empty((H, N), dtype=torch.int32, device=q.device)
     out = torch.empty((H, D), dtype=q.dtype, device=q.device)
@@ -260,6 +233,6 @@ def prhs_step_triton(q, qr, keys, values, ref_q, ref_set, ref_block, retrievals,
         block, tau, scaling, GROUP=group, D=D, SINK=sink, SINK_PAD=max(16, triton.next_power_of_2(sink)),
         LOCAL=local, LOCAL_PAD=max(16, triton.next_power_of_2(local)), TOP_K=top_k, M_BEST=top_k // 3,
         RADIUS=radius, SET=set_size, SET_PAD=max(16, triton.next_power_of_2(set_size)), MID_PAD=mid_pad,
-        TOP_PAD=max(16, triton.next_power_of_2(top_k)), CAND_PAD=cand_pad, CIS=cis,
+        TOP_PAD=max(16, triton.next_power_of_2(top_k)), CIS=cis,
         num_warps=warps)
     return out
