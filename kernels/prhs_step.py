@@ -84,6 +84,17 @@ def _kernels():
         cos = tl.sum(x * y) / tl.sqrt(tl.maximum(tl.sum(x * x) * tl.sum(y * y), 1e-16))
         return (tl.load(ref_block_ptr + h) == block) & (cos > tau)
 
+    @triton.jit
+    def rows(base, row_stride, idx, ok, D: tl.constexpr):
+        """Rows idx of a (N, D) matrix at base, as fp32; zeros where not ok."""
+        dims = tl.arange(0, D)
+        return tl.load(base + idx[:, None] * row_stride + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def logits(k_head, k_row_stride, idx, ok, q, scaling, D: tl.constexpr):
+        """q . k * scaling for the keys idx; -inf where not ok."""
+        return tl.where(ok, tl.sum(rows(k_head, k_row_stride, idx, ok, D) * q[None, :], 1) * scaling, float("-inf"))
+
     @triton.jit(do_not_specialize=["lo", "hi", "block", "score_stride"])
     def score_middle(q_ptr, qr_ptr, k_ptr, ref_q_ptr, ref_block_ptr, score_ptr, k_head_stride, k_row_stride,
                      score_stride, lo, hi, block, tau, GROUP: tl.constexpr, D: tl.constexpr,
@@ -95,8 +106,7 @@ def _kernels():
         for g in tl.static_range(1, GROUP):
             any_need = any_need | ~shares(q_ptr, ref_q_ptr, ref_block_ptr, kv * GROUP + g, block, tau, D)
         ok = (cols < hi) & any_need  # a group whose heads all share loads nothing
-        kt = tl.load(k_ptr + kv * k_head_stride + cols[:, None] * k_row_stride + dims[None, :],
-                     mask=ok[:, None], other=0.0).to(tl.float32)
+        kt = rows(k_ptr + kv * k_head_stride, k_row_stride, cols, ok, D)
         for g in tl.static_range(GROUP):
             h = kv * GROUP + g
             need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, h, block, tau, D)
@@ -172,31 +182,20 @@ def _kernels():
         tl.debug_barrier()
         ok = ok & (tl.load(stake, mask=ok, other=-1) == slots)
 
-        kv = h // GROUP
         q = tl.load(qr_ptr + h * D + dims).to(tl.float32)
+        k_head, v_head = k_ptr + (h // GROUP) * k_head_stride, v_ptr + (h // GROUP) * v_head_stride
         sp = tl.arange(0, SINK_PAD)
         sink_ok = sp < SINK
         lp = hi + tl.arange(0, LOCAL_PAD)
         local_ok = (tl.arange(0, LOCAL_PAD) < LOCAL) & (lp >= window)
-        k_sink = tl.load(k_ptr + kv * k_head_stride + sp[:, None] * k_row_stride + dims[None, :],
-                         mask=sink_ok[:, None], other=0.0).to(tl.float32)
-        k_local = tl.load(k_ptr + kv * k_head_stride + lp[:, None] * k_row_stride + dims[None, :],
-                          mask=local_ok[:, None], other=0.0).to(tl.float32)
-        k_set = tl.load(k_ptr + kv * k_head_stride + idx[:, None] * k_row_stride + dims[None, :],
-                        mask=ok[:, None], other=0.0).to(tl.float32)
-        a_sink = tl.where(sink_ok, tl.sum(k_sink * q[None, :], 1) * scaling, float("-inf"))
-        a_local = tl.where(local_ok, tl.sum(k_local * q[None, :], 1) * scaling, float("-inf"))
-        a_set = tl.where(ok, tl.sum(k_set * q[None, :], 1) * scaling, float("-inf"))
+        a_sink = logits(k_head, k_row_stride, sp, sink_ok, q, scaling, D)
+        a_local = logits(k_head, k_row_stride, lp, local_ok, q, scaling, D)
+        a_set = logits(k_head, k_row_stride, idx, ok, q, scaling, D)
         top_logit = tl.maximum(tl.maximum(tl.max(a_sink), tl.max(a_local)), tl.max(a_set))
         p_sink, p_local, p_set = tl.exp(a_sink - top_logit), tl.exp(a_local - top_logit), tl.exp(a_set - top_logit)
-        v_sink = tl.load(v_ptr + kv * v_head_stride + sp[:, None] * v_row_stride + dims[None, :],
-                         mask=sink_ok[:, None], other=0.0).to(tl.float32)
-        v_local = tl.load(v_ptr + kv * v_head_stride + lp[:, None] * v_row_stride + dims[None, :],
-                          mask=local_ok[:, None], other=0.0).to(tl.float32)
-        v_set = tl.load(v_ptr + kv * v_head_stride + idx[:, None] * v_row_stride + dims[None, :],
-                        mask=ok[:, None], other=0.0).to(tl.float32)
-        acc = tl.sum(p_sink[:, None] * v_sink, 0) + tl.sum(p_local[:, None] * v_local, 0) \
-            + tl.sum(p_set[:, None] * v_set, 0)
+        acc = tl.sum(p_sink[:, None] * rows(v_head, v_row_stride, sp, sink_ok, D), 0) \
+            + tl.sum(p_local[:, None] * rows(v_head, v_row_stride, lp, local_ok, D), 0) \
+            + tl.sum(p_set[:, None] * rows(v_head, v_row_stride, idx, ok, D), 0)
         total = tl.sum(p_sink) + tl.sum(p_local) + tl.sum(p_set)
         tl.store(out_ptr + h * D + dims, (acc / total).to(out_ptr.dtype.element_ty))
 
