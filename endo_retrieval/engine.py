@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -157,51 +156,31 @@ class EndoIndex:
 
     def _index_tokens(self, ids: np.ndarray, start: int, bar) -> None:
         """Stream, encode each chunk's keys (Eq. 4) and append postings (Eq. 5). The features stay on the
-        accelerator until HANDOFF_TOKENS of them wait, then go to the host in one asynchronous copy (a copy per
-        chunk would stall the next chunk's forward: issue 10). A host thread turns each hand-off into postings and
-        compacts them while the accelerator streams on, one hand-off at a time and in order."""
+        accelerator until HANDOFF_TOKENS of them wait, then go to the host in one copy: a copy per chunk would
+        stall the next chunk's forward (issue 10: one synchronisation per chunk cost more than the forward)."""
         layers = self.saes.layers
         waiting: list[tuple[int, int, dict[int, torch.Tensor]]] = []
-        host = ThreadPoolExecutor(max_workers=1)
-        jobs = []
-
-        def add_postings(positions: np.ndarray, features: dict[int, torch.Tensor], ready) -> None:
-            if ready is not None:
-                ready.synchronize()  # the copy to the host has landed
-            for layer in layers:
-                self.index.add(layer, positions, features[layer].numpy())
-                self.index.postings(layer)  # compact now rather than after the last chunk
 
         def hand_off() -> None:
             if not waiting:
                 return
             positions = np.concatenate([np.arange(start + s, start + e, dtype=np.int64) for s, e, _ in waiting])
-            features = {layer: torch.cat([f[layer] for *_, f in waiting]) for layer in layers}
-            ready = None
-            if features[layers[0]].is_cuda:
-                features = {layer: _to_host_async(f) for layer, f in features.items()}
-                ready = torch.cuda.Event()
-                ready.record()
-            jobs.append(host.submit(add_postings, positions, features, ready))
+            for layer in layers:
+                self.index.add(layer, positions, torch.cat([f[layer] for *_, f in waiting]).cpu().numpy())
             bar.update(len(positions))
             waiting.clear()
 
-        try:
-            for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
-                features = {}
-                for layer in layers:
-                    feat, act = self.saes.encode_keys(layer, chunk.keys[layer])
-                    # padding of tokens with fewer than k active features; int16 holds any id below 2**15
-                    features[layer] = torch.where(act > 0, feat, -1).to(
-                        torch.int16 if self.index.d_latent < 2**15 else torch.int32)
-                waiting.append((chunk.start, chunk.end, features))
-                if sum(e - s for s, e, _ in waiting) >= HANDOFF_TOKENS:
-                    hand_off()
-            hand_off()
-        finally:
-            host.shutdown(wait=True)  # no host work may outlive the call, even when streaming failed
-        for job in jobs:
-            job.result()  # a hand-off's error surfaces here
+        for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
+            features = {}
+            for layer in layers:
+                feat, act = self.saes.encode_keys(layer, chunk.keys[layer])
+                # padding of tokens with fewer than k active features; int16 holds any id below 2**15
+                features[layer] = torch.where(act > 0, feat, -1).to(torch.int16 if self.index.d_latent < 2**15
+                                                                     else torch.int32)
+            waiting.append((chunk.start, chunk.end, features))
+            if sum(e - s for s, e, _ in waiting) >= HANDOFF_TOKENS:
+                hand_off()
+        hand_off()
 
     def remove_document(self, doc_id: str) -> None:
         start, end = self.corpus.remove_document(doc_id)
@@ -354,13 +333,6 @@ class EndoIndex:
         self.index = FeatureIndex.load(directory / "features")
         self.corpus = CorpusMap.load(directory / "corpus.npz")
         return self
-
-
-def _to_host_async(x: torch.Tensor) -> torch.Tensor:
-    """A copy of an accelerator tensor into pinned host memory, queued on the current stream (no wait)."""
-    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    out.copy_(x, non_blocking=True)
-    return out
 
 
 def _check_method(method: str) -> str:
