@@ -10,7 +10,7 @@ middle [C_sink, t - C_local) with the largest scores (the top-k oracle). Three p
 - ETF (IV-C): in prefill, from layer l_s on, tokens in [C_sink, E_l(t)) skip attention (Eq. 16).
 Prefill is otherwise dense; keys are cached rotated at their absolute positions, as in `dense`. A decode step is
 `kernels/prhs_step.py`: two fused Triton launches on CUDA (gate, scores, top-k, dilation, gathered attention; the
-CIS state and the retrieval count stay on the device), its torch twin elsewhere. While the middle holds no more
+CIS state and the retrieval count stay on the device), its torch twin elsewhere. While the middle holds fewer
 than k keys it is read whole (it is its own top-k) and nothing is counted as a retrieval.
 
 Interface limits (documented, not hidden): the backend sees one layer's attention only, so an ETF-frozen token
@@ -64,7 +64,6 @@ class PrHS(AttentionBackend):
         self.l_s = self.start_layer if self.start_layer is not None else (3 * n) // 4
         if not 0 <= self.l_s < n:
             raise AttentionError(f"start_layer {self.l_s} is outside the model's layers 0..{n - 1}")
-        self.group = backbone.n_heads // backbone.n_kv_heads
         self._step = [0] * n  # decode steps seen per layer
         self._cis: list[tuple | None] = [None] * n  # per layer: ref_q, ref_set, ref_block (see `_cis_state`)
         self._retrieved: torch.Tensor | None = None  # heads that retrieved, counted on the device (no host sync)
@@ -116,7 +115,7 @@ class PrHS(AttentionBackend):
 
     def _decode(self, layer: int, q: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 scaling: float) -> torch.Tensor:
-        """One decode step: `prhs_step` (fused on CUDA) once the middle holds more than k keys."""
+        """One decode step: `prhs_step` (fused on CUDA) once the middle holds at least k keys."""
         N = keys.shape[1]
         step = self._step[layer]
         self._step[layer] += 1
