@@ -27,7 +27,7 @@ import torch
 from endo_retrieval.backbone import Backbone, as_text
 from endo_retrieval.bm25 import OkapiPostings
 from endo_retrieval.corpus import CorpusMap
-from endo_retrieval.index import FeatureIndex
+from endo_retrieval.index import FeatureIndex, feature_postings
 from endo_retrieval.methods.base import Span
 from endo_retrieval.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
 
@@ -165,8 +165,9 @@ class EndoIndex:
             if not waiting:
                 return
             positions = np.concatenate([np.arange(start + s, start + e, dtype=np.int64) for s, e, _ in waiting])
-            for layer in layers:
-                self.index.add(layer, positions, torch.cat([f[layer] for *_, f in waiting]).cpu().numpy())
+            for layer in layers:  # sorted into postings on the accelerator: the host only appends (issue 10)
+                counts, rows = feature_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
+                self.index.add_postings(layer, positions, counts.cpu().numpy(), rows.cpu().numpy())
             bar.update(len(positions))
             waiting.clear()
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from endo_retrieval.files import atomic_write
 
@@ -107,15 +108,38 @@ def _position_dtype(max_position: int) -> type:
 
 
 @dataclass
+class _Block:
+    """One add(): Eq. 5's postings of a run of tokens, grouped by feature (CSR), positions ascending in each."""
+    tokens: np.ndarray  # int64, the positions added (in any order; _compact sorts what is not streamed)
+    counts: np.ndarray  # int64 (d_latent,), postings per feature
+    positions: np.ndarray  # int64, feature-major
+
+
+@dataclass
 class _LayerPostings:
     indptr: np.ndarray  # int64 (d_latent + 1,)
     positions: np.ndarray  # uint32 / int64, sorted within each feature
     tokens: np.ndarray  # int64, sorted unique positions that were indexed (with or without postings)
-    pending: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # add() calls: positions, features
+    pending: list[_Block] = field(default_factory=list)  # add() calls, merged by _compact
 
     @classmethod
     def empty(cls, d_latent: int) -> _LayerPostings:
         return cls(np.zeros(d_latent + 1, np.int64), np.zeros(0, np.uint32), np.zeros(0, np.int64))
+
+
+def feature_postings(features: torch.Tensor, d_latent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 5 for a block of tokens (T, k): (counts (d_latent,), rows), where rows (int32) names the token row of
+    every posting, grouped by feature and ascending within it; -1 slots and a feature repeated in a row are
+    dropped. It runs where the features are, so an accelerator sorts while the host only appends (issue 10)."""
+    k = features.shape[1]
+    keys = features.reshape(-1).to(torch.int32)
+    keys = torch.where(keys < 0, d_latent, keys)  # empty slots sort after every feature
+    keys, order = torch.sort(keys, stable=True)  # stable: rows stay ascending within a feature
+    rows = torch.div(order, k, rounding_mode="floor").to(torch.int32)
+    keep = keys < d_latent
+    keep[1:] &= (keys[1:] != keys[:-1]) | (rows[1:] != rows[:-1])
+    keys, rows = keys[keep], rows[keep]
+    return torch.bincount(keys, minlength=d_latent), rows
 
 
 class FeatureIndex:
@@ -139,7 +163,7 @@ class FeatureIndex:
 
     def add(self, layer: int, positions: np.ndarray, features: np.ndarray) -> None:
         """Append the active features (T, k) of token positions (T,) at `layer` (Eq. 5); -1 marks an empty slot."""
-        store = self._layer(layer)
+        self._layer(layer)
         positions = np.asarray(positions)
         features = np.asarray(features)
         if positions.ndim != 1 or features.ndim != 2 or len(positions) != len(features):
@@ -149,66 +173,58 @@ class FeatureIndex:
             raise ValueError("positions and features must be integer arrays")
         if len(positions) == 0:
             return
-        if positions.min() < 0:
-            raise ValueError("token positions must be >= 0")
         if features.min() < -1 or features.max() >= self.d_latent:
             raise ValueError(f"feature ids must lie in [0, {self.d_latent}) (or -1 for an empty slot)")
-        if np.any(np.diff(positions) < 0):  # keep every buffered chunk in position order
-            order = np.argsort(positions, kind="stable")
-            positions, features = positions[order], features[order]
-        store.pending.append((positions.astype(np.int64), features.astype(np.int32)))
+        counts, rows = feature_postings(torch.from_numpy(features.astype(np.int32)), self.d_latent)
+        self.add_postings(layer, positions, counts.numpy(), rows.numpy())
+
+    def add_postings(self, layer: int, positions: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> None:
+        """Append a block sorted by `feature_postings`: the tokens at `positions` (T,) hold `counts[f]` postings of
+        each feature f, naming rows into `positions` (feature-major, rows ascending within a feature). Positions
+        may come in any order; ascending ones after every indexed position merge without a sort."""
+        store = self._layer(layer)
+        positions, counts, rows = (np.asarray(a) for a in (positions, counts, rows))
+        if counts.shape != (self.d_latent,) or len(rows) != counts.sum():
+            raise ValueError(f"add_postings wants counts ({self.d_latent},) summing to len(rows); "
+                             f"got {counts.shape} summing to {counts.sum()} for {len(rows)} rows")
+        if len(positions) == 0:
+            return
+        if positions.min() < 0:
+            raise ValueError("token positions must be >= 0")
+        positions = positions.astype(np.int64, copy=False)
+        store.pending.append(_Block(positions, counts.astype(np.int64), positions[rows]))
 
     def _compact(self, store: _LayerPostings) -> _LayerPostings:
-        """Merge buffered appends into the CSR arrays (sorted within each feature, duplicates dropped)."""
+        """Merge the pending blocks into the CSR arrays (sorted within each feature, duplicates dropped)."""
         if not store.pending:
             return store
-        # add() keeps each block sorted, so dropping repeats of the previous entry is np.unique without its hashing
-        # (np.unique took 0.14 s of a 2.2 s 256k-token build on an H200 host)
-        new_tokens = np.concatenate([p[np.concatenate(([True], p[1:] != p[:-1]))] for p, _ in store.pending])
-        new_pos = np.concatenate([np.repeat(p, f.shape[1]) for p, f in store.pending])
-        new_feat = np.concatenate([f.ravel() for _, f in store.pending])
-        store.pending.clear()
-        old_max = store.tokens[-1] if len(store.tokens) else -1
-        if new_tokens[0] > old_max and np.all(np.diff(new_tokens) > 0) and self.d_latent < 2**16:
-            # streaming case: chunks arrive in position order after the old ones, so a stable sort by feature (a
-            # radix sort for 16-bit keys) leaves positions sorted within each feature; old postings go first.
-            # As uint16 an empty slot (-1) becomes 65535 and sorts after every real feature.
-            keys = new_feat.astype(np.uint16)
-            counts = np.bincount(keys, minlength=self.d_latent)[: self.d_latent]
-            pos = new_pos[np.argsort(keys, kind="stable")[: counts.sum()]]
-            repeated = np.flatnonzero(pos[1:] == pos[:-1]) + 1  # same position twice in a feature's run
-            if len(repeated):
-                feat = np.repeat(np.arange(self.d_latent), counts)
-                repeated = repeated[feat[repeated] == feat[repeated - 1]]
-                keep = np.ones(len(pos), dtype=bool)
-                keep[repeated] = False
-                pos, counts = pos[keep], counts - np.bincount(feat[repeated], minlength=self.d_latent)
-            new_indptr = np.concatenate(([0], np.cumsum(counts)))
-            dtype = _position_dtype(int(new_tokens[-1]))
-            if store.indptr[-1] == 0:
-                merged = pos.astype(dtype)
-            else:
-                old_indptr = store.indptr
-                merged = np.empty(old_indptr[-1] + len(pos), dtype=dtype)
-                old_feat = np.repeat(np.arange(self.d_latent), np.diff(old_indptr))
-                merged[np.arange(old_indptr[-1]) + new_indptr[old_feat]] = store.positions
-                merged[np.arange(len(pos)) + np.repeat(old_indptr[1:], counts)] = pos
-            store.indptr, store.positions = store.indptr + new_indptr, merged
-            store.tokens = np.concatenate((store.tokens, new_tokens))
+        old = _Block(store.tokens, np.diff(store.indptr), store.positions.astype(np.int64))
+        blocks = ([old] if len(old.tokens) else []) + store.pending
+        store.pending = []
+        tokens = np.concatenate([b.tokens for b in blocks])
+        if np.all(tokens[1:] > tokens[:-1]):
+            # streaming: every block lies after the ones before it, so each feature's postings are its runs in the
+            # blocks, block after block; one gather lays them out (no sort)
+            counts = np.stack([b.counts for b in blocks])  # (B, d_latent)
+            ends = np.cumsum(counts, axis=1)
+            block_start = np.concatenate(([0], np.cumsum(ends[:, -1])[:-1]))
+            read = block_start[:, None] + ends - counts  # where run (b, f) starts in the concatenated blocks
+            indptr = np.concatenate(([0], np.cumsum(counts.sum(axis=0))))
+            write = indptr[None, :-1] + np.cumsum(counts, axis=0) - counts  # where it goes in the merged layer
+            shift = (read - write).T.ravel()  # feature-major, like the output
+            source = np.arange(indptr[-1]) + np.repeat(shift, counts.T.ravel())
+            positions = np.concatenate([b.positions for b in blocks])[source]
         else:  # general case: sort (feature, position) keys, dropping duplicates
-            valid = new_feat >= 0
-            new_pos, new_feat = new_pos[valid], new_feat[valid]
-            tokens = np.union1d(store.tokens, new_tokens)
+            tokens = np.unique(tokens)
             span = int(tokens[-1]) + 1
             if self.d_latent * span >= 2**63:
                 raise ValueError(f"positions up to {span} are too large for an index of {self.d_latent} features")
-            old_feat = np.repeat(np.arange(self.d_latent, dtype=np.int64), np.diff(store.indptr))
-            keys = np.unique(np.concatenate((old_feat * span + store.positions,
-                                             new_feat.astype(np.int64) * span + new_pos)))
-            feat, pos = np.divmod(keys, span)
-            store.indptr = np.concatenate(([0], np.cumsum(np.bincount(feat, minlength=self.d_latent))))
-            store.positions = pos.astype(_position_dtype(span - 1))
-            store.tokens = tokens
+            feat = np.concatenate([np.repeat(np.arange(self.d_latent, dtype=np.int64), b.counts) for b in blocks])
+            keys = np.unique(feat * span + np.concatenate([b.positions for b in blocks]))
+            feat, positions = np.divmod(keys, span)
+            indptr = np.concatenate(([0], np.cumsum(np.bincount(feat, minlength=self.d_latent))))
+        store.indptr, store.tokens = indptr, tokens
+        store.positions = positions.astype(_position_dtype(int(tokens[-1])))
         return store
 
     def _layer(self, layer: int) -> _LayerPostings:

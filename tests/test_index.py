@@ -7,10 +7,11 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+import torch
 
 from endo_retrieval import index as index_module
-from endo_retrieval.index import (FeatureIndex, IndexCorruptError, IndexVersionError, INDEX_FILE, varint_decode,
-                                  varint_encode)
+from endo_retrieval.index import (FeatureIndex, IndexCorruptError, IndexVersionError, INDEX_FILE, feature_postings,
+                                  varint_decode, varint_encode)
 
 D = 64
 
@@ -112,6 +113,29 @@ def test_adding_after_load_keeps_merging(tmp_path):
     for c in calls[2:]:
         idx.add(*c)
     assert_matches(idx, naive_postings(calls), [0])
+
+
+def test_repeated_and_unordered_positions_in_one_add_merge_like_sets():
+    rng = np.random.default_rng(3)
+    streamed = (0, np.arange(40, 80), rng.integers(-1, D, size=(40, 4)))
+    jumbled = (0, rng.integers(0, 50, size=120), rng.integers(-1, D, size=(120, 4)))  # repeats, no order, overlap
+    idx = build([streamed], [0])
+    idx.postings(0)  # compacted before the jumbled block arrives
+    idx.add(*jumbled)
+    assert_matches(idx, naive_postings([streamed, jumbled]), [0])
+    assert idx.tokens(0).tolist() == sorted(set(jumbled[1].tolist()) | set(range(40, 80)))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_feature_postings_group_rows_by_feature(device):
+    rng = np.random.default_rng(4)
+    feats = rng.integers(-1, D, size=(500, 6))
+    counts, rows = feature_postings(torch.as_tensor(feats, device=device), D)
+    counts, rows = counts.cpu().numpy(), rows.cpu().numpy()
+    indptr = np.concatenate(([0], np.cumsum(counts)))
+    for f in range(D):
+        assert rows[indptr[f]:indptr[f + 1]].tolist() == sorted({t for t, row in enumerate(feats) if f in row}), f
 
 
 def test_idf_by_hand():
