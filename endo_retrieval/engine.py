@@ -30,6 +30,7 @@ from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.index import FeatureIndex, feature_postings
 from endo_retrieval.methods.base import Span
 from endo_retrieval.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
+from endo_retrieval.sae import SAEError
 
 FORMAT = "endo-index"
 VERSION = 1
@@ -160,10 +161,15 @@ class EndoIndex:
         stall the next chunk's forward (issue 10: one synchronisation per chunk cost more than the forward)."""
         layers = self.saes.layers
         waiting: list[tuple[int, int, dict[int, torch.Tensor]]] = []
+        finite = torch.ones((), dtype=torch.bool, device=self.backbone.device)  # every key seen since the last check
 
         def hand_off() -> None:
             if not waiting:
                 return
+            if not finite:
+                raise SAEError(f"The model's key states hold NaN or inf between tokens {start + waiting[0][0]} and "
+                               f"{start + waiting[-1][1]}; nothing from there on was indexed. Check the model's "
+                               "weights and dtype (float16 can overflow; use bfloat16 or float32).")
             positions = np.concatenate([np.arange(start + s, start + e, dtype=np.int64) for s, e, _ in waiting])
             for layer in layers:  # sorted into postings on the accelerator: the host only appends (issue 10)
                 counts, rows = feature_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
@@ -174,7 +180,9 @@ class EndoIndex:
         for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
             features = {}
             for layer in layers:
-                feat, act = self.saes.encode_keys(layer, chunk.keys[layer])
+                keys = chunk.keys[layer]
+                finite &= torch.isfinite(keys).all()  # checked at hand-off: here it would wait for the device
+                feat, act = self.saes.encode_keys(layer, keys, check_finite=False)
                 # padding of tokens with fewer than k active features; int16 holds any id below 2**15
                 features[layer] = torch.where(act > 0, feat, -1).to(torch.int16 if self.index.d_latent < 2**15
                                                                      else torch.int32)

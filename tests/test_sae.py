@@ -93,6 +93,20 @@ def test_aggregate_heads_matches_dense_reference():
         assert torch.equal(got_i.sort(1).values, want_i.sort(1).values)
 
 
+@pytest.mark.parametrize("heads", [1, 3, 9])
+def test_encode_heads_is_the_max_union_of_the_heads_top_k(heads):
+    torch.manual_seed(heads)
+    sae = TopKSAE(8, 64, 5)
+    x = 2 * torch.randn(heads, 30, 8)
+    ids, acts = sae.encode(x)  # (heads, T, k): each head's own top-k
+    want_i, want_a = aggregate_heads(ids, acts, 5, "max")
+    got_i, got_a = sae.encode_heads(x)
+    assert torch.allclose(got_a, want_a, atol=1e-6)
+    positive = want_a > 0  # ids of zero activations carry no meaning
+    assert all(set(g[p].tolist()) == set(w[p].tolist()) for g, w, p in zip(got_i, want_i, positive))
+    assert positive.float().mean() > 0.5
+
+
 def test_aggregate_rejects_bad_shapes():
     with pytest.raises(ValueError, match="heads, T, k"):
         aggregate_heads(torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4), 2)
