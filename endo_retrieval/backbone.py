@@ -373,6 +373,8 @@ class Backbone:
         if not set(capture) <= {"k", "q"}:
             raise BackboneError("capture takes 'k' and/or 'q'.")
         layers = self._check_layers(layers)
+        if self.device.type == "cuda":  # pinned, so each chunk's ids go over without waiting for the device
+            ids = ids.pin_memory()
         parts = [0, split_at, len(ids)] if split_at is not None and 0 < split_at < len(ids) else [0, len(ids)]
         bounds = sorted({b for a, z in zip(parts[:-1], parts[1:]) for b in range(a, z, chunk_size)} | {len(ids)})
         for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -380,7 +382,8 @@ class Backbone:
             # places them at 0..S+W+T-1, so every query-key distance stays inside the trained window however long
             # the stream (absolute positions past an 8k window lost every passkey at 32k: docs/ilre.md).
             n_sink, w0 = (min(sink, s), min(s, max(sink, s - window))) if mode == "sink_window" else (0, s)
-            x = torch.cat([ids[:n_sink], ids[w0:e]]).unsqueeze(0).to(self.device)
+            x = torch.cat([ids[:n_sink].to(self.device, non_blocking=True),
+                           ids[w0:e].to(self.device, non_blocking=True)]).unsqueeze(0)
             n = x.shape[1] - (e - s)
             if mode == "independent" or positions == "frame":
                 pos = torch.arange(x.shape[1], device=self.device)

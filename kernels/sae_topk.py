@@ -59,7 +59,7 @@ def _kernel():
     # N (rows) varies with every chunk tail and question: left unspecialised, so a new N never recompiles
     # (a recompile cost 1.2-2.9 s on the H100, inside an index build or a first query)
     @triton.jit(do_not_specialize=["N"])
-    def fused_encode_topk(x_ptr, w_ptr, b_enc_ptr, b_dec_ptr, ids_ptr, acts_ptr, N, D, L, G: tl.constexpr,
+    def fused_encode_topk(x_ptr, w_ptr, b_enc_ptr, b_dec_ptr, ids_ptr, acts_ptr, N, D, L, G,
                           K_OUT: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,12 +74,12 @@ def _kernel():
             w = tl.load(w_ptr + lat[:, None] * D + dims[None, :], mask=lat_ok[:, None] & (dims[None, :] < D),
                         other=0.0)
             b_enc = tl.load(b_enc_ptr + lat, mask=lat_ok, other=0.0)[None, :].to(tl.float32)
-            key = tl.full((BLOCK_M, BLOCK_N), -1, tl.int64)
-            for g in tl.static_range(G):  # a token's heads: each latent keeps its largest activation
+            z = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for g in range(G):  # a token's heads, each latent at its largest (not unrolled: 9 overflow shared memory)
                 x = tl.load(x_ptr + (g * N + rows[:, None]) * D + dims[None, :], mask=x_mask, other=0.0)
-                z = tl.dot(x - b_dec[None, :], tl.trans(w), input_precision=PRECISION)  # fp32 accumulate
-                z = tl.where(z + b_enc > 0, z + b_enc, 0.0)  # ReLU, Eq. 2 (+0.0, never -0.0: bits stay >= 0)
-                key = tl.maximum(key, (z.to(tl.int32, bitcast=True).to(tl.int64) << 32) | lat[None, :].to(tl.int64))
+                z = tl.maximum(z, tl.dot(x - b_dec[None, :], tl.trans(w), input_precision=PRECISION) + b_enc)
+            z = tl.where(z > 0, z, 0.0)  # ReLU, Eq. 2 (+0.0, never -0.0, so bits stay >= 0)
+            key = (z.to(tl.int32, bitcast=True).to(tl.int64) << 32) | lat[None, :].to(tl.int64)
             key = tl.where(lat_ok[None, :], key, -1)
             tile_top = tl.topk(key, K, dim=1)  # Eq. 3 on this tile
             both = tl.reshape(tl.join(best, tile_top), (BLOCK_M, 2 * K))
@@ -94,7 +94,7 @@ def _kernel():
 
 
 def sae_topk_triton(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_dec: torch.Tensor, k: int,
-                    block_m: int = 64, block_n: int = 128, precision: str = "tf32"
+                    block_m: int = 64, block_n: int = 128, precision: str = "tf32", num_warps: int = 4
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused encode + top-k on CUDA: x (N, d) or (G, N, d) -> (ids int64 (N, k), acts float32 (N, k)), largest
     first.
@@ -115,5 +115,5 @@ def sae_topk_triton(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b
     _kernel()[(triton.cdiv(N, block_m),)](
         heads, W, b_enc.float().contiguous(), b_dec.float().contiguous(), ids, acts, N, D, L, G,
         K_OUT=k, K=K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        PRECISION=precision, num_warps=4)
+        PRECISION=precision, num_warps=num_warps)
     return ids, acts
