@@ -27,13 +27,24 @@ def tiny(tmp_path_factory):
     return bb, bank
 
 
-@pytest.mark.parametrize("handoff", [None, 100])  # 100: features reach the host every second chunk
-def test_index_scores_match_a_naive_rebuild(tiny, handoff, monkeypatch):
+def small_pieces(monkeypatch, bb):
+    """Tokenise in pieces of ~300 characters, 2 at a time: chunks then span pieces and arrive in groups."""
+    encode_pieces = type(bb).encode_pieces
+    monkeypatch.setattr(bb, "encode_pieces", lambda text, piece_chars=0, batch=0: encode_pieces(bb, text, 300, 2))
+
+
+@pytest.mark.parametrize("handoff, pieces", [(None, False), (100, False), (100, True)])  # 100: a hand-off every
+def test_index_scores_match_a_naive_rebuild(tiny, handoff, pieces, monkeypatch):  # second chunk
     bb, bank = tiny
     if handoff:
         monkeypatch.setattr("endo_retrieval.engine.HANDOFF_TOKENS", handoff)
+    if pieces:
+        small_pieces(monkeypatch, bb)
     idx = EndoIndex(bb, saes=bank, chunk_size=64)
-    idx.add_documents([Document("a", FILLER), Document("b", NEEDLE + FILLER[:300])])
+    text = FILLER.replace(". ", ".\n") if pieces else FILLER  # lone newlines: places to cut the text
+    idx.add_documents([Document("a", text), Document("b", NEEDLE + FILLER[:300])])
+    if pieces:
+        assert len(list(bb.encode_pieces(text))) > 4
     got = idx.s3_scores(QUESTION)
     # naive Eq. 7: feature sets per position from a fresh pass, IDF over those sets, loops in Python
     q = idx.query_features(QUESTION)
@@ -106,6 +117,32 @@ def test_remove_document_and_persistence(tiny, tmp_path):
     idx.remove_document("b")
     assert idx.index.n_postings == before - in_b and idx.doc_ids == ["a"]
     assert all(h.doc_id == "a" for h in idx.search(QUESTION, k=3))
+
+
+@pytest.mark.parametrize("handoff", [None, 100])
+def test_nan_keys_leave_the_index_as_it_was(tiny, handoff, monkeypatch):
+    bb, bank = tiny
+    if handoff:
+        monkeypatch.setattr("endo_retrieval.engine.HANDOFF_TOKENS", handoff)
+    small_pieces(monkeypatch, bb)
+    idx = EndoIndex(bb, saes=bank, chunk_size=64)
+    idx.add_documents([Document("a", FILLER)])
+    before = idx.s3_scores(QUESTION)
+    stream, calls = bb.stream, []
+
+    def nan_after_a_while(ids, layers, **kw):  # the document's third group of chunks comes out NaN
+        calls.append(1)
+        for chunk in stream(ids, layers, **kw):
+            if len(calls) == 3:
+                chunk.keys[layers[0]] = torch.full_like(chunk.keys[layers[0]], float("nan"))
+            yield chunk
+
+    monkeypatch.setattr(bb, "stream", nan_after_a_while)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        idx.add_documents([Document("b", FILLER.replace(". ", ".\n") * 2)])
+    assert len(calls) >= 3 and idx.doc_ids == ["a"]
+    np.testing.assert_array_equal(idx.s3_scores(QUESTION)[: len(before)], before)
+    assert idx.index.positions_span <= len(before)  # no postings of the failed document remain
 
 
 def test_bad_input(tiny, tmp_path):
