@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import shutil
 import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -26,7 +24,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from endo_retrieval.backbone import Backbone, Encoding, as_text
+from endo_retrieval.backbone import Backbone, as_text
 from endo_retrieval.bm25 import OkapiPostings
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.index import FeatureIndex, feature_postings
@@ -125,15 +123,13 @@ class EndoIndex:
 
     # ---- phase 1: streaming semantic indexing (Eq. 4-5) ------------------------------------------------------
     def add_documents(self, docs: Iterable[Document | str], progress: bool = False) -> list[str]:
-        """Index documents one after another; returns their ids. A bad document raises before anything is added.
-        A background thread tokenises a step ahead of the forward (the fast tokenizer releases the GIL), so a long
-        document's first chunks are indexed while the rest is tokenised."""
+        """Index documents one after another; returns their ids. A bad document raises before anything is added."""
         docs = [d if isinstance(d, Document) else Document(f"doc-{len(self.corpus) + i}", d)
                 for i, d in enumerate(docs)]
         if not docs:
             raise ValueError("No documents given; pass at least one Document or text.")
         seen = set(self.doc_ids)
-        checked = []
+        encoded = []
         for d in docs:  # validate all first, so a bad document leaves the index untouched
             if d.doc_id in seen:
                 raise ValueError(f"Duplicate document id {d.doc_id!r}; ids must be unique (remove the old one first).")
@@ -150,63 +146,56 @@ class EndoIndex:
                 json.dumps(d.metadata)
             except TypeError as e:
                 raise ValueError(f"Document {d.doc_id!r}: metadata must be JSON-serialisable ({e}).") from None
-            checked.append((d, text))
-        bar = _progress(sum(len(text) for _, text in checked), "indexing", progress)
-        tokenised = _ahead(piece for _, text in checked
-                           for piece in [*self.backbone.encode_pieces(text), None])  # None ends a document
-        done = 0  # characters of the documents indexed so far
-        for d, text in checked:
-            start, pieces = self.corpus.n_positions, []
-            arriving = iter(lambda: next(tokenised), None)
+            encoded.append((d, text, self.backbone.encode(text)))
+        bar = _progress(sum(len(e) for *_, e in encoded), "indexing", progress)
+        for d, text, enc in encoded:
+            start, end = self.corpus.add_document(d.doc_id, text, enc.offsets, d.metadata)
+            if self.method == "bm25":  # BM25 reads only the corpus map: no SAE pass, no feature postings
+                bar.update(len(enc.ids))
+                continue
             try:
-                if self.method == "bm25":  # BM25 reads only the corpus map: no SAE pass, no feature postings
-                    pieces = list(arriving)
-                else:
-                    self._index_tokens(_whole_chunks(arriving, start, self.chunk_size, pieces, bar))
-                self.corpus.add_document(d.doc_id, text, np.concatenate([p.offsets for p in pieces]), d.metadata)
-            except BaseException:
-                self.index.remove_range(start, start + sum(len(p) for p in pieces))  # a document half indexed
+                self._index_tokens(enc.ids, start, bar)
+            except BaseException:  # a document half indexed (NaN keys, out of memory, Ctrl-C) leaves no trace
+                self.corpus.remove_document(d.doc_id)
+                self.index.remove_range(start, end)
                 raise
-            bar.update(done + len(text) - bar.n)
-            done += len(text)
         bar.close()
         return [d.doc_id for d in docs]
 
-    def _index_tokens(self, groups: Iterable[tuple[int, np.ndarray]]) -> None:
-        """Stream each group (its first position, ids), encode each chunk's keys (Eq. 4) and append postings
-        (Eq. 5). The features stay on the accelerator until HANDOFF_TOKENS of them wait, then go to the host in one
-        copy: a copy per chunk would stall the next chunk's forward (issue 10: one synchronisation per chunk cost
-        more than the forward)."""
+    def _index_tokens(self, ids: np.ndarray, start: int, bar) -> None:
+        """Stream, encode each chunk's keys (Eq. 4) and append postings (Eq. 5). The features stay on the
+        accelerator until HANDOFF_TOKENS of them wait, then go to the host in one copy: a copy per chunk would
+        stall the next chunk's forward (issue 10: one synchronisation per chunk cost more than the forward)."""
         layers = self.saes.layers
-        waiting: list[tuple[int, int, dict[int, torch.Tensor]]] = []  # (first, end) positions, features
+        waiting: list[tuple[int, int, dict[int, torch.Tensor]]] = []
         finite = torch.ones((), dtype=torch.bool, device=self.backbone.device)  # every key seen since the last check
 
         def hand_off() -> None:
             if not waiting:
                 return
             if not finite:
-                raise SAEError(f"The model's key states hold NaN or inf between positions {waiting[0][0]} and "
-                               f"{waiting[-1][1]}; the document was not indexed. Check the model's weights and "
-                               "dtype (float16 can overflow; use bfloat16 or float32).")
-            positions = np.concatenate([np.arange(s, e, dtype=np.int64) for s, e, _ in waiting])
+                raise SAEError(f"The model's key states hold NaN or inf between tokens {waiting[0][0]} and "
+                               f"{waiting[-1][1]} of the document, which was not indexed. Check the model's "
+                               "weights and dtype (float16 can overflow; use bfloat16 or float32).")
+            positions = np.concatenate([np.arange(start + s, start + e, dtype=np.int64) for s, e, _ in waiting])
             for layer in layers:  # sorted into postings on the accelerator: the host only appends (issue 10)
                 counts, rows = feature_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
                 self.index.add_postings(layer, positions, counts.cpu().numpy(), rows.cpu().numpy())
+            bar.update(len(positions))
             waiting.clear()
 
-        for first, ids in groups:
-            for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
-                features = {}
-                for layer in layers:
-                    keys = chunk.keys[layer]
-                    finite &= torch.isfinite(keys).all()  # checked at hand-off: here it would wait for the device
-                    feat, act = self.saes.encode_keys(layer, keys, check_finite=False)
-                    # padding of tokens with fewer than k active features; int16 holds any id below 2**15
-                    features[layer] = torch.where(act > 0, feat, -1).to(
-                        torch.int16 if self.index.d_latent < 2**15 else torch.int32)
-                waiting.append((first + chunk.start, first + chunk.end, features))
-                if sum(e - s for s, e, _ in waiting) >= HANDOFF_TOKENS:
-                    hand_off()
+        for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
+            features = {}
+            for layer in layers:
+                keys = chunk.keys[layer]
+                finite &= torch.isfinite(keys).all()  # checked at hand-off: here it would wait for the device
+                feat, act = self.saes.encode_keys(layer, keys, check_finite=False)
+                # padding of tokens with fewer than k active features; int16 holds any id below 2**15
+                features[layer] = torch.where(act > 0, feat, -1).to(torch.int16 if self.index.d_latent < 2**15
+                                                                     else torch.int32)
+            waiting.append((chunk.start, chunk.end, features))
+            if sum(e - s for s, e, _ in waiting) >= HANDOFF_TOKENS:
+                hand_off()
         hand_off()
 
     def remove_document(self, doc_id: str) -> None:
@@ -396,44 +385,4 @@ def _interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float,
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="char", unit_scale=True, disable=not enabled, leave=False)
-
-
-def _ahead(items: Iterator) -> Iterator:
-    """`items`, produced on a background thread as fast as it can, handed over in order (an unbounded queue: a
-    consumer that stops early never blocks the producer); the producer's exception is raised here."""
-    out: queue.Queue = queue.Queue()
-
-    def produce() -> None:
-        try:
-            for item in items:
-                out.put((True, item))
-            out.put((False, None))
-        except BaseException as e:  # raised in the consumer
-            out.put((False, e))
-
-    threading.Thread(target=produce, daemon=True).start()
-    while True:
-        more, item = out.get()
-        if not more:
-            if item is not None:
-                raise item
-            return
-        yield item
-
-
-def _whole_chunks(pieces: Iterable[Encoding], start: int, chunk_size: int, seen: list[Encoding], bar
-                  ) -> Iterator[tuple[int, np.ndarray]]:
-    """(first position, ids) groups of whole chunks as the pieces arrive, then the rest, so the chunks are those of
-    one stream over the whole document; every piece is appended to `seen`, the bar moves as groups are indexed."""
-    ids, ends, first, base = np.zeros(0, np.int64), np.zeros(0, np.int64), start, bar.n
-    for piece in pieces:
-        seen.append(piece)
-        ids, ends = np.concatenate([ids, piece.ids]), np.concatenate([ends, piece.offsets[:, 1]])
-        whole = len(ids) // chunk_size * chunk_size
-        if whole:
-            yield first, ids[:whole]  # resumed once the group is indexed
-            bar.update(base + int(ends[whole - 1]) - bar.n)
-            ids, ends, first = ids[whole:], ends[whole:], first + whole
-    if len(ids):
-        yield first, ids
+    return tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False)

@@ -27,24 +27,13 @@ def tiny(tmp_path_factory):
     return bb, bank
 
 
-def small_pieces(monkeypatch, bb):
-    """Tokenise in pieces of ~300 characters, 2 at a time: chunks then span pieces and arrive in groups."""
-    encode_pieces = type(bb).encode_pieces
-    monkeypatch.setattr(bb, "encode_pieces", lambda text, piece_chars=0, batch=0: encode_pieces(bb, text, 300, 2))
-
-
-@pytest.mark.parametrize("handoff, pieces", [(None, False), (100, False), (100, True)])  # 100: a hand-off every
-def test_index_scores_match_a_naive_rebuild(tiny, handoff, pieces, monkeypatch):  # second chunk
+@pytest.mark.parametrize("handoff", [None, 100])  # 100: features reach the host every second chunk
+def test_index_scores_match_a_naive_rebuild(tiny, handoff, monkeypatch):
     bb, bank = tiny
     if handoff:
         monkeypatch.setattr("endo_retrieval.engine.HANDOFF_TOKENS", handoff)
-    if pieces:
-        small_pieces(monkeypatch, bb)
     idx = EndoIndex(bb, saes=bank, chunk_size=64)
-    text = FILLER.replace(". ", ".\n") if pieces else FILLER  # lone newlines: places to cut the text
-    idx.add_documents([Document("a", text), Document("b", NEEDLE + FILLER[:300])])
-    if pieces:
-        assert len(list(bb.encode_pieces(text))) > 4
+    idx.add_documents([Document("a", FILLER), Document("b", NEEDLE + FILLER[:300])])
     got = idx.s3_scores(QUESTION)
     # naive Eq. 7: feature sets per position from a fresh pass, IDF over those sets, loops in Python
     q = idx.query_features(QUESTION)
@@ -124,22 +113,21 @@ def test_nan_keys_leave_the_index_as_it_was(tiny, handoff, monkeypatch):
     bb, bank = tiny
     if handoff:
         monkeypatch.setattr("endo_retrieval.engine.HANDOFF_TOKENS", handoff)
-    small_pieces(monkeypatch, bb)
     idx = EndoIndex(bb, saes=bank, chunk_size=64)
     idx.add_documents([Document("a", FILLER)])
     before = idx.s3_scores(QUESTION)
     stream, calls = bb.stream, []
 
-    def nan_after_a_while(ids, layers, **kw):  # the document's third group of chunks comes out NaN
-        calls.append(1)
+    def nan_after_a_while(ids, layers, **kw):  # the document's third chunk comes out NaN
         for chunk in stream(ids, layers, **kw):
+            calls.append(1)
             if len(calls) == 3:
                 chunk.keys[layers[0]] = torch.full_like(chunk.keys[layers[0]], float("nan"))
             yield chunk
 
     monkeypatch.setattr(bb, "stream", nan_after_a_while)
     with pytest.raises(ValueError, match="NaN or inf"):
-        idx.add_documents([Document("b", FILLER.replace(". ", ".\n") * 2)])
+        idx.add_documents([Document("b", FILLER * 2)])
     assert len(calls) >= 3 and idx.doc_ids == ["a"]
     np.testing.assert_array_equal(idx.s3_scores(QUESTION)[: len(before)], before)
     assert idx.index.positions_span <= len(before)  # no postings of the failed document remain
