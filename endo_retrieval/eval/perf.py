@@ -180,17 +180,18 @@ def index_rows(backbone, saes, source: TextSource, n: int, chunk_size: int, roun
     by +-15% between runs (session 6 saw the same build take 1.99-2.63 s)."""
     device, dev = backbone.device, backbone.device.type
     text = source.take(n)
-    t = clock(device)
     ids = backbone.encode(text).ids
-    tokenize_s = clock(device) - t
     build_index(backbone, saes, source.take(min(n, chunk_size)), chunk_size)  # warm-up: SAE and postings paths
-    bares, builds = [], []
+    bares, builds, tokenise_s = [], [], []
     for _ in range(rounds):
+        t = clock(device)
+        backbone.encode(text)
+        tokenise_s.append(clock(device) - t)
         bares.append(stream_throughput(backbone, ids, max(saes.layers), chunk_size))
         t = clock(device)
         index = build_index(backbone, saes, text, chunk_size)
         builds.append(index.corpus.n_tokens / (clock(device) - t))
-    bare, indexed = float(np.median(bares)), float(np.median(builds))
+    bare, indexed, tokenize_s = float(np.median(bares)), float(np.median(builds)), float(np.median(tokenise_s))
     with tempfile.TemporaryDirectory() as tmp:
         folder = index.save(Path(tmp) / "index")
         feature_bytes = (folder / "features" / "feature_index.bin").stat().st_size
@@ -207,6 +208,9 @@ def index_rows(backbone, saes, source: TextSource, n: int, chunk_size: int, roun
         row("index", "index_overhead", "s3-index", n, bare / indexed - 1, "ratio", dev,
             per_round=[b / i - 1 for b, i in zip(bares, builds)],
             note="median bare / median index throughput - 1 (index includes tokenisation)"),
+        row("index", "index_overhead_from_text", "s3-index", n, (tokens / indexed) / (tokens / bare + tokenize_s) - 1,
+            "ratio", dev, note="the same with the bare forward also starting from the text: index time / (tokenise "
+            "+ bare forward) - 1"),
         row("index", "index_bytes_per_posting", "s3-index", n, feature_bytes / index.index.n_postings, "B/posting",
             dev, postings=index.index.n_postings),
         row("index", "index_bytes_per_token", "s3-index", n, feature_bytes / tokens, "B/token", dev,
@@ -356,10 +360,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(the amortised row; default 10)")
     p.add_argument("--ttft-lengths", type=_int_list, default=None, help=f"ttft lengths on the model (default "
                    f"{','.join(map(str, cuda[4]))}; CPU {','.join(map(str, cpu[4]))})")
-    p.add_argument("--random-llama-8b", action="store_true", help="also time ttft on a Llama-3-8B-shaped model "
-                   "with RANDOM weights (CUDA only)")
+    p.add_argument("--random-llama-8b", action="store_true", help="also time ttft and e2e on a Llama-3-8B-shaped "
+                   "model with RANDOM weights (CUDA only)")
     p.add_argument("--ttft-lengths-8b", type=_int_list, default=[131072, 262144, 524288, 1048576],
                    help="ttft lengths of the 8B-shaped model (default 131072,262144,524288,1048576)")
+    p.add_argument("--e2e-lengths-8b", type=_int_list, default=[32768, 131072],
+                   help="e2e lengths of the 8B-shaped model (default 32768,131072)")
     p.add_argument("--budget", type=int, default=1024, help="context tokens ilre and s3-hybrid keep (default 1024)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per question in e2e (default 64)")
     p.add_argument("--chunk-size", type=int, default=CHUNK, help=f"indexing chunk (default {CHUNK})")
@@ -378,23 +384,24 @@ def resolve_settings(args, device: str) -> dict:
     index_tokens, lengths, sizes, e2e, ttft = DEFAULTS["cuda" if device == "cuda" else "cpu"]
     s = {"sections": sections, "index_tokens": args.index_tokens or index_tokens, "lengths": args.lengths or lengths,
          "corpus_sizes": args.corpus_sizes or sizes, "e2e_lengths": args.e2e_lengths or e2e,
-         "ttft_lengths": args.ttft_lengths or ttft, "ttft_lengths_8b": args.ttft_lengths_8b}
+         "ttft_lengths": args.ttft_lengths or ttft, "ttft_lengths_8b": args.ttft_lengths_8b,
+         "e2e_lengths_8b": args.e2e_lengths_8b}
     s["query_base"] = args.query_base or min(s["corpus_sizes"])
     for name in ("index_tokens", "query_base", "query_questions", "questions", "budget", "max_new_tokens",
                  "chunk_size"):
         value = s.get(name, getattr(args, name))
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("lengths", "corpus_sizes", "e2e_lengths", "ttft_lengths", "ttft_lengths_8b"):
+    for name in ("lengths", "corpus_sizes", "e2e_lengths", "ttft_lengths", "ttft_lengths_8b", "e2e_lengths_8b"):
         if not s[name] or min(s[name]) < 1:
             raise ValueError(f"--{name.replace('_', '-')} needs positive token counts, got {s[name]}")
     bad = [n for n in s["corpus_sizes"] if n % s["query_base"]]
     if bad:
         raise ValueError(f"corpus size {bad[0]} is not a multiple of --query-base {s['query_base']}: larger corpora "
                          "are whole copies of the indexed base text.")
-    for name in ("e2e_lengths", "ttft_lengths", "ttft_lengths_8b"):
+    for name in ("e2e_lengths", "ttft_lengths", "ttft_lengths_8b", "e2e_lengths_8b"):
         short = [n for n in s[name] if n <= args.budget]
-        if short and (name != "ttft_lengths_8b" or args.random_llama_8b):
+        if short and (not name.endswith("_8b") or args.random_llama_8b):
             raise ValueError(f"--{name.replace('_', '-')} {short[0]} is not longer than --budget {args.budget}: "
                              "there would be nothing to compress.")
     if args.random_llama_8b and device != "cuda":
@@ -405,7 +412,8 @@ def resolve_settings(args, device: str) -> dict:
 def longest(s: dict, random_8b: bool) -> int:
     """The most text any chosen section takes from the source (the 8B lengths only count when asked for)."""
     need = {"index": [s["index_tokens"]], "memory": s["lengths"], "query": [s["query_base"]],
-            "e2e": s["e2e_lengths"], "ttft": s["ttft_lengths"] + (s["ttft_lengths_8b"] if random_8b else [])}
+            "e2e": s["e2e_lengths"] + (s["e2e_lengths_8b"] if random_8b else []),
+            "ttft": s["ttft_lengths"] + (s["ttft_lengths_8b"] if random_8b else [])}
     return max(max(need[name]) for name in s["sections"])
 
 
@@ -571,10 +579,10 @@ def run(args) -> int:
             result["ttft_fit"] += perf_e2e.fits(new, backbone.model_id)
         write_outputs(result, out, plots=False)  # after every section: a later failure keeps what was measured
     bar.close()
-    if "ttft" in s["sections"] and args.random_llama_8b:
-        new = perf_e2e.random_8b_rows(source, s["ttft_lengths_8b"], args.budget, args.chunk_size)
+    if {"e2e", "ttft"} & set(s["sections"]) and args.random_llama_8b:
+        new = perf_e2e.random_8b_rows(source, s["sections"], s["ttft_lengths_8b"], s["e2e_lengths_8b"], args)
         rows += new
-        result["ttft_fit"] += perf_e2e.fits(new, backbone.model_id)
+        result["ttft_fit"] += perf_e2e.fits([r for r in new if r["section"] == "ttft"], backbone.model_id)
     written = write_outputs(result, out)
     print(markdown(result))
     print("wrote " + ", ".join(str(p) for p in written))
