@@ -303,17 +303,20 @@ class Backbone:
             raise BackboneError(f"Layer index {bad[0]} is out of range: this model has layers 0..{self.n_layers - 1}.")
         return layers
 
-    def _int8_layers(self) -> torch.nn.ModuleList:
-        """The decoder layers with dynamically int8-quantized linear maps (weights 4x smaller than fp32): a CPU
-        forward of a short text reads every weight once per token batch, so it runs ~2x faster (made once)."""
-        if getattr(self, "_q8_layers", None) is None:
+    def _int8_layers(self, last_layer: int) -> list[torch.nn.Module]:
+        """Decoder layers 0..last_layer (at least) with dynamically int8-quantized linear maps (weights 4x smaller
+        than fp32): a CPU forward of a short text reads every weight once per token batch, so it runs ~2x faster.
+        Each layer is quantized once, and only as deep as a forward asks (questions stop at the deepest SAE layer)."""
+        done = getattr(self, "_q8_layers", [])
+        if len(done) <= last_layer:
             import copy
             import warnings
 
+            more = torch.nn.ModuleList(self.model.model.layers[len(done): last_layer + 1])
             with warnings.catch_warnings():  # torch.ao's dynamic quantization warns that it moves to torchao
                 warnings.simplefilter("ignore")
-                self._q8_layers = torch.ao.quantization.quantize_dynamic(
-                    copy.deepcopy(self.model.model.layers), {torch.nn.Linear}, dtype=torch.qint8)
+                more = torch.ao.quantization.quantize_dynamic(copy.deepcopy(more), {torch.nn.Linear}, dtype=torch.qint8)
+            self._q8_layers = done + list(more)
         return self._q8_layers
 
     @contextlib.contextmanager
@@ -323,7 +326,7 @@ class Backbone:
         store: dict[str, dict[int, torch.Tensor]] = {"k": {}, "q": {}}
         body = self.model.model
         full = body.layers
-        run = self._int8_layers() if int8 else full
+        run = self._int8_layers(last_layer) if int8 else full
         hooks = []
         for l in layers:
             attn = run[l].self_attn
