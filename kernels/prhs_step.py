@@ -52,12 +52,17 @@ def prhs_reads(q, qr, keys, ref_q, ref_set, ref_block, retrievals, *, block: int
     return critical & ((pos < sink) | (pos >= window))  # visible: sinks and [P_l(t), t] (Eq. 15)
 
 
+def attend_reads(qr, keys, values, reads, scaling: float) -> torch.Tensor:
+    """Attention of qr (H, d) over the keys (H_kv, N, d) that `reads` (H, N) marks; (H, d) in qr's dtype."""
+    return F.scaled_dot_product_attention(qr[None, :, None], keys[None].to(qr.dtype), values[None].to(qr.dtype),
+                                          attn_mask=reads[None, :, None, :], scale=scaling, enable_gqa=True)[0, :, 0]
+
+
 def prhs_step_reference(q, qr, keys, values, ref_q, ref_set, ref_block, retrievals, *, scaling: float, **selection
                         ) -> torch.Tensor:
     """Torch twin: attention of qr over the keys `prhs_reads` selects; returns (H, d) in q's dtype."""
-    mask = prhs_reads(q, qr, keys, ref_q, ref_set, ref_block, retrievals, **selection)
-    return F.scaled_dot_product_attention(qr[None, :, None], keys[None].to(qr.dtype), values[None].to(qr.dtype),
-                                          attn_mask=mask[None, :, None, :], scale=scaling, enable_gqa=True)[0, :, 0]
+    reads = prhs_reads(q, qr, keys, ref_q, ref_set, ref_block, retrievals, **selection)
+    return attend_reads(qr, keys, values, reads, scaling)
 
 
 def prhs_step(q, qr, keys, values, ref_q, ref_set, ref_block, retrievals, use_kernel: bool = True, **settings

@@ -29,9 +29,9 @@ import torch
 from endo_retrieval.attention.base import AttentionBackend, AttentionError
 from endo_retrieval.attention.completion import Completion
 from endo_retrieval.attention.dense import Dense
-from endo_retrieval.attention.prhs import PrHS, _masked_attention
+from endo_retrieval.attention.prhs import PrHS
 from endo_retrieval.eval.perf import length_label
-from endo_retrieval.kernels.prhs_step import prhs_reads
+from endo_retrieval.kernels.prhs_step import attend_reads, prhs_reads
 
 EPS = 1e-6  # Eq. 53's epsilon
 SINK, TAIL = 4, 16  # seed 002's anchors (section 6.3); also the mid region M of the entropy (Eq. 51)
@@ -155,7 +155,7 @@ class _CountingPrHS(PrHS):
         middle = keys.shape[1] - self.local - max(self.sink, selection["window"])
         self.scored += (int(self._retrieved) - before) * middle
         self.head_steps += q.shape[0]
-        return _masked_attention(qr[:, None], keys, values, reads[:, None], scaling)[:, 0]
+        return attend_reads(qr, keys, values, reads, scaling)
 
 
 def replay(backbone, backend: AttentionBackend, window: Window) -> torch.Tensor:
