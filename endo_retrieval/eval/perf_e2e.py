@@ -42,20 +42,18 @@ def llama8b_config():
 
 
 def greedy(backbone, context: str, question: str, max_new_tokens: int) -> tuple[Timing, list[int]]:
-    """Chat-template prompt, one prefill forward, then one token a step reusing the KV cache."""
-    device, model = backbone.device, backbone.model
+    """Chat-template prompt, one prefill forward, then one token a step over a static KV cache (CUDA-graph steps on
+    CUDA, as `Backbone.generate` decodes)."""
+    from endo_retrieval.decode import greedy_tokens
+
+    device = backbone.device
     start = clock(device)
     ids = backbone.chat_ids(USER_TEMPLATE.format(context=context, question=question))
-    tokens = []
-    with backbone._lock, torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        tokens.append(token)
+    with backbone._lock:
+        steps = greedy_tokens(backbone.model, ids, max_new_tokens)
+        tokens = [next(steps)]
         first = clock(device)
-        for _ in range(max_new_tokens - 1):
-            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            tokens.append(token)
+        tokens += list(steps)
         end = clock(device)
     return Timing(first - start, end - start), torch.cat(tokens, dim=1)[0].tolist()
 

@@ -1,0 +1,107 @@
+"""Greedy decoding over a static KV cache, each step replayed from a CUDA graph (issue 10).
+
+An eager decode step of the default model costs 15-20 ms on an H200, almost all of it Python and kernel launches
+(64 tokens took ~1 s in every method of `endo bench perf`'s end-to-end section). Here the prompt is prefilled into
+a `StaticCache` sized for prompt + new tokens; one step (token, position and a 4-D mask of the filled cache slots,
+all in fixed buffers) is captured once per generation and replayed, so the graph never reads a host value. Without
+CUDA, or with `graph=False`, the same steps run eagerly: the twin the tests hold the graph against.
+
+The step's attention is not SDPA: with the mask a static cache needs, SDPA falls back to a kernel that does not
+split the keys, and a 32k-token step of the default model took 60 ms instead of 20 eagerly (H200,
+`docs/perf/perf_h200_e2e_graph_tried.json`). `grouped_decode_attention` reads the cache once: each KV head's
+query heads as one small matmul over every slot, the unfilled ones masked.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+
+GRAPH_ATTENTION = "endo_grouped_decode"
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
+                             **kwargs):
+    """Attention of one new token per sequence: query (B, H, 1, d) over key / value (B, H_kv, L, d), mask
+    (B, 1, 1, L) of the filled slots; Hugging Face's attention-interface contract, output (B, 1, H, d). Anything
+    else (a prefill) goes to SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, H, T, d = query.shape
+    if T != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    q = query.reshape(B, key.shape[1], -1, d)  # query head h reads KV head h // (H / H_kv)
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scaling
+    weights = torch.softmax(scores.masked_fill(~attention_mask, float("-inf")), dim=-1, dtype=torch.float32)
+    out = torch.matmul(weights.to(value.dtype), value)  # (B, H_kv, H / H_kv, d)
+    return out.reshape(B, H, 1, d).transpose(1, 2), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GRAPH_ATTENTION, grouped_decode_attention)
+
+
+def supports_graph_decode(model) -> bool:
+    """Full attention in every layer (a sliding window would need its own cache layout)."""
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "sliding_window", None) is None and getattr(config, "layer_types", None) in (
+        None, ["full_attention"] * config.num_hidden_layers)
+
+
+@torch.inference_mode()
+def greedy_tokens(model, ids: torch.Tensor, max_new_tokens: int, graph: bool | None = None) -> Iterator[torch.Tensor]:
+    """Greedy tokens (1, 1) on the device, the first from the prefill of `ids` (1, n); never synchronises, so the
+    caller decides when to read them. graph: None = on CUDA."""
+    from transformers import StaticCache
+
+    n, device = ids.shape[1], ids.device
+    graph = device.type == "cuda" if graph is None else graph
+    cache = StaticCache(config=model.config, max_cache_len=n + max_new_tokens)
+    out = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(n, device=device), use_cache=True,
+                logits_to_keep=1)
+    token = out.logits[:, -1:].argmax(-1)  # the buffer each step reads
+    yield token.clone()
+    if max_new_tokens < 2:
+        return
+    pos = torch.tensor([n], device=device)
+    filled = torch.zeros(1, 1, 1, n + max_new_tokens, dtype=torch.bool, device=device)
+    filled[..., : n + 1] = True  # the prompt and the token this step feeds
+
+    def step() -> torch.Tensor:
+        logits = model(input_ids=token, attention_mask=filled, position_ids=pos[None], cache_position=pos,
+                       past_key_values=cache, use_cache=True).logits
+        return logits[:, -1:].argmax(-1)
+
+    _register()
+    config, before = model.config, model.config._attn_implementation
+    config._attn_implementation = GRAPH_ATTENTION  # read by every attention module at each call
+    try:
+        yield from _steps(step, token, pos, filled, n, max_new_tokens, graph)
+    finally:
+        config._attn_implementation = before
+
+
+def _steps(step, token, pos, filled, n: int, max_new_tokens: int, graph: bool) -> Iterator[torch.Tensor]:
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture; it writes the slot the first replay rewrites
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            following = step()
+    for i in range(max_new_tokens - 1):
+        if graph:
+            captured.replay()
+            nxt = following.clone()
+        else:
+            nxt = step()
+        yield nxt
+        token.copy_(nxt)
+        pos += 1
+        filled[..., n + 1 + i] = True
