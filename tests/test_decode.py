@@ -31,17 +31,18 @@ def test_static_cache_steps_match_generate(family, tmp_path):
 def test_grouped_decode_attention_is_masked_attention():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from endo_retrieval.decode import grouped_decode_attention
+    from endo_retrieval.decode import SPLIT, grouped_decode_attention
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 6, 1, 8, generator=g), torch.randn(2, 2, 11, 8, generator=g), torch.randn(2, 2, 11, 8,
-                                                                                                       generator=g)
-    filled = torch.zeros(2, 1, 1, 11, dtype=torch.bool)
-    filled[..., :7] = True
+    L = 2 * SPLIT
+    q, k, v = torch.randn(2, 6, 1, 8, generator=g), torch.randn(2, 2, L, 8, generator=g), torch.randn(2, 2, L, 8,
+                                                                                                      generator=g)
+    filled = torch.zeros(2, 1, 1, L, dtype=torch.bool)
+    filled[..., :300] = True
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal, module.training = 3, False, False
     got, _ = grouped_decode_attention(module, q, k, v, filled, scaling=0.3)
-    want, _ = sdpa_attention_forward(module, q, k[:, :, :7], v[:, :, :7], None, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, q, k[:, :, :300], v[:, :, :300], None, scaling=0.3)
     torch.testing.assert_close(got, want)
 
 
