@@ -52,10 +52,18 @@ def _register() -> None:
 
 
 def supports_graph_decode(model) -> bool:
-    """Full attention in every layer (a sliding window would need its own cache layout)."""
+    """Full attention in every layer (a sliding window would need its own cache layout), and a generation config
+    that adds nothing to the argmax (these steps apply no penalties or forced tokens)."""
     config = model.config.get_text_config(decoder=True)
-    return getattr(config, "sliding_window", None) is None and getattr(config, "layer_types", None) in (
+    full = getattr(config, "sliding_window", None) is None and getattr(config, "layer_types", None) in (
         None, ["full_attention"] * config.num_hidden_layers)
+    gen = getattr(model, "generation_config", None)
+    neutral = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+               "min_length": 0, "min_new_tokens": 0}
+    adds = [name for name, same in neutral.items() if getattr(gen, name, None) not in (None, same)] + [
+        name for name in ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+                          "forced_eos_token_id", "sequence_bias") if getattr(gen, name, None)]
+    return full and not adds
 
 
 @torch.inference_mode()

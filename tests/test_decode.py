@@ -26,6 +26,8 @@ def test_static_cache_steps_match_generate(family, tmp_path):
     assert got == hf_greedy(model, ids, 20)
     assert len(set(got)) > 1  # a random model that repeats one token would prove little
     assert model.config._attn_implementation == before  # put back after the steps
+    model.generation_config.repetition_penalty = 1.3  # something these steps do not apply: generate's job
+    assert not supports_graph_decode(model)
 
 
 def test_grouped_decode_attention_is_masked_attention():
