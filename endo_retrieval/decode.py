@@ -1,22 +1,22 @@
 """Greedy decoding over a static KV cache, each step replayed from a CUDA graph (issue 10).
 
 An eager decode step of the default model costs 15-20 ms on an H200, almost all of it Python and kernel launches
-(64 tokens took ~1 s in every method of `endo bench perf`'s end-to-end section). Here the prompt is prefilled into
-a `StaticCache` sized for prompt + new tokens; one step (token, position and a 4-D mask of the filled cache slots,
-all in fixed buffers) is captured once per generation and replayed, so the graph never reads a host value. Without
-CUDA, or with `graph=False`, the same steps run eagerly: the twin the tests hold the graph against.
+(64 tokens took ~1 s in every method of `endo bench perf`'s end-to-end section); replayed, 4.5-5 ms. The prompt is
+prefilled into a `StaticCache` of prompt + new tokens rounded up to SPLIT slots; one step (token, position and a
+4-D mask of the filled slots, all in fixed buffers) is captured once per generation and replayed, so the graph
+never reads a host value. Without CUDA, or with `graph=False`, the same steps run eagerly: the twin the tests hold
+the graph against.
 
-The step's attention is not SDPA: with the mask a static cache needs, SDPA falls back to a kernel that does not
-split the keys, and a 32k-token step of the default model took 60 ms instead of 20 eagerly (H200,
-`docs/perf/perf_h200_e2e_graph_tried.json`). `grouped_decode_attention` reads the cache once: each KV head's
-query heads as one small matmul over every slot, the unfilled ones masked.
+The step's attention is not SDPA: with the mask a static cache needs, SDPA takes a kernel that does not split the
+keys, and a 32k-token step took 60 ms (H200, `docs/perf/perf_h200_e2e_graph_tried.json`).
+`grouped_decode_attention` reads the cache once, as matmuls: each KV head's query heads against every slot (the
+unfilled ones masked), then weights . V in splits of SPLIT slots side by side.
 """
 from __future__ import annotations
 
 from typing import Iterator
 
 import torch
-
 
 GRAPH_ATTENTION = "endo_grouped_decode"
 SPLIT = 256  # cache slots per split of the decode step's weights . V; the static cache is a multiple of it
