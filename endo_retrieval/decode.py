@@ -2,10 +2,10 @@
 
 An eager decode step of the default model costs 15-20 ms on an H200, almost all of it Python and kernel launches
 (64 tokens took ~1 s in every method of `endo bench perf`'s end-to-end section); replayed, 4.5-5 ms. The prompt is
-prefilled as `generate` does, then moved into a `StaticCache` of prompt + new tokens rounded up to SPLIT slots.
-One step (token, position and a 4-D mask of the filled slots, all in fixed buffers) is captured once per
-generation and replayed, so the graph never reads a host value. Without CUDA, or with `graph=False`, the same
-steps run eagerly: the twin the tests hold the graph against.
+prefilled into a `StaticCache` of prompt + new tokens rounded up to SPLIT slots; one step (token, position and a
+4-D mask of the filled slots, all in fixed buffers) is captured once per generation and replayed, so the graph
+never reads a host value. Without CUDA, or with `graph=False`, the same steps run eagerly: the twin the tests hold
+the graph against.
 
 The step's attention is not SDPA: with the mask a static cache needs, SDPA takes a kernel that does not split the
 keys, and a 32k-token step took 60 ms (H200, `docs/perf/perf_h200_e2e_graph_tried.json`).
@@ -74,17 +74,11 @@ def greedy_tokens(model, ids: torch.Tensor, max_new_tokens: int, graph: bool | N
 
     n, device = ids.shape[1], ids.device
     graph = device.type == "cuda" if graph is None else graph
-    # the prefill as Hugging Face's generate runs it (a growing cache, causal SDPA), so the first token is its token;
-    # prefilled into the static cache instead, SDPA's masked kernel changed bf16 argmaxes from the first token on
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1:].argmax(-1)  # the buffer each step reads
     slots = -(-(n + max_new_tokens) // SPLIT) * SPLIT  # the slots past n + max_new_tokens stay masked
     cache = StaticCache(config=model.config, max_cache_len=slots)
-    at = {"cache_position": torch.arange(n, device=device)}
-    for i, layer in enumerate(out.past_key_values.layers):  # moved over layer by layer: one layer's copy at a time
-        cache.update(layer.keys, layer.values, i, at)
-        layer.keys = layer.values = None
-    del out
+    out = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(n, device=device), use_cache=True,
+                logits_to_keep=1)
+    token = out.logits[:, -1:].argmax(-1)  # the buffer each step reads
     yield token.clone()
     if max_new_tokens < 2:
         return
