@@ -435,7 +435,9 @@ class Backbone:
 
     def generate(self, prompt_or_messages, max_new_tokens: int = 64, stream: bool = False,
                  system: str | None = None, do_sample: bool = False, attention=None, **gen_kwargs):
-        """Chat-template generation, greedy by default. stream=True returns an iterator of text pieces.
+        """Chat-template generation, greedy by default. stream=True returns an iterator of text pieces. On CUDA,
+        plain greedy generation (no stream, no extra options) replays CUDA-graph steps over a static cache
+        (`decode.py`: 3-4x faster; bf16 near-ties may pick other tokens than `model.generate`).
 
         attention: None (Hugging Face's own attention) or a decode-time backend, by name ("dense",
         "reattention", ...) or as an instance, e.g. `ReAttention(top_k=8)`; backends decode greedily."""
