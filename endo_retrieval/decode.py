@@ -51,27 +51,38 @@ def _register() -> None:
     AttentionInterface.register(GRAPH_ATTENTION, grouped_decode_attention)
 
 
-def supports_graph_decode(model) -> bool:
-    """Full attention in every layer (a sliding window would need its own cache layout), and a generation config
-    that adds nothing to the argmax (these steps apply no penalties or forced tokens)."""
+def _full_attention(model) -> bool:
+    """Every layer attends to the whole cache (a sliding window would need its own cache layout and mask)."""
     config = model.config.get_text_config(decoder=True)
-    full = getattr(config, "sliding_window", None) is None and getattr(config, "layer_types", None) in (
+    return getattr(config, "sliding_window", None) is None and getattr(config, "layer_types", None) in (
         None, ["full_attention"] * config.num_hidden_layers)
+
+
+def supports_graph_decode(model) -> bool:
+    """Full attention in every layer, and a generation config that adds nothing to the argmax (these steps apply
+    no penalties or forced tokens, so they would not be `model.generate`'s)."""
     gen = getattr(model, "generation_config", None)
     neutral = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
                "min_length": 0, "min_new_tokens": 0}
     adds = [name for name, same in neutral.items() if getattr(gen, name, None) not in (None, same)] + [
         name for name in ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
                           "forced_eos_token_id", "sequence_bias") if getattr(gen, name, None)]
-    return full and not adds
+    return _full_attention(model) and not adds
 
 
 @torch.inference_mode()
 def greedy_tokens(model, ids: torch.Tensor, max_new_tokens: int, graph: bool | None = None) -> Iterator[torch.Tensor]:
     """Greedy tokens (1, 1) on the device, the first from the prefill of `ids` (1, n); never synchronises, so the
-    caller decides when to read them. graph: None = on CUDA."""
+    caller decides when to read them. graph: None = on CUDA. A model with a sliding window decodes eagerly."""
     from transformers import StaticCache
 
+    if not _full_attention(model):  # a sliding window: Hugging Face's own cache, one eager step at a time
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        for _ in range(max_new_tokens):
+            token = out.logits[:, -1:].argmax(-1)
+            yield token
+            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+        return
     n, device = ids.shape[1], ids.device
     graph = device.type == "cuda" if graph is None else graph
     slots = -(-(n + max_new_tokens) // SPLIT) * SPLIT  # the slots past n + max_new_tokens stay masked
