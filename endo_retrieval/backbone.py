@@ -18,6 +18,7 @@ import re
 import shutil
 import tempfile
 import threading
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -25,6 +26,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from endo_retrieval.chunk_graph import KEEP, MIN_REPLAYS, ChunkGraph
 from endo_retrieval.decode import greedy_tokens, supports_graph_decode
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -243,6 +245,8 @@ class Backbone:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.max_position = getattr(config, "max_position_embeddings", None)
         self._lock = threading.RLock()
+        self.chunk_graphs = True  # on CUDA, stream() replays repeated chunk shapes from CUDA graphs (chunk_graph.py)
+        self._graphs: OrderedDict[tuple, ChunkGraph] = OrderedDict()
 
     @classmethod
     def default(cls, device: str | None = None) -> "Backbone":
@@ -382,11 +386,14 @@ class Backbone:
             ids = ids.pin_memory()
         parts = [0, split_at, len(ids)] if split_at is not None and 0 < split_at < len(ids) else [0, len(ids)]
         bounds = sorted({b for a, z in zip(parts[:-1], parts[1:]) for b in range(a, z, chunk_size)} | {len(ids)})
-        for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-            # sink_window: the chunk is forwarded behind its S sink tokens and the W tokens before it. "frame"
-            # places them at 0..S+W+T-1, so every query-key distance stays inside the trained window however long
-            # the stream (absolute positions past an 8k window lost every passkey at 32k: docs/ilre.md).
-            n_sink, w0 = (min(sink, s), min(s, max(sink, s - window))) if mode == "sink_window" else (0, s)
+        # sink_window: the chunk is forwarded behind its S sink tokens and the W tokens before it. "frame" places
+        # them at 0..S+W+T-1, so every query-key distance stays inside the trained window however long the stream
+        # (absolute positions past an 8k window lost every passkey at 32k: docs/ilre.md).
+        spans = [((min(sink, s), min(s, max(sink, s - window))) if mode == "sink_window" else (0, s)) + (s, e)
+                 for s, e in zip(bounds[:-1], bounds[1:])]
+        lengths = Counter(n_sink + e - w0 for n_sink, w0, _, e in spans)
+        graphed = self.chunk_graphs and self.device.type == "cuda" and not int8
+        for i, (n_sink, w0, s, e) in enumerate(spans):
             x = torch.cat([ids[:n_sink].to(self.device, non_blocking=True),
                            ids[w0:e].to(self.device, non_blocking=True)]).unsqueeze(0)
             n = x.shape[1] - (e - s)
@@ -395,13 +402,25 @@ class Backbone:
             else:  # Eq. 6: chunk i (1-based) re-RoPEs the sink by (i-2) D_C for i > 2; i - 2 = this loop's i - 1
                 shift = (i - 1) * chunk_size if positions == "dca" and i >= 2 else 0
                 pos = torch.cat([torch.arange(n_sink) + shift, torch.arange(w0, e)]).to(self.device)
-            # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed sequence
-            # and hides the sink from the chunk
-            with self._lock, torch.inference_mode(), self._run_to(layers[-1], layers, capture, int8) as store:
-                self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), attention_mask=torch.ones_like(x),
-                                 use_cache=False)
-            yield Chunk(s, e, pos[n:], keys={l: k[:, n:] for l, k in store["k"].items()},
-                        queries={l: q[:, n:] for l, q in store["q"].items()})
+            if graphed and lengths[x.shape[1]] >= MIN_REPLAYS:  # a repeated shape: replayed (chunk_graph.py)
+                with self._lock:
+                    store = self._chunk_graph(x.shape[1], layers, capture)(x, pos.unsqueeze(0))
+            else:  # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed
+                # sequence and hides the sink from the chunk
+                with self._lock, torch.inference_mode(), self._run_to(layers[-1], layers, capture, int8) as store:
+                    self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), attention_mask=torch.ones_like(x),
+                                     use_cache=False)
+            yield Chunk(s, e, pos[n:], keys={l: k[:, n:] for l, k in store.get("k", {}).items()},
+                        queries={l: q[:, n:] for l, q in store.get("q", {}).items()})
+
+    def _chunk_graph(self, length: int, layers: list[int], capture: Sequence[str]) -> ChunkGraph:
+        key = (length, tuple(layers), tuple(sorted(capture)))
+        if key not in self._graphs:
+            if len(self._graphs) >= KEEP:
+                self._graphs.popitem(last=False)
+            self._graphs[key] = ChunkGraph(self, length, layers, key[2])
+        self._graphs.move_to_end(key)
+        return self._graphs[key]
 
     def query_states(self, ids_or_text, layers: Sequence[int], int8: bool = False) -> dict[int, torch.Tensor]:
         """Pre-RoPE query states of a text forwarded alone: layer -> (n_heads, T, head_dim).

@@ -121,6 +121,9 @@ class CorpusMap:
             self._cache = (np.array([d.start for d in docs], np.int64), np.array([d.end for d in docs], np.int64), docs)
         return self._cache
 
+    def __contains__(self, doc_id: str) -> bool:
+        return doc_id in self._docs
+
     def __len__(self) -> int:
         return len(self._docs)
 

@@ -36,6 +36,7 @@ FORMAT = "endo-index"
 VERSION = 1
 SEARCH_METHODS = ("s3-hybrid", "s3", "bm25")
 CHUNK = 2048  # Table 6: streaming chunk size
+LEAD_CHUNKS = 16  # chunks queued on the accelerator before the host turns to other work
 HANDOFF_TOKENS = 65536  # features kept on the accelerator before one copy to the host (~6 MB for 3 layers, k 16)
 RRF_K = 60  # reciprocal-rank fusion constant (Cormack et al. 2009)
 
@@ -149,46 +150,61 @@ class EndoIndex:
             encoded.append((d, text, self.backbone.encode(text)))
         bar = _progress(sum(len(e) for *_, e in encoded), "indexing", progress)
         for d, text, enc in encoded:
-            start, end = self.corpus.add_document(d.doc_id, text, enc.offsets, d.metadata)
+            start = self.corpus.n_positions
+
+            def add_to_corpus(d=d, text=text, enc=enc) -> None:
+                self.corpus.add_document(d.doc_id, text, enc.offsets, d.metadata)
+
             if self.method == "bm25":  # BM25 reads only the corpus map: no SAE pass, no feature postings
+                add_to_corpus()
                 bar.update(len(enc.ids))
                 continue
             try:
-                self._index_tokens(enc.ids, start, bar)
+                self._index_tokens(enc.ids, start, bar, meanwhile=add_to_corpus)
             except BaseException:  # a document half indexed (NaN keys, out of memory, Ctrl-C) leaves no trace
-                self.corpus.remove_document(d.doc_id)
-                self.index.remove_range(start, end)
+                if d.doc_id in self.corpus:
+                    self.corpus.remove_document(d.doc_id)
+                self.index.remove_range(start, start + len(enc.ids))
                 raise
         bar.close()
         return [d.doc_id for d in docs]
 
-    def _index_tokens(self, ids: np.ndarray, start: int, bar) -> None:
-        """Stream, encode each chunk's keys (Eq. 4) and append postings (Eq. 5). The features stay on the
-        accelerator until HANDOFF_TOKENS of them wait, then go to the host in one copy: a copy per chunk would
-        stall the next chunk's forward (issue 10: one synchronisation per chunk cost more than the forward)."""
-        layers = self.saes.layers
+    def _index_tokens(self, ids: np.ndarray, start: int, bar, meanwhile=None) -> None:
+        """Stream, encode each chunk's keys (Eq. 4) and append postings (Eq. 5), with no wait for the accelerator
+        until the end (issue 10: with the forward replayed from CUDA graphs, the host is idle while it runs):
+        - the features stay on the accelerator until HANDOFF_TOKENS of them wait, are sorted into postings there,
+          and copied to the host without waiting; the host adds them one hand-off later, when they have arrived;
+        - `meanwhile` (host work: the corpus map's sentence split) runs once LEAD_CHUNKS chunks are queued."""
+        layers, device = self.saes.layers, self.backbone.device
         waiting: list[tuple[int, int, dict[int, torch.Tensor]]] = []
-        finite = torch.ones((), dtype=torch.bool, device=self.backbone.device)  # every key seen since the last check
+        sent: list[_HandOff] = []  # on their way to the host
+        finite = torch.ones((), dtype=torch.bool, device=device)  # every key seen so far
 
         def hand_off() -> None:
-            if not waiting:
-                return
-            if not finite:
-                raise SAEError(f"The model's key states hold NaN or inf between tokens {waiting[0][0]} and "
-                               f"{waiting[-1][1]} of the document, which was not indexed. Check the model's "
-                               "weights and dtype (float16 can overflow; use bfloat16 or float32).")
-            positions = np.concatenate([np.arange(start + s, start + e, dtype=np.int64) for s, e, _ in waiting])
-            for layer in layers:  # sorted into postings on the accelerator: the host only appends (issue 10)
-                counts, rows = feature_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
-                self.index.add_postings(layer, positions, counts.cpu().numpy(), rows.cpu().numpy())
-            bar.update(len(positions))
-            waiting.clear()
+            if waiting:
+                positions = np.concatenate([np.arange(start + s, start + e, dtype=np.int64) for s, e, _ in waiting])
+                postings = [feature_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
+                            for layer in layers]  # sorted on the accelerator: the host only appends
+                sent.append(_HandOff(waiting[0][0], waiting[-1][1], positions,
+                                     [tuple(_to_host(t) for t in p) for p in postings], _to_host(finite)))
+                waiting.clear()
 
-        for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
+        def receive() -> None:
+            h = sent.pop(0)
+            h.arrived()
+            if not h.finite:
+                raise SAEError(f"The model's key states hold NaN or inf at or before tokens {h.start}-{h.end} of "
+                               "the document, which was not indexed. Check the model's weights and dtype (float16 "
+                               "can overflow; use bfloat16 or float32).")
+            for layer, (counts, rows) in zip(layers, h.postings):
+                self.index.add_postings(layer, h.positions, counts.numpy(), rows.numpy())
+            bar.update(len(h.positions))
+
+        for i, chunk in enumerate(self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent")):
             features = {}
             for layer in layers:
                 keys = chunk.keys[layer]
-                finite &= torch.isfinite(keys).all()  # checked at hand-off: here it would wait for the device
+                finite &= torch.isfinite(keys).all()  # read at hand-off: here it would wait for the device
                 feat, act = self.saes.encode_keys(layer, keys, check_finite=False)
                 # padding of tokens with fewer than k active features; int16 holds any id below 2**15
                 features[layer] = torch.where(act > 0, feat, -1).to(torch.int16 if self.index.d_latent < 2**15
@@ -196,7 +212,16 @@ class EndoIndex:
             waiting.append((chunk.start, chunk.end, features))
             if sum(e - s for s, e, _ in waiting) >= HANDOFF_TOKENS:
                 hand_off()
+                if len(sent) > 1:  # the hand-off before this one: the accelerator is long past it
+                    receive()
+            if i == LEAD_CHUNKS and meanwhile is not None:
+                meanwhile()
+                meanwhile = None
         hand_off()
+        if meanwhile is not None:
+            meanwhile()
+        while sent:
+            receive()
 
     def remove_document(self, doc_id: str) -> None:
         start, end = self.corpus.remove_document(doc_id)
@@ -386,3 +411,32 @@ def _progress(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy on the host that does not wait for the accelerator (pinned memory; read it after `_HandOff.arrived`)."""
+    return t.to("cpu", non_blocking=True) if t.is_cuda else t
+
+
+@dataclass
+class _HandOff:
+    """One hand-off's postings per layer (counts, rows) on their way to the host, with the NaN flag so far."""
+    start: int
+    end: int
+    positions: np.ndarray
+    postings: list[tuple[torch.Tensor, torch.Tensor]]
+    finite_flag: torch.Tensor
+    event: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        if self.finite_flag.is_pinned():
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def arrived(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    @property
+    def finite(self) -> bool:
+        return bool(self.finite_flag)

@@ -108,11 +108,12 @@ def test_remove_document_and_persistence(tiny, tmp_path):
     assert all(h.doc_id == "a" for h in idx.search(QUESTION, k=3))
 
 
-@pytest.mark.parametrize("handoff", [None, 100])
-def test_nan_keys_leave_the_index_as_it_was(tiny, handoff, monkeypatch):
+@pytest.mark.parametrize("handoff, lead", [(None, 16), (100, 16), (100, 1)])  # lead 1: in the corpus map already
+def test_nan_keys_leave_the_index_as_it_was(tiny, handoff, lead, monkeypatch):
     bb, bank = tiny
     if handoff:
         monkeypatch.setattr("endo_retrieval.engine.HANDOFF_TOKENS", handoff)
+    monkeypatch.setattr("endo_retrieval.engine.LEAD_CHUNKS", lead)
     idx = EndoIndex(bb, saes=bank, chunk_size=64)
     idx.add_documents([Document("a", FILLER)])
     before = idx.s3_scores(QUESTION)
