@@ -26,6 +26,27 @@ def causal_chunk_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
 
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_graph(fn, device: torch.device, warmups: int = 1):
+    """(graph, fn's output) of `fn` captured after `warmups` eager runs, all on one stream per device: cuBLAS keeps a
+    workspace for every stream it has run on (32 MiB on Hopper), so a new stream per capture would add up."""
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    stream = _STREAMS[device]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm-up outside the capture (cuBLAS and SDPA pick their kernels)
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    return graph, out
+
+
 class ChunkGraph:
     """One captured forward of `length` tokens to max(layers): ids and positions (1, length) in, the hooked
     pre-RoPE states out, as `Backbone._run_to` stores them."""
@@ -48,15 +69,7 @@ class ChunkGraph:
         config = backbone.model.config
         before, config._attn_implementation = config._attn_implementation, CAUSAL_ATTENTION
         try:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # warm-up outside the capture (cuBLAS and SDPA pick their kernels)
-                for _ in range(2):
-                    forward()
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = forward()
+            self.graph, self.out = capture_graph(forward, device, warmups=2)
         finally:
             config._attn_implementation = before
 

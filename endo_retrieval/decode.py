@@ -18,6 +18,8 @@ from typing import Iterator
 
 import torch
 
+from endo_retrieval.chunk_graph import capture_graph
+
 GRAPH_ATTENTION = "endo_grouped_decode"
 SPLIT = 256  # cache slots per split of the decode step's weights . V; the static cache is a multiple of it
 
@@ -112,15 +114,8 @@ def greedy_tokens(model, ids: torch.Tensor, max_new_tokens: int, graph: bool | N
 
 
 def _steps(step, token, pos, filled, n: int, max_new_tokens: int, graph: bool) -> Iterator[torch.Tensor]:
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture; it writes the slot the first replay rewrites
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            following = step()
+    if graph:  # the warm-up writes the slot the first replay rewrites
+        captured, following = capture_graph(step, token.device)
     for i in range(max_new_tokens - 1):
         if graph:
             captured.replay()

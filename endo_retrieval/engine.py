@@ -183,10 +183,11 @@ class EndoIndex:
         def hand_off() -> None:
             if waiting:
                 positions = np.concatenate([np.arange(start + s, start + e, dtype=np.int64) for s, e, _ in waiting])
-                postings = [feature_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
-                            for layer in layers]  # sorted on the accelerator: the host only appends
-                sent.append(_HandOff(waiting[0][0], waiting[-1][1], positions,
-                                     [tuple(_to_host(t) for t in p) for p in postings], _to_host(finite)))
+                postings = []  # sorted on the accelerator, a layer at a time (each sort's buffers freed before
+                for layer in layers:  # the next one's): the host only appends
+                    sorted_ = feature_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
+                    postings.append(tuple(_to_host(t) for t in sorted_))
+                sent.append(_HandOff(waiting[0][0], waiting[-1][1], positions, postings, _to_host(finite)))
                 waiting.clear()
 
         def receive() -> None:

@@ -227,6 +227,11 @@ def memory_section(backbone, saes, source: TextSource, lengths: list[int], chunk
     no_accel = "no accelerator on this device" if dev != "cuda" else None
     rows = []
     ids = backbone.encode(source.take(max(lengths))).ids
+    # once per process, not per length: the first eager matmul on the default stream allocates cuBLAS's workspace
+    # (32 MiB on Hopper: it landed in the 256k build and read as growth, session 7) and the first build captures the
+    # chunk graphs; both happen here, before the peaks are read
+    list(backbone.stream(ids[:16], [max(saes.layers)], chunk_size=16))
+    build_index(backbone, saes, source.take(min(lengths)), chunk_size)
     for r in memory_rows(backbone, ids, lengths, max(saes.layers), chunk_size):  # bare first: lower RSS
         rows += [row("memory", "peak_accel_mb", "bare-forward", r["tokens"], r["peak_accel_mb"], "MiB", dev,
                      **({"note": no_accel} if no_accel else {})),
