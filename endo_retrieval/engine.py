@@ -37,7 +37,8 @@ VERSION = 1
 SEARCH_METHODS = ("s3-hybrid", "s3", "bm25")
 CHUNK = 2048  # Table 6: streaming chunk size
 LEAD_CHUNKS = 16  # chunks queued on the accelerator before the host turns to other work
-HANDOFF_TOKENS = 65536  # features kept on the accelerator before one copy to the host (~6 MB for 3 layers, k 16)
+HANDOFF_TOKENS = 32768  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers, k 16;
+# 64k: its sort's buffers, ~40 MiB, were most of the peak once the forward ran from CUDA graphs)
 RRF_K = 60  # reciprocal-rank fusion constant (Cormack et al. 2009)
 
 
