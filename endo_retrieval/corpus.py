@@ -31,14 +31,19 @@ ABBREVIATIONS = frozenset(
 _SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*\s+|\n\s*")
 
 
-def split_sentences(text: str) -> np.ndarray:
+def split_sentences(text: str, start: int = 0, end: int | None = None) -> np.ndarray:
     """Character offsets where sentences start: after . ! ? (plus closing quotes/brackets) and whitespace, and after
     every newline. A period does not split after a known abbreviation ('e.g.'), a single-letter initial ('J.'), or
-    when the next word starts in lower case; decimals ('3.5') never split since no whitespace follows the period."""
-    starts = [0]
-    for m in _SENTENCE_END.finditer(text):
+    when the next word starts in lower case; decimals ('3.5') never split since no whitespace follows the period.
+
+    `start`, `end`: only the starts in [start, end), where `start` is 0 or follows a newline and a non-blank
+    character (a cut of `Backbone.encode_pieces`): no match crosses such a point, so the starts are the whole
+    text's (the indexer splits each piece while the accelerator runs, issue 10)."""
+    end = len(text) if end is None else end
+    starts = [start]
+    for m in _SENTENCE_END.finditer(text, start, end):
         nxt = m.end()
-        if nxt >= len(text):
+        if nxt >= end:
             break
         if "\n" not in m.group():
             if text[nxt].islower():
@@ -77,9 +82,10 @@ class CorpusMap:
 
     # building ---------------------------------------------------------------------------------------------------
 
-    def add_document(self, doc_id: str, text: str, offsets: np.ndarray, metadata: dict | None = None
-                     ) -> tuple[int, int]:
-        """Give the document's tokens the global positions [start, end), right after the last document."""
+    def add_document(self, doc_id: str, text: str, offsets: np.ndarray, metadata: dict | None = None,
+                     sentence_chars: np.ndarray | None = None) -> tuple[int, int]:
+        """Give the document's tokens the global positions [start, end), right after the last document.
+        `sentence_chars`: `split_sentences(text)` if already computed."""
         if not isinstance(doc_id, str) or not doc_id:
             raise ValueError(f"doc_id must be a non-empty string, got {doc_id!r}")
         if doc_id in self._docs:
@@ -100,7 +106,8 @@ class CorpusMap:
         start, end = self._next, self._next + len(offsets)
         # a sentence starting at character c starts at the first token whose span ends after c
         ends = np.maximum.accumulate(offsets[:, 1])
-        local = np.searchsorted(ends, split_sentences(text), side="right")
+        chars = split_sentences(text) if sentence_chars is None else np.asarray(sentence_chars, dtype=np.int64)
+        local = np.searchsorted(ends, chars, side="right")
         sentences = start + np.unique(np.concatenate(([0], local[local < len(offsets)])))
         self._docs[doc_id] = Document(doc_id, start, end, text, offsets, metadata, sentences)
         self._next, self._cache = end, None

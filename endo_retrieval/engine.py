@@ -24,9 +24,9 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from endo_retrieval.backbone import Backbone, as_text
+from endo_retrieval.backbone import Backbone, Encoding, as_text
 from endo_retrieval.bm25 import OkapiPostings
-from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.corpus import CorpusMap, split_sentences
 from endo_retrieval.index import FeatureIndex, feature_postings
 from endo_retrieval.methods.base import Span
 from endo_retrieval.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
@@ -36,7 +36,6 @@ FORMAT = "endo-index"
 VERSION = 1
 SEARCH_METHODS = ("s3-hybrid", "s3", "bm25")
 CHUNK = 2048  # Table 6: streaming chunk size
-LEAD_CHUNKS = 16  # chunks queued on the accelerator before the host turns to other work
 HANDOFF_TOKENS = 32768  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers, k 16;
 # 64k: its sort's buffers, ~40 MiB, were most of the peak once the forward ran from CUDA graphs)
 RRF_K = 60  # reciprocal-rank fusion constant (Cormack et al. 2009)
@@ -131,7 +130,7 @@ class EndoIndex:
         if not docs:
             raise ValueError("No documents given; pass at least one Document or text.")
         seen = set(self.doc_ids)
-        encoded = []
+        checked = []
         for d in docs:  # validate all first, so a bad document leaves the index untouched
             if d.doc_id in seen:
                 raise ValueError(f"Duplicate document id {d.doc_id!r}; ids must be unique (remove the old one first).")
@@ -148,38 +147,45 @@ class EndoIndex:
                 json.dumps(d.metadata)
             except TypeError as e:
                 raise ValueError(f"Document {d.doc_id!r}: metadata must be JSON-serialisable ({e}).") from None
-            encoded.append((d, text, self.backbone.encode(text)))
-        bar = _progress(sum(len(e) for *_, e in encoded), "indexing", progress)
-        for d, text, enc in encoded:
-            start = self.corpus.n_positions
+            checked.append((d, text))
+        bar = _progress(sum(len(text) for _, text in checked), "indexing", progress)
+        for d, text in checked:
+            start, pieces, sentences = self.corpus.n_positions, [], []
 
-            def add_to_corpus(d=d, text=text, enc=enc) -> None:
-                self.corpus.add_document(d.doc_id, text, enc.offsets, d.metadata)
+            def tokenised(text=text, pieces=pieces, sentences=sentences) -> Iterator[Encoding]:
+                # pulled by the stream a batch of pieces at a time: each batch is tokenised and its sentences split
+                # while the accelerator still runs the chunks before it (issue 10)
+                for a, b, enc in self.backbone.encode_pieces(text):
+                    pieces.append(enc)
+                    sentences.append(split_sentences(text, a, b))
+                    bar.update(b - a)
+                    yield enc
 
-            if self.method == "bm25":  # BM25 reads only the corpus map: no SAE pass, no feature postings
-                add_to_corpus()
-                bar.update(len(enc.ids))
-                continue
             try:
-                self._index_tokens(enc.ids, start, bar, meanwhile=add_to_corpus)
+                if self.method == "bm25":  # BM25 reads only the corpus map: no SAE pass, no feature postings
+                    list(tokenised())
+                else:
+                    self._index_tokens(tokenised(), start)
+                self.corpus.add_document(d.doc_id, text, np.concatenate([p.offsets for p in pieces]), d.metadata,
+                                         sentence_chars=np.concatenate(sentences))
             except BaseException:  # a document half indexed (NaN keys, out of memory, Ctrl-C) leaves no trace
                 if d.doc_id in self.corpus:
                     self.corpus.remove_document(d.doc_id)
-                self.index.remove_range(start, start + len(enc.ids))
+                self.index.remove_range(start, start + sum(len(p) for p in pieces))
                 raise
         bar.close()
         return [d.doc_id for d in docs]
 
-    def _index_tokens(self, ids: np.ndarray, start: int, bar, meanwhile=None) -> None:
-        """Stream, encode each chunk's keys (Eq. 4) and append postings (Eq. 5), with no wait for the accelerator
-        until the end (issue 10: with the forward replayed from CUDA graphs, the host is idle while it runs):
-        - the features stay on the accelerator until HANDOFF_TOKENS of them wait, are sorted into postings there,
-          and copied to the host without waiting; the host adds them one hand-off later, when they have arrived;
-        - `meanwhile` (host work: the corpus map's sentence split) runs once LEAD_CHUNKS chunks are queued."""
-        layers, device = self.saes.layers, self.backbone.device
-        waiting: list[tuple[int, int, dict[int, torch.Tensor]]] = []
+    def _index_tokens(self, pieces: Iterable[Encoding], start: int) -> None:
+        """Stream the document's tokens as its pieces arrive, encode each chunk's keys (Eq. 4) and append postings
+        (Eq. 5), with no wait for the accelerator until the end (issue 10: with the forward replayed from CUDA
+        graphs, the host is idle while it runs). The chunks are those of one stream over the whole document. The
+        features stay on the accelerator until HANDOFF_TOKENS of them wait, are sorted into postings there, and
+        copied to the host without waiting; the host adds them one hand-off later, when they have arrived."""
+        layers = self.saes.layers
+        waiting: list[tuple[int, int, dict[int, torch.Tensor]]] = []  # positions in the document, features
         sent: list[_HandOff] = []  # on their way to the host
-        finite = torch.ones((), dtype=torch.bool, device=device)  # every key seen so far
+        finite = torch.ones((), dtype=torch.bool, device=self.backbone.device)  # every key seen so far
 
         def hand_off() -> None:
             if waiting:
@@ -200,28 +206,23 @@ class EndoIndex:
                                "can overflow; use bfloat16 or float32).")
             for layer, (counts, rows) in zip(layers, h.postings):
                 self.index.add_postings(layer, h.positions, counts.numpy(), rows.numpy())
-            bar.update(len(h.positions))
 
-        for i, chunk in enumerate(self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent")):
-            features = {}
-            for layer in layers:
-                keys = chunk.keys[layer]
-                finite &= torch.isfinite(keys).all()  # read at hand-off: here it would wait for the device
-                feat, act = self.saes.encode_keys(layer, keys, check_finite=False)
-                # padding of tokens with fewer than k active features; int16 holds any id below 2**15
-                features[layer] = torch.where(act > 0, feat, -1).to(torch.int16 if self.index.d_latent < 2**15
-                                                                     else torch.int32)
-            waiting.append((chunk.start, chunk.end, features))
-            if sum(e - s for s, e, _ in waiting) >= HANDOFF_TOKENS:
-                hand_off()
-                if len(sent) > 1:  # the hand-off before this one: the accelerator is long past it
-                    receive()
-            if i == LEAD_CHUNKS and meanwhile is not None:
-                meanwhile()
-                meanwhile = None
+        for first, ids in _whole_chunks(pieces, self.chunk_size):
+            for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
+                features = {}
+                for layer in layers:
+                    keys = chunk.keys[layer]
+                    finite &= torch.isfinite(keys).all()  # read at hand-off: here it would wait for the device
+                    feat, act = self.saes.encode_keys(layer, keys, check_finite=False)
+                    # padding of tokens with fewer than k active features; int16 holds any id below 2**15
+                    features[layer] = torch.where(act > 0, feat, -1).to(
+                        torch.int16 if self.index.d_latent < 2**15 else torch.int32)
+                waiting.append((first + chunk.start, first + chunk.end, features))
+                if sum(e - s for s, e, _ in waiting) >= HANDOFF_TOKENS:
+                    hand_off()
+                    if len(sent) > 1:  # the hand-off before this one: the accelerator is long past it
+                        receive()
         hand_off()
-        if meanwhile is not None:
-            meanwhile()
         while sent:
             receive()
 
@@ -412,7 +413,21 @@ def _interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float,
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False)
+    return tqdm(total=total, desc=desc, unit="char", unit_scale=True, disable=not enabled, leave=False)
+
+
+def _whole_chunks(pieces: Iterable[Encoding], chunk_size: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first position, ids) of whole chunks as the pieces arrive, then the rest: the chunks of one stream over the
+    whole document. The next piece is asked for only once these chunks are queued."""
+    ids, first = np.zeros(0, np.int64), 0
+    for piece in pieces:
+        ids = np.concatenate([ids, piece.ids])
+        whole = len(ids) // chunk_size * chunk_size
+        if whole:
+            yield first, ids[:whole]
+            ids, first = ids[whole:], first + whole
+    if len(ids):
+        yield first, ids
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

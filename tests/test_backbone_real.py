@@ -40,25 +40,31 @@ def test_long_texts_tokenise_in_pieces_exactly_as_in_one_pass(backbone, monkeypa
     text = "".join(f"Record {i}: the harbour master logged {i * 7} ships, “{i % 13}” of them late — é.\n\n"
                    f"  An indented note follows line {i}.\n" for i in range(400))
     whole = backbone._encode_batch([text])[0]
-    for piece_chars in (1000, 4096):
-        pieces = backbone.encode(text, piece_chars=piece_chars)
-        assert np.array_equal(pieces.ids, whole.ids) and np.array_equal(pieces.offsets, whole.offsets)
-    assert backbone._encode_pieces(text, 1000) is not None  # most cuts here are safe: the pieces were used
+    for piece_chars, batch in ((1000, 8), (4096, 8), (1000, 3)):
+        pieces = list(backbone.encode_pieces(text, piece_chars, batch))
+        assert len(pieces) > 5  # the cuts were used
+        assert [b for _, b, _ in pieces[:-1]] == [a for a, _, _ in pieces[1:]] and pieces[-1][1] == len(text)
+        joined = backbone.encode(text, piece_chars=piece_chars)
+        assert np.array_equal(joined.ids, whole.ids) and np.array_equal(joined.offsets, whole.offsets)
+        assert np.array_equal(np.concatenate([e.ids for *_, e in pieces]), whole.ids)
     unsafe = "alpha beta gamma.\n   " * 3000  # every newline starts a whitespace run the tokenizer keeps whole
-    assert backbone._encode_pieces(unsafe, 1000) is None  # so no cut is offered
+    assert len(list(backbone.encode_pieces(unsafe, 1000))) == 1  # so no cut is offered
     assert np.array_equal(backbone.encode(unsafe, piece_chars=1000).ids, backbone._encode_batch([unsafe])[0].ids)
+    clean = len(list(backbone.encode_pieces(text, 1000, 4)))
     one_pass = backbone._encode_batch
 
     def odd_pieces(texts, starts=None):  # a tokenizer whose piece edges differ from one pass: the check must see it
         out = one_pass(texts, starts)
-        if starts and len(texts) > 1 and texts[1].startswith("Record"):
-            out[1].ids = out[1].ids.copy()
-            out[1].ids[0] += 1
+        for e, t in zip(out, texts):
+            if len(texts) > 1 and t.startswith("Record 3"):  # a piece (not a window) that starts at record 3..39
+                e.ids = e.ids.copy()
+                e.ids[0] += 1
         return out
 
     monkeypatch.setattr(backbone, "_encode_batch", odd_pieces)
-    assert backbone._encode_pieces(text, 1000) is None
-    assert np.array_equal(backbone.encode(text, piece_chars=1000).ids, whole.ids)
+    fewer = list(backbone.encode_pieces(text, 1000, 4))
+    assert len(fewer) < clean
+    assert np.array_equal(np.concatenate([e.ids for *_, e in fewer]), whole.ids)  # the bad cuts were joined over
 
 
 def test_int8_question_forward_stays_close_to_fp32(backbone):

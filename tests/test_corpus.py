@@ -34,6 +34,21 @@ def make_corpus():
     return corpus, texts
 
 
+def test_sentences_split_piece_by_piece_are_the_whole_texts():
+    from endo_retrieval.backbone import Backbone
+
+    rng = np.random.default_rng(0)
+    parts = ["Dr. Smith met J. Doe.", "e.g.", "It cost 3.5 dollars!", "...", "\u201cQuoted.\u201d", "(See fig.", "2).",
+             "next one?", "\n", "\n\n", "  ", "Mr.", "\nNo. 5 was late.", "A", "b.", "\n...\nOk. ", "cf\n... So."]
+    for _ in range(30):
+        text = " ".join(rng.choice(parts, 400))
+        cuts = Backbone._safe_cuts(text, 97)
+        assert cuts  # the text offers cuts
+        bounds = [0, *cuts, len(text)]
+        pieces = np.concatenate([split_sentences(text, a, b) for a, b in zip(bounds[:-1], bounds[1:])])
+        np.testing.assert_array_equal(pieces, split_sentences(text))
+
+
 def test_positions_are_laid_out_and_located():
     corpus, _ = make_corpus()
     assert [(d.doc_id, d.start, d.end) for d in corpus.documents()] == [("a", 0, 6), ("b", 6, 11), ("c", 11, 12)]

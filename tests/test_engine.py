@@ -108,12 +108,13 @@ def test_remove_document_and_persistence(tiny, tmp_path):
     assert all(h.doc_id == "a" for h in idx.search(QUESTION, k=3))
 
 
-@pytest.mark.parametrize("handoff, lead", [(None, 16), (100, 16), (100, 1)])  # lead 1: in the corpus map already
-def test_nan_keys_leave_the_index_as_it_was(tiny, handoff, lead, monkeypatch):
+@pytest.mark.parametrize("handoff, piece_chars", [(None, None), (100, None), (100, 200)])  # 200: many pieces
+def test_nan_keys_leave_the_index_as_it_was(tiny, handoff, piece_chars, monkeypatch):
     bb, bank = tiny
     if handoff:
         monkeypatch.setattr("endo_retrieval.engine.HANDOFF_TOKENS", handoff)
-    monkeypatch.setattr("endo_retrieval.engine.LEAD_CHUNKS", lead)
+    if piece_chars:
+        monkeypatch.setattr("endo_retrieval.backbone.PIECE_CHARS", piece_chars)
     idx = EndoIndex(bb, saes=bank, chunk_size=64)
     idx.add_documents([Document("a", FILLER)])
     before = idx.s3_scores(QUESTION)
@@ -126,9 +127,11 @@ def test_nan_keys_leave_the_index_as_it_was(tiny, handoff, lead, monkeypatch):
                 chunk.keys[layers[0]] = torch.full_like(chunk.keys[layers[0]], float("nan"))
             yield chunk
 
+    lines = FILLER.replace(". ", ".\n") * 2  # cut into pieces after its newlines with piece_chars=200
+    assert (len(list(bb.encode_pieces(lines))) > 3) == bool(piece_chars)
     monkeypatch.setattr(bb, "stream", nan_after_a_while)
     with pytest.raises(ValueError, match="NaN or inf"):
-        idx.add_documents([Document("b", FILLER * 2)])
+        idx.add_documents([Document("b", lines)])
     assert len(calls) >= 3 and idx.doc_ids == ["a"]
     np.testing.assert_array_equal(idx.s3_scores(QUESTION)[: len(before)], before)
     assert idx.index.positions_span <= len(before)  # no postings of the failed document remain
@@ -182,3 +185,26 @@ def test_corrupt_index_is_refused_and_old_one_survives(tiny, tmp_path):
         EndoIndex.load(tmp_path / "ix", bb, saes=bank)
     idx.save(tmp_path / "ix")  # a good save replaces it atomically
     assert len(EndoIndex.load(tmp_path / "ix", bb, saes=bank)) == 1
+
+
+def test_a_document_indexed_piece_by_piece_is_indexed_as_in_one_piece(tiny, monkeypatch):
+    """The stream pulls the text a batch of pieces at a time (issue 10); the chunks, postings and corpus map must be
+    those of one pass over the whole document."""
+    bb, bank = tiny
+    text = (FILLER.replace(". ", ".\n") + NEEDLE) * 3
+
+    def build(piece_chars):
+        monkeypatch.setattr("endo_retrieval.backbone.PIECE_CHARS", piece_chars)
+        monkeypatch.setattr("endo_retrieval.backbone.PIECES_PER_BATCH", 2)
+        idx = EndoIndex(bb, saes=bank, chunk_size=64)
+        idx.add_documents([Document("d", text)])
+        return idx
+
+    one, many = build(10**9), build(150)
+    assert len(list(bb.encode_pieces(text, 150))) > 10
+    for layer in one.index.layers:
+        for a, b in zip(one.index.postings(layer), many.index.postings(layer)):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(one.corpus.sentence_starts(), many.corpus.sentence_starts())
+    np.testing.assert_array_equal(one.corpus.doc("d").offsets, many.corpus.doc("d").offsets)
+    assert [s.text for s in one.search(QUESTION, k=2)] == [s.text for s in many.search(QUESTION, k=2)]
