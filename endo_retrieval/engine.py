@@ -27,7 +27,7 @@ import torch
 from endo_retrieval.backbone import Backbone, Encoding, as_text
 from endo_retrieval.bm25 import OkapiPostings
 from endo_retrieval.corpus import CorpusMap, split_sentences
-from endo_retrieval.index import FeatureIndex, feature_postings
+from endo_retrieval.index import FeatureIndex, sorted_postings
 from endo_retrieval.methods.base import Span
 from endo_retrieval.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
 from endo_retrieval.sae import SAEError
@@ -36,6 +36,7 @@ FORMAT = "endo-index"
 VERSION = 1
 SEARCH_METHODS = ("s3-hybrid", "s3", "bm25")
 CHUNK = 2048  # Table 6: streaming chunk size
+GROUP_CHUNKS = 8  # whole chunks per stream call while the text arrives (a call replays shapes it sees 4+ times)
 HANDOFF_TOKENS = 32768  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers, k 16;
 # 64k: its sort's buffers, ~40 MiB, were most of the peak once the forward ran from CUDA graphs)
 RRF_K = 60  # reciprocal-rank fusion constant (Cormack et al. 2009)
@@ -192,7 +193,7 @@ class EndoIndex:
                 positions = np.concatenate([np.arange(start + s, start + e, dtype=np.int64) for s, e, _ in waiting])
                 postings = []  # sorted on the accelerator, a layer at a time (each sort's buffers freed before
                 for layer in layers:  # the next one's): the host only appends
-                    sorted_ = feature_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
+                    sorted_ = sorted_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
                     postings.append(tuple(_to_host(t) for t in sorted_))
                 sent.append(_HandOff(waiting[0][0], waiting[-1][1], positions, postings, _to_host(finite)))
                 waiting.clear()
@@ -204,8 +205,8 @@ class EndoIndex:
                 raise SAEError(f"The model's key states hold NaN or inf at or before tokens {h.start}-{h.end} of "
                                "the document, which was not indexed. Check the model's weights and dtype (float16 "
                                "can overflow; use bfloat16 or float32).")
-            for layer, (counts, rows) in zip(layers, h.postings):
-                self.index.add_postings(layer, h.positions, counts.numpy(), rows.numpy())
+            for layer, (counts, rows, keep) in zip(layers, h.postings):
+                self.index.add_postings(layer, h.positions, counts.numpy(), rows.numpy()[keep.numpy()])
 
         for first, ids in _whole_chunks(pieces, self.chunk_size):
             for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
@@ -417,13 +418,13 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def _whole_chunks(pieces: Iterable[Encoding], chunk_size: int) -> Iterator[tuple[int, np.ndarray]]:
-    """(first position, ids) of whole chunks as the pieces arrive, then the rest: the chunks of one stream over the
-    whole document. The next piece is asked for only once these chunks are queued."""
+    """(first position, ids) of GROUP_CHUNKS or more whole chunks as the pieces arrive, then the rest: the chunks of
+    one stream over the whole document. The next piece is asked for only once these chunks are queued."""
     ids, first = np.zeros(0, np.int64), 0
     for piece in pieces:
         ids = np.concatenate([ids, piece.ids])
         whole = len(ids) // chunk_size * chunk_size
-        if whole:
+        if whole >= GROUP_CHUNKS * chunk_size:
             yield first, ids[:whole]
             ids, first = ids[whole:], first + whole
     if len(ids):
@@ -437,11 +438,12 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _HandOff:
-    """One hand-off's postings per layer (counts, rows) on their way to the host, with the NaN flag so far."""
+    """One hand-off's postings per layer (`sorted_postings`: counts, rows, keep) on their way to the host, with the
+    NaN flag so far."""
     start: int
     end: int
     positions: np.ndarray
-    postings: list[tuple[torch.Tensor, torch.Tensor]]
+    postings: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     finite_flag: torch.Tensor
     event: torch.cuda.Event | None = None
 

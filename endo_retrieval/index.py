@@ -127,10 +127,11 @@ class _LayerPostings:
         return cls(np.zeros(d_latent + 1, np.int64), np.zeros(0, np.uint32), np.zeros(0, np.int64))
 
 
-def feature_postings(features: torch.Tensor, d_latent: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 5 for a block of tokens (T, k): (counts (d_latent,), rows), where rows (int32) names the token row of
-    every posting, grouped by feature and ascending within it; -1 slots and a feature repeated in a row are
-    dropped. It runs where the features are, so an accelerator sorts while the host only appends (issue 10)."""
+def sorted_postings(features: torch.Tensor, d_latent: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eq. 5 for a block of tokens (T, k), without a synchronisation: (counts (d_latent,), rows, keep), where
+    rows[keep] (int32) names the token row of every posting, grouped by feature and ascending within it; -1 slots
+    and a feature repeated in a row are not kept. It runs where the features are, so an accelerator sorts while the
+    host only appends (issue 10); the host drops the unkept rows (their number is not known without waiting)."""
     k = features.shape[1]
     keys = features.reshape(-1).to(torch.int32)
     keys = torch.where(keys < 0, d_latent, keys)  # empty slots sort after every feature
@@ -138,8 +139,15 @@ def feature_postings(features: torch.Tensor, d_latent: int) -> tuple[torch.Tenso
     rows = torch.div(order, k, rounding_mode="floor").to(torch.int32)
     keep = keys < d_latent
     keep[1:] &= (keys[1:] != keys[:-1]) | (rows[1:] != rows[:-1])
-    keys, rows = keys[keep], rows[keep]
-    return torch.bincount(keys, minlength=d_latent), rows
+    counts = torch.zeros(d_latent + 1, dtype=torch.int64, device=keys.device)
+    counts.scatter_add_(0, keys.long(), keep.long())  # a bincount would wait to learn its size
+    return counts[:d_latent], rows, keep
+
+
+def feature_postings(features: torch.Tensor, d_latent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sorted_postings` with the unkept rows dropped: (counts (d_latent,), rows)."""
+    counts, rows, keep = sorted_postings(features, d_latent)
+    return counts, rows[keep]
 
 
 class FeatureIndex:

@@ -17,6 +17,9 @@ def test_greedy_answer_is_deterministic(backbone):
 
 
 def test_streamed_generation_matches(backbone):
+    if backbone.device.type == "cuda":
+        pytest.skip("on CUDA, generate() replays CUDA-graph steps; bf16 near-ties may part them from the streamed "
+                    "model.generate (README 'Decoding')")
     whole = backbone.generate("Name a primary colour.", max_new_tokens=10)
     pieces = list(backbone.generate("Name a primary colour.", max_new_tokens=10, stream=True))
     assert len(pieces) > 1 and "".join(pieces).strip() == whole
@@ -68,6 +71,8 @@ def test_long_texts_tokenise_in_pieces_exactly_as_in_one_pass(backbone, monkeypa
 
 
 def test_int8_question_forward_stays_close_to_fp32(backbone):
+    if backbone.device.type != "cpu":
+        pytest.skip("int8 question forwards run on a CPU backbone only")
     question = "Who was the harbour master of the old town, and when did the customs house close?"
     exact = backbone.query_states(question, [3, 11, 19])
     fast = backbone.query_states(question, [3, 11, 19], int8=True)
