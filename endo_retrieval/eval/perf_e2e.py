@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from endo_retrieval.chunk_graph import MIN_REPLAYS
+
 from endo_retrieval.eval.perf import clock, peak_accel_mb, questions_from, reset_peak, row
 from endo_retrieval.eval.runner import USER_TEMPLATE
 
@@ -125,7 +127,8 @@ def e2e_rows(backbone, saes, source, lengths: list[int], args, bar, ilre_layer: 
 
     device, dev, budget, new = backbone.device, backbone.device.type, args.budget, args.max_new_tokens
     ilre = ILRe(backbone, layer=ilre_layer if ilre_layer is not None else args.ilre_layer)
-    warm = source.take(min(min(lengths), 2 * budget))  # warm-up, excluded: every code path once
+    # warm-up, excluded: every code path once, long enough for the stream to capture its chunk shapes (chunk_graph.py)
+    warm = source.take(min(min(lengths), max(2 * budget, MIN_REPLAYS * args.chunk_size)))
     q = questions_from(warm, 1)
     time_full(backbone, warm, q[0], 2)
     time_ilre(ilre, warm, q[0], budget, 2)
