@@ -290,7 +290,8 @@ class Backbone:
         n, done, batch = len(bounds) - 1, 0, batch or PIECES_PER_BATCH
         held: list[tuple[int, int, Encoding]] = []  # tokenised; the cut after the last one is not checked yet
         while done < n:
-            take = range(done, min(done + batch, n))
+            take = range(done, min(done + (batch if done else max(1, batch // 4)), n))  # the consumer waits for
+            # the first batch, so it is a quarter of the others
             pieces = self._encode_batch([text[bounds[i]:bounds[i + 1]] for i in take], [bounds[i] for i in take])
             held = self._join_at_disagreeing_cuts(text, held + [(bounds[i], bounds[i + 1], e)
                                                                for i, e in zip(take, pieces)])

@@ -26,6 +26,7 @@ import torch
 
 from endo_retrieval.backbone import Backbone, Encoding, as_text
 from endo_retrieval.bm25 import OkapiPostings
+from endo_retrieval.chunk_graph import MIN_REPLAYS
 from endo_retrieval.corpus import CorpusMap, split_sentences
 from endo_retrieval.index import FeatureIndex, sorted_postings
 from endo_retrieval.methods.base import Span
@@ -36,7 +37,7 @@ FORMAT = "endo-index"
 VERSION = 1
 SEARCH_METHODS = ("s3-hybrid", "s3", "bm25")
 CHUNK = 2048  # Table 6: streaming chunk size
-GROUP_CHUNKS = 8  # whole chunks per stream call while the text arrives (a call replays shapes it sees 4+ times)
+GROUP_CHUNKS = MIN_REPLAYS  # whole chunks per stream call while the text arrives: a call replays these shapes
 HANDOFF_TOKENS = 32768  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers, k 16;
 # 64k: its sort's buffers, ~40 MiB, were most of the peak once the forward ran from CUDA graphs)
 RRF_K = 60  # reciprocal-rank fusion constant (Cormack et al. 2009)

@@ -112,7 +112,7 @@ class _Block:
     """One add(): Eq. 5's postings of a run of tokens, grouped by feature (CSR), positions ascending in each."""
     tokens: np.ndarray  # int64, the positions added (in any order; _compact sorts what is not streamed)
     counts: np.ndarray  # int64 (d_latent,), postings per feature
-    positions: np.ndarray  # int64, feature-major
+    positions: np.ndarray  # uint32 / int64 (_position_dtype), feature-major
 
 
 @dataclass
@@ -200,13 +200,15 @@ class FeatureIndex:
         if positions.min() < 0:
             raise ValueError("token positions must be >= 0")
         positions = positions.astype(np.int64, copy=False)
-        store.pending.append(_Block(positions, counts.astype(np.int64), positions[rows]))
+        # stored as the compacted layer will hold them (uint32 below 2**32): half the bytes for _compact to move
+        store.pending.append(_Block(positions, counts.astype(np.int64),
+                                    positions.astype(_position_dtype(int(positions.max())))[rows]))
 
     def _compact(self, store: _LayerPostings) -> _LayerPostings:
         """Merge the pending blocks into the CSR arrays (sorted within each feature, duplicates dropped)."""
         if not store.pending:
             return store
-        old = _Block(store.tokens, np.diff(store.indptr), store.positions.astype(np.int64))
+        old = _Block(store.tokens, np.diff(store.indptr), store.positions)
         blocks = ([old] if len(old.tokens) else []) + store.pending
         store.pending = []
         tokens = np.concatenate([b.tokens for b in blocks])
@@ -220,7 +222,8 @@ class FeatureIndex:
             indptr = np.concatenate(([0], np.cumsum(counts.sum(axis=0))))
             write = indptr[None, :-1] + np.cumsum(counts, axis=0) - counts  # where it goes in the merged layer
             shift = (read - write).T.ravel()  # feature-major, like the output
-            source = np.arange(indptr[-1]) + np.repeat(shift, counts.T.ravel())
+            source = np.repeat(shift, counts.T.ravel())
+            source += np.arange(indptr[-1])  # in place: one temporary fewer
             positions = np.concatenate([b.positions for b in blocks])[source]
         else:  # general case: sort (feature, position) keys, dropping duplicates
             tokens = np.unique(tokens)
@@ -228,11 +231,11 @@ class FeatureIndex:
             if self.d_latent * span >= 2**63:
                 raise ValueError(f"positions up to {span} are too large for an index of {self.d_latent} features")
             feat = np.concatenate([np.repeat(np.arange(self.d_latent, dtype=np.int64), b.counts) for b in blocks])
-            keys = np.unique(feat * span + np.concatenate([b.positions for b in blocks]))
+            keys = np.unique(feat * span + np.concatenate([b.positions.astype(np.int64) for b in blocks]))
             feat, positions = np.divmod(keys, span)
             indptr = np.concatenate(([0], np.cumsum(np.bincount(feat, minlength=self.d_latent))))
         store.indptr, store.tokens = indptr, tokens
-        store.positions = positions.astype(_position_dtype(int(tokens[-1])))
+        store.positions = positions.astype(_position_dtype(int(tokens[-1])), copy=False)
         return store
 
     def _layer(self, layer: int) -> _LayerPostings:
