@@ -45,7 +45,7 @@ class SinkAndLocalOnly(ReAttention):
     """The same scope with the middle never selected (StreamingLLM's view): the control for the test below."""
 
     def select(self, q, middle):
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long, device=middle.device)
 
 
 def test_a_narrow_reattention_scope_still_finds_the_needle(backbone):
