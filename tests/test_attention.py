@@ -16,8 +16,9 @@ PROMPT = ("Maple Street runs past the old mill, where the river bends twice befo
 def hf_greedy(bb, ids, n):
     eos = eos_ids(bb)
     with torch.inference_mode():
+        mask = torch.ones(1, len(ids), dtype=torch.long, device=ids.device)
         out = bb.model.generate(ids.view(1, -1), max_new_tokens=n, do_sample=False, temperature=None, top_p=None,
-                                top_k=None, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                top_k=None, attention_mask=mask,
                                 pad_token_id=bb.tokenizer.eos_token_id, eos_token_id=sorted(eos))
     toks = out[0, len(ids):].tolist()
     return next((toks[:i] for i, t in enumerate(toks) if t in eos), toks)

@@ -58,7 +58,7 @@ def test_json_contract_and_outputs(tiny):
     rows = result["rows"]
     for r in rows:
         assert {"metric", "method", "context_tokens", "value", "unit", "device"} <= set(r)
-        assert r["device"] == "cpu"
+        assert r["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # the CLI's default device
         assert r["value"] is None or isinstance(r["value"], float)
     units = {r["metric"]: r["unit"] for r in rows}
     assert {m: units.get(m) for m in REQUIRED} == REQUIRED
