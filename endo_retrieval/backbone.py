@@ -455,8 +455,8 @@ class Backbone:
                 with self._lock, torch.inference_mode(), self._run_to(layers[-1], layers, capture, int8) as store:
                     self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), attention_mask=torch.ones_like(x),
                                      use_cache=False)
-            yield Chunk(s, e, pos[n:], keys={l: k[:, n:] for l, k in store.get("k", {}).items()},
-                        queries={l: q[:, n:] for l, q in store.get("q", {}).items()})
+            yield Chunk(s, e, pos[n:], keys={l: k[:, n:] for l, k in store["k"].items()},
+                        queries={l: q[:, n:] for l, q in store["q"].items()})
 
     @staticmethod
     def _graph_key(length: int, layers: list[int], capture: Sequence[str]) -> tuple:
@@ -532,9 +532,9 @@ class Backbone:
     def _generate_graphed(self, ids: torch.Tensor, max_new_tokens: int) -> str:
         """Greedy decoding with CUDA-graph steps over a static cache (`decode.py`; an eager Hugging Face step of the
         default model costs 15-20 ms on an H200, nearly all launches); stops at the model's end-of-sequence ids."""
-        eos = self.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, (list, tuple)) else [eos if eos is not None else self.tokenizer.eos_token_id])
-        out = []
+        from endo_retrieval.attention.generate import eos_ids
+
+        eos, out = eos_ids(self), []
         with self._lock, contextlib.closing(greedy_tokens(self.model, ids, max_new_tokens)) as steps:
             for token in steps:  # closing: a stop at end-of-sequence puts the model's attention back at once
                 if int(token) in eos:

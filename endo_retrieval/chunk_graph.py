@@ -64,7 +64,7 @@ class ChunkGraph:
         def forward() -> dict[str, dict[int, torch.Tensor]]:
             with torch.inference_mode(), backbone._run_to(layers[-1], layers, capture) as store:
                 backbone.model.model(input_ids=self.ids, position_ids=self.pos, attention_mask=mask, use_cache=False)
-            return {kind: dict(store[kind]) for kind in capture}
+            return {kind: dict(states) for kind, states in store.items()}
 
         config = backbone.model.config
         before, config._attn_implementation = config._attn_implementation, CAUSAL_ATTENTION
