@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -24,11 +26,11 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from endo_retrieval.backbone import Backbone, Encoding, as_text
+from endo_retrieval.backbone import PIECES_PER_BATCH, Backbone, Encoding, as_text
 from endo_retrieval.bm25 import OkapiPostings
 from endo_retrieval.chunk_graph import MIN_REPLAYS
 from endo_retrieval.corpus import CorpusMap, split_sentences
-from endo_retrieval.index import FeatureIndex, sorted_postings
+from endo_retrieval.index import SEGMENT_TOKENS, FeatureIndex, sorted_postings
 from endo_retrieval.methods.base import Span
 from endo_retrieval.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
 from endo_retrieval.sae import SAEError
@@ -38,8 +40,10 @@ VERSION = 1
 SEARCH_METHODS = ("s3-hybrid", "s3", "bm25")
 CHUNK = 2048  # Table 6: streaming chunk size
 GROUP_CHUNKS = MIN_REPLAYS  # whole chunks per stream call while the text arrives: a call replays these shapes
-HANDOFF_TOKENS = 32768  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers, k 16;
-# 64k: its sort's buffers, ~40 MiB, were most of the peak once the forward ran from CUDA graphs)
+HANDOFF_TOKENS = SEGMENT_TOKENS  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers,
+# k 16; 64k: its sort's buffers, ~40 MiB, were most of the peak once the forward ran from CUDA graphs). Each hand-off
+# is one index segment, which queries read without a merge
+AHEAD_PIECES = 2 * PIECES_PER_BATCH  # pieces tokenised ahead of the stream: the next batch while one is streamed
 RRF_K = 60  # reciprocal-rank fusion constant (Cormack et al. 2009)
 
 
@@ -155,22 +159,25 @@ class EndoIndex:
             start, pieces, sentences = self.corpus.n_positions, [], []
 
             def tokenised(text=text, pieces=pieces, sentences=sentences) -> Iterator[Encoding]:
-                # pulled by the stream a batch of pieces at a time: each batch is tokenised and its sentences split
-                # while the accelerator still runs the chunks before it (issue 10)
-                for a, b, enc in self.backbone.encode_pieces(text):
+                # the pieces are tokenised and their sentences split a batch ahead, in a thread, while the stream
+                # launches the chunks before them (issue 10; the Rust tokenizer runs without the GIL)
+                split = ((a, b, enc, split_sentences(text, a, b)) for a, b, enc in self.backbone.encode_pieces(text))
+                for a, b, enc, starts in _ahead(split, AHEAD_PIECES):
                     pieces.append(enc)
-                    sentences.append(split_sentences(text, a, b))
+                    sentences.append(starts)
                     bar.update(b - a)
                     yield enc
 
+            stream = tokenised()
             try:
                 if self.method == "bm25":  # BM25 reads only the corpus map: no SAE pass, no feature postings
-                    list(tokenised())
+                    list(stream)
                 else:
-                    self._index_tokens(tokenised(), start)
+                    self._index_tokens(stream, start)
                 self.corpus.add_document(d.doc_id, text, np.concatenate([p.offsets for p in pieces]), d.metadata,
                                          sentence_chars=np.concatenate(sentences))
             except BaseException:  # a document half indexed (NaN keys, out of memory, Ctrl-C) leaves no trace
+                stream.close()  # stops the tokenising thread now, not when the traceback is freed
                 if d.doc_id in self.corpus:
                     self.corpus.remove_document(d.doc_id)
                 self.index.remove_range(start, start + sum(len(p) for p in pieces))
@@ -430,6 +437,45 @@ def _whole_chunks(pieces: Iterable[Encoding], chunk_size: int) -> Iterator[tuple
             ids, first = ids[whole:], first + whole
     if len(ids):
         yield first, ids
+
+
+def _ahead(items: Iterator, depth: int) -> Iterator:
+    """`items`, produced up to `depth` ahead in a daemon thread. An exception there is raised here, and closing
+    this generator (the consumer failed or stopped) stops the thread at its next item."""
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop, end = threading.Event(), object()
+
+    def put(entry) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(entry, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put((item, None)):
+                    return
+            put((end, None))
+        except BaseException as e:  # handed to the consumer, which raises it
+            put((end, e))
+
+    worker = threading.Thread(target=produce, name="endo-tokenise", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if item is end:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        stop.set()
+        worker.join()
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The inverted feature index of S3-Attention (seed 000, section 3.4, Eq. 4-5; scoring Eq. 7/9, IDF Eq. 10).
 
 Per target layer, feature id -> sorted token positions, held as CSR arrays (`indptr`, `positions`) instead of the
-paper's Python dict/list postings. Streaming `add()` calls are buffered as arrays and compacted lazily.
+paper's Python dict/list postings. Each `add()` appends one such segment. While every segment starts after the ones
+before it (a streamed build), queries read the segments as they are, so a build ends without a merge (issue 10);
+what needs one CSR per layer (saving, removing a range, `postings()`) merges them first, once.
 
 On disk, one file per index (`feature_index.bin` in the index folder) so a save is one atomic `os.replace`:
 
@@ -36,6 +38,7 @@ FORMAT_VERSION = 1
 INDEX_FILE = "feature_index.bin"
 MAGIC = b"ENDOIDX\x00"
 PAPER_STOP_FREQ = 5000  # appendix E
+SEGMENT_TOKENS = 32768  # a streamed segment this large is queried as it is; smaller neighbours are merged first
 
 
 class IndexCorruptError(ValueError):
@@ -108,23 +111,30 @@ def _position_dtype(max_position: int) -> type:
 
 
 @dataclass
-class _Block:
-    """One add(): Eq. 5's postings of a run of tokens, grouped by feature (CSR), positions ascending in each."""
-    tokens: np.ndarray  # int64, the positions added (in any order; _compact sorts what is not streamed)
-    counts: np.ndarray  # int64 (d_latent,), postings per feature
-    positions: np.ndarray  # uint32 / int64 (_position_dtype), feature-major
+class _Segment:
+    """Eq. 5's postings of a run of tokens, grouped by feature (CSR): one add(), or the merge of several."""
+    tokens: np.ndarray  # int64, the positions indexed (in any order; the merge sorts what is not streamed)
+    indptr: np.ndarray  # int64 (d_latent + 1,)
+    positions: np.ndarray  # uint32 / int64 (_position_dtype), feature-major, ascending within each feature
+
+    def gather(self, feats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The postings of features `feats` laid end to end, and how many each has: one index range per feature,
+        built with np.repeat (no Python loop over features)."""
+        starts = self.indptr[feats]
+        counts = self.indptr[feats + 1] - starts
+        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        return self.positions[np.repeat(starts, counts) + within], counts
 
 
 @dataclass
 class _LayerPostings:
-    indptr: np.ndarray  # int64 (d_latent + 1,)
-    positions: np.ndarray  # uint32 / int64, sorted within each feature
-    tokens: np.ndarray  # int64, sorted unique positions that were indexed (with or without postings)
-    pending: list[_Block] = field(default_factory=list)  # add() calls, merged by _compact
+    segments: list[_Segment] = field(default_factory=list)
+    streamed: bool = True  # each segment's tokens ascend and start after the segment before: queries need no merge
 
-    @classmethod
-    def empty(cls, d_latent: int) -> _LayerPostings:
-        return cls(np.zeros(d_latent + 1, np.int64), np.zeros(0, np.uint32), np.zeros(0, np.int64))
+    @property
+    def last_token(self) -> int:
+        """The largest indexed position (-1 when none); only meaningful while `streamed`."""
+        return next((int(s.tokens[-1]) for s in reversed(self.segments) if len(s.tokens)), -1)
 
 
 def sorted_postings(features: torch.Tensor, d_latent: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,7 +175,7 @@ class FeatureIndex:
         self.stop_freq = stop_freq
         self.meta = dict(meta or {})
         _check_json(self.meta, "meta")
-        self._layers = {layer: _LayerPostings.empty(self.d_latent) for layer in self.layers}
+        self._layers = {layer: _LayerPostings() for layer in self.layers}
 
     # building ---------------------------------------------------------------------------------------------------
 
@@ -200,43 +210,66 @@ class FeatureIndex:
         if positions.min() < 0:
             raise ValueError("token positions must be >= 0")
         positions = positions.astype(np.int64, copy=False)
-        # stored as the compacted layer will hold them (uint32 below 2**32): half the bytes for _compact to move
-        store.pending.append(_Block(positions, counts.astype(np.int64),
-                                    positions.astype(_position_dtype(int(positions.max())))[rows]))
+        store.streamed &= bool(positions[0] > store.last_token and np.all(positions[1:] > positions[:-1]))
+        # stored as the merged layer will hold them (uint32 below 2**32): half the bytes for a merge to move
+        indptr = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+        store.segments.append(_Segment(positions, indptr,
+                                       positions.astype(_position_dtype(int(positions.max())))[rows]))
 
-    def _compact(self, store: _LayerPostings) -> _LayerPostings:
-        """Merge the pending blocks into the CSR arrays (sorted within each feature, duplicates dropped)."""
-        if not store.pending:
-            return store
-        old = _Block(store.tokens, np.diff(store.indptr), store.positions)
-        blocks = ([old] if len(old.tokens) else []) + store.pending
-        store.pending = []
-        tokens = np.concatenate([b.tokens for b in blocks])
-        if np.all(tokens[1:] > tokens[:-1]):
-            # streaming: every block lies after the ones before it, so each feature's postings are its runs in the
-            # blocks, block after block; one gather lays them out (no sort)
-            counts = np.stack([b.counts for b in blocks])  # (B, d_latent)
+    def _merge(self, blocks: list[_Segment], streamed: bool) -> _Segment:
+        """Segments merged into one CSR (sorted within each feature, duplicates dropped)."""
+        if not blocks:
+            merged = _Segment(np.zeros(0, np.int64), np.zeros(self.d_latent + 1, np.int64), np.zeros(0, np.uint32))
+        elif streamed:
+            # every segment lies after the ones before it, so each feature's postings are its runs in the segments,
+            # segment after segment; one gather lays them out (no sort)
+            counts = np.stack([np.diff(b.indptr) for b in blocks])  # (B, d_latent)
             ends = np.cumsum(counts, axis=1)
             block_start = np.concatenate(([0], np.cumsum(ends[:, -1])[:-1]))
-            read = block_start[:, None] + ends - counts  # where run (b, f) starts in the concatenated blocks
+            read = block_start[:, None] + ends - counts  # where run (b, f) starts in the concatenated segments
             indptr = np.concatenate(([0], np.cumsum(counts.sum(axis=0))))
             write = indptr[None, :-1] + np.cumsum(counts, axis=0) - counts  # where it goes in the merged layer
             shift = (read - write).T.ravel()  # feature-major, like the output
             source = np.repeat(shift, counts.T.ravel())
             source += np.arange(indptr[-1])  # in place: one temporary fewer
-            positions = np.concatenate([b.positions for b in blocks])[source]
+            tokens = np.concatenate([b.tokens for b in blocks])
+            merged = _Segment(tokens, indptr, np.concatenate([b.positions for b in blocks])[source])
         else:  # general case: sort (feature, position) keys, dropping duplicates
-            tokens = np.unique(tokens)
+            tokens = np.unique(np.concatenate([b.tokens for b in blocks]))
             span = int(tokens[-1]) + 1
             if self.d_latent * span >= 2**63:
                 raise ValueError(f"positions up to {span} are too large for an index of {self.d_latent} features")
-            feat = np.concatenate([np.repeat(np.arange(self.d_latent, dtype=np.int64), b.counts) for b in blocks])
+            feat = np.concatenate([np.repeat(np.arange(self.d_latent, dtype=np.int64), np.diff(b.indptr))
+                                   for b in blocks])
             keys = np.unique(feat * span + np.concatenate([b.positions.astype(np.int64) for b in blocks]))
             feat, positions = np.divmod(keys, span)
             indptr = np.concatenate(([0], np.cumsum(np.bincount(feat, minlength=self.d_latent))))
-        store.indptr, store.tokens = indptr, tokens
-        store.positions = positions.astype(_position_dtype(int(tokens[-1])), copy=False)
-        return store
+            merged = _Segment(tokens, indptr, positions)
+        last = int(merged.tokens[-1]) if len(merged.tokens) else 0
+        merged.positions = merged.positions.astype(_position_dtype(last), copy=False)
+        return merged
+
+    def _merged(self, store: _LayerPostings) -> _Segment:
+        """The layer as one CSR segment, merged once and kept."""
+        if not (len(store.segments) == 1 and store.streamed):
+            store.segments, store.streamed = [self._merge(store.segments, store.streamed)], True
+        return store.segments[0]
+
+    def _segments(self, layer: int) -> list[_Segment]:
+        """The layer's segments as queries read them. Streamed, each run of segments smaller than SEGMENT_TOKENS
+        is merged until it reaches that size (many small documents would otherwise mean many small gathers per
+        query), and larger ones, like a long document's hand-offs, stay as they are; not streamed, all are merged."""
+        store = self._layer(layer)
+        if not store.streamed:
+            return [self._merged(store)]
+        groups, size = [[]], 0
+        for segment in store.segments:
+            groups[-1].append(segment)
+            size += len(segment.tokens)
+            if size >= SEGMENT_TOKENS:
+                groups, size = groups + [[]], 0
+        store.segments = [g[0] if len(g) == 1 else self._merge(g, streamed=True) for g in groups if g]
+        return store.segments
 
     def _layer(self, layer: int) -> _LayerPostings:
         if layer not in self._layers:
@@ -244,9 +277,9 @@ class FeatureIndex:
         return self._layers[layer]
 
     def postings(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """The compacted CSR arrays (indptr, positions) of one layer."""
-        store = self._compact(self._layer(layer))
-        return store.indptr, store.positions
+        """The merged CSR arrays (indptr, positions) of one layer."""
+        merged = self._merged(self._layer(layer))
+        return merged.indptr, merged.positions
 
     def remove_range(self, start: int, end: int) -> int:
         """Drop every posting (and indexed token) with position in [start, end); other positions keep their numbers.
@@ -255,24 +288,24 @@ class FeatureIndex:
             raise ValueError(f"remove_range wants start <= end, got [{start}, {end})")
         removed = 0
         for layer in self.layers:
-            store = self._compact(self._layers[layer])
-            keep = (store.positions < start) | (store.positions >= end)
-            feat = np.repeat(np.arange(self.d_latent), np.diff(store.indptr))
-            store.indptr = np.concatenate(([0], np.cumsum(np.bincount(feat[keep], minlength=self.d_latent))))
+            merged = self._merged(self._layers[layer])
+            keep = (merged.positions < start) | (merged.positions >= end)
+            feat = np.repeat(np.arange(self.d_latent), np.diff(merged.indptr))
+            merged.indptr = np.concatenate(([0], np.cumsum(np.bincount(feat[keep], minlength=self.d_latent))))
             removed += int(len(keep) - keep.sum())
-            store.positions = store.positions[keep]
-            store.tokens = store.tokens[(store.tokens < start) | (store.tokens >= end)]
+            merged.positions = merged.positions[keep]
+            merged.tokens = merged.tokens[(merged.tokens < start) | (merged.tokens >= end)]
         return removed
 
     # statistics -------------------------------------------------------------------------------------------------
 
     def tokens(self, layer: int) -> np.ndarray:
         """Sorted token positions indexed at `layer` (also those whose features were all absent)."""
-        return self._compact(self._layer(layer)).tokens
+        return self._merged(self._layer(layer)).tokens
 
     def freq(self, layer: int) -> np.ndarray:
         """freq(f): postings of each feature at `layer` (appendix D notation), int64 (d_latent,)."""
-        return np.diff(self.postings(layer)[0])
+        return sum((np.diff(s.indptr) for s in self._segments(layer)), np.zeros(self.d_latent, np.int64))
 
     def idf(self, layer: int) -> np.ndarray:
         """IDF(f) = 1 / (log(1 + freq(f)) + 1) (Eq. 10)."""
@@ -280,7 +313,7 @@ class FeatureIndex:
 
     def n_tokens(self, layer: int) -> int:
         """Token positions indexed at `layer` (also those whose features were all absent)."""
-        return len(self._compact(self._layer(layer)).tokens)
+        return sum(len(s.tokens) for s in self._segments(layer))
 
     def stop_threshold(self, layer: int) -> float:
         """Features with freq above this are skipped when scoring (appendix E); inf when stop features are off."""
@@ -292,13 +325,14 @@ class FeatureIndex:
 
     @property
     def n_postings(self) -> int:
-        return sum(int(self.postings(layer)[0][-1]) for layer in self.layers)
+        return sum(int(s.indptr[-1]) for layer in self.layers for s in self._segments(layer))
 
     @property
     def positions_span(self) -> int:
         """Largest indexed position + 1 (0 when empty)."""
-        tokens = [self._compact(store).tokens for store in self._layers.values()]
-        return max((int(t[-1]) + 1 for t in tokens if len(t)), default=0)
+        for layer in self.layers:
+            self._segments(layer)  # merged unless streamed, so the last token is the largest
+        return max(store.last_token for store in self._layers.values()) + 1
 
     def bytes_per_posting(self) -> float:
         """Size of the saved file divided by the number of postings."""
@@ -320,7 +354,7 @@ class FeatureIndex:
         n = self.positions_span if n_positions is None else int(n_positions)
         total = np.zeros(n, dtype=np.float64)
         for layer, (ids, weights) in query.items():
-            indptr, positions = self.postings(layer)
+            segments = self._segments(layer)
             ids, weights = np.asarray(ids).ravel(), np.asarray(weights, dtype=np.float64).ravel()
             if ids.shape != weights.shape:
                 raise ValueError(f"layer {layer}: query ids {ids.shape} and weights {weights.shape} differ in shape")
@@ -328,18 +362,17 @@ class FeatureIndex:
                 raise ValueError(f"layer {layer}: query feature ids must lie in [0, {self.d_latent}) or be -1")
             valid = ids >= 0
             w = np.bincount(ids[valid], weights=weights[valid], minlength=self.d_latent)  # sum repeated features
-            freq = np.diff(indptr)
+            freq = self.freq(layer)
             mass = w * (1.0 / (np.log1p(freq) + 1.0))  # Eq. 10
             feats = np.flatnonzero((mass != 0) & (freq > 0) & (freq <= self.stop_threshold(layer)))
             if prune is not None and len(feats):
                 feats = feats[np.argsort(-np.abs(mass[feats]), kind="stable")]
                 cum = np.cumsum(np.abs(mass[feats]))
                 feats = feats[: int(np.searchsorted(cum, prune * cum[-1] * (1 - 1e-12))) + 1]
-            # gather all postings of the chosen features at once: one index range per feature, built with np.repeat
-            starts, counts = indptr[feats], freq[feats]
-            within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-            pos = positions[np.repeat(starts, counts) + within]
-            total += np.bincount(pos, weights=np.repeat(mass[feats], counts), minlength=n)[:n]  # positions >= n dropped
+            gathered = [s.gather(feats) for s in segments] or [(np.zeros(0, np.int64), np.zeros(len(feats), int))]
+            pos = np.concatenate([p for p, _ in gathered])
+            posting_mass = np.concatenate([np.repeat(mass[feats], c) for _, c in gathered])
+            total += np.bincount(pos, weights=posting_mass, minlength=n)[:n]  # positions >= n dropped
         return total.astype(np.float32)
 
     # persistence ------------------------------------------------------------------------------------------------
@@ -347,8 +380,8 @@ class FeatureIndex:
     def _serialise(self) -> bytes:
         streams, arrays, offset = [], [], 0
         for layer in self.layers:
-            indptr, positions = self.postings(layer)
-            tokens = self._layers[layer].tokens
+            merged = self._merged(self._layers[layer])
+            indptr, positions, tokens = merged.indptr, merged.positions, merged.tokens
             entry = {"layer": layer}
             for name, values in (("counts", np.diff(indptr)), ("positions", _delta_encode(indptr, positions)),
                                  ("tokens", np.diff(tokens, prepend=0))):
@@ -439,7 +472,7 @@ def _decode_layer(payload: np.ndarray, entry: dict, d_latent: int) -> _LayerPost
     positions = _delta_decode(indptr, deltas)
     tokens = np.cumsum(stream("tokens"))
     max_pos = int(tokens[-1]) if len(tokens) else 0
-    return _LayerPostings(indptr, positions.astype(_position_dtype(max_pos)), tokens)
+    return _LayerPostings([_Segment(tokens, indptr, positions.astype(_position_dtype(max_pos)))])
 
 
 def _check_stop_freq(stop_freq) -> None:

@@ -94,11 +94,14 @@ def _kernel():
 
 
 def sae_topk_triton(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_dec: torch.Tensor, k: int,
-                    block_m: int = 64, block_n: int = 128, precision: str = "tf32", num_warps: int = 4
+                    block_m: int = 64, block_n: int = 256, precision: str = "tf32", num_warps: int = 8
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused encode + top-k on CUDA: x (N, d) or (G, N, d) -> (ids int64 (N, k), acts float32 (N, k)), largest
     first.
 
+    The default blocks were the fastest of 27 (block_m 16/32/64 x block_n 64/128/256 x warps 2/4/8) for an index
+    chunk (3 heads x 2048 tokens, d 64, 1024 latents, k 16) on an H100: 94 us, against 132 us for the earlier
+    64 / 128 / 4 and 316 us for the torch twin.
     precision: "tf32" (tensor cores; activations agree with fp32 to ~1e-3 relative) or "ieee" (fp32 FMA).
     """
     import triton

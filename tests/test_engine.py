@@ -2,6 +2,8 @@
 
 Quality on the real model with the shipped SAEs is in test_s3_real.py.
 """
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -133,6 +135,7 @@ def test_nan_keys_leave_the_index_as_it_was(tiny, handoff, piece_chars, monkeypa
     with pytest.raises(ValueError, match="NaN or inf"):
         idx.add_documents([Document("b", lines)])
     assert len(calls) >= 3 and idx.doc_ids == ["a"]
+    assert not [t for t in threading.enumerate() if t.name == "endo-tokenise"]  # the tokenising thread stopped
     np.testing.assert_array_equal(idx.s3_scores(QUESTION)[: len(before)], before)
     assert idx.index.positions_span <= len(before)  # no postings of the failed document remain
 
@@ -208,3 +211,30 @@ def test_a_document_indexed_piece_by_piece_is_indexed_as_in_one_piece(tiny, monk
     np.testing.assert_array_equal(one.corpus.sentence_starts(), many.corpus.sentence_starts())
     np.testing.assert_array_equal(one.corpus.doc("d").offsets, many.corpus.doc("d").offsets)
     assert [s.text for s in one.search(QUESTION, k=2)] == [s.text for s in many.search(QUESTION, k=2)]
+
+
+def test_ahead_keeps_order_raises_the_producers_error_and_stops_when_closed():
+    from endo_retrieval.engine import _ahead
+
+    assert list(_ahead(iter(range(50)), depth=3)) == list(range(50))
+
+    def failing():
+        yield 1
+        raise KeyError("in the thread")
+
+    got = _ahead(failing(), depth=2)
+    assert next(got) == 1
+    with pytest.raises(KeyError, match="in the thread"):
+        next(got)
+    produced = []
+
+    def endless():
+        while True:
+            produced.append(1)
+            yield len(produced)
+
+    got = _ahead(endless(), depth=2)
+    assert next(got) == 1
+    got.close()
+    assert not [t for t in threading.enumerate() if t.name == "endo-tokenise"]
+    assert len(produced) <= 4  # the thread ran at most depth + 1 items ahead and stopped

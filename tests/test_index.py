@@ -164,6 +164,23 @@ def test_score_equals_naive_eq9(stop_freq):
         assert not np.allclose(got, naive_score(post, query, 300))  # the stop threshold really removed features
 
 
+@pytest.mark.parametrize("segment_tokens, segments", [(1, 6), (120, 2), (10**9, 1)])
+def test_streamed_segments_are_queried_without_a_full_merge(monkeypatch, segment_tokens, segments):
+    """Six streamed adds of 50 tokens: queries read segments of SEGMENT_TOKENS or more as they are and merge runs of
+    smaller ones first; scores equal Eq. 9 either way, and postings() still gives one merged CSR."""
+    monkeypatch.setattr(index_module, "SEGMENT_TOKENS", segment_tokens)
+    rng = np.random.default_rng(5)
+    calls = random_adds(rng, [3, 7])
+    idx, post = build(calls, [3, 7], stop_freq=0.075), naive_postings(calls)
+    query = {3: (rng.integers(-1, D, size=(4, 6)), rng.random((4, 6))), 7: (rng.integers(0, D, 10), rng.random(10))}
+    np.testing.assert_allclose(idx.score(query), naive_score(post, query, 300, 0.075 * 300), rtol=1e-5, atol=1e-6)
+    assert [len(idx._layers[layer].segments) for layer in (3, 7)] == [segments, segments]
+    assert idx.n_tokens(3) == 300 and idx.positions_span == 300
+    assert idx.freq(7).tolist() == [len(post[7][f]) for f in range(D)]
+    assert_matches(idx, post, [3, 7])
+    assert [len(idx._layers[layer].segments) for layer in (3, 7)] == [1, 1]
+
+
 def test_score_no_active_feature_is_zero():
     idx = FeatureIndex([0], 8)
     idx.add(0, np.arange(4), np.array([[1], [1], [2], [2]]))

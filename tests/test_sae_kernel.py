@@ -50,14 +50,16 @@ def test_triton_matches_twin(n, d_in, d_latent, k):
 
 @needs_gpu
 @pytest.mark.device
-@pytest.mark.parametrize("heads, n", [(3, 2048), (9, 77), (1, 300)])
-def test_triton_heads_max_matches_twin(heads, n):
-    """(G, N, d): one top-k per token over each latent's largest activation across its G heads."""
+@pytest.mark.parametrize("heads, n, blocks", [(3, 2048, {}), (3, 2048, dict(block_m=16, block_n=128, num_warps=4)),
+                                             (9, 77, {}), (1, 300, dict(block_m=32, block_n=64, num_warps=2))])
+def test_triton_heads_max_matches_twin(heads, n, blocks):
+    """(G, N, d): one top-k per token over each latent's largest activation across its G heads, whatever the
+    blocks."""
     from endo_retrieval.kernels.sae_topk import sae_topk_triton
 
     W, b_enc, b_dec = weights(64, 1024, device="cuda")
     x = (3 * torch.randn(heads, n, 64, generator=torch.Generator().manual_seed(n))).to("cuda")
-    ids, acts = sae_topk_triton(x, W, b_enc, b_dec, 16)
+    ids, acts = sae_topk_triton(x, W, b_enc, b_dec, 16, **blocks)
     ref_ids, ref_acts = sae_topk_reference(x, W, b_enc, b_dec, 16)
     z = torch.relu((x - b_dec) @ W.T + b_enc).amax(0)  # exact fp32 maxima over the heads
     tol = 1e-2 * ref_acts[:, :1].clamp_min(1.0)

@@ -165,13 +165,14 @@ def questions_from(text: str, count: int) -> list[str]:
 # ---- index and memory -------------------------------------------------------------------------------------------
 
 def build_index(backbone, saes, text: str, chunk_size: int):
-    """`text` indexed as one document, its postings compacted (work the first query would otherwise pay for)."""
+    """`text` indexed as one document, ready for queries: whatever the first query would otherwise pay for (a merge
+    of small segments) is done here."""
     from endo_retrieval.engine import Document, EndoIndex
 
     index = EndoIndex(backbone, saes=saes, chunk_size=chunk_size)
     index.add_documents([Document("perf", text)])
     for layer in index.index.layers:
-        index.index.postings(layer)
+        index.index.freq(layer)
     return index
 
 
@@ -263,9 +264,10 @@ def memory_section(backbone, saes, source: TextSource, lengths: list[int], chunk
 
 def tile_index(index, copies: int):
     """`copies` copies of a fresh one-pass index back to back: each document again at positions shifted by the
-    corpus length, with the same postings. This is what indexing the documents `copies` times gives, since each
-    document streams from its own start (independent chunks) and its features do not depend on the others."""
-    from endo_retrieval.engine import EndoIndex
+    corpus length, with the same postings, added in segments of the engine's hand-offs (HANDOFF_TOKENS), as
+    queries meet them after a build. This is what indexing the documents `copies` times gives, since each document
+    streams from its own start (independent chunks) and its features do not depend on the others."""
+    from endo_retrieval.engine import HANDOFF_TOKENS, EndoIndex
 
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")
@@ -282,16 +284,19 @@ def tile_index(index, copies: int):
     for layer in fi.layers:
         indptr, positions = fi.postings(layer)
         feats = np.repeat(np.arange(fi.d_latent, dtype=np.int32), np.diff(indptr))
+        # each indexed token's features as one row (-1 pads), so tokens without active features stay counted (they
+        # matter for a share-based stop_freq)
         tokens = fi.tokens(layer)
-        # one (position, feature) pair per posting, plus each indexed token with an empty slot (-1) so tokens
-        # without active features stay counted (they matter for a share-based stop_freq)
-        pos = np.concatenate([positions.astype(np.int64), tokens])
-        feat = np.concatenate([feats, np.full(len(tokens), -1, np.int32)])
-        order = np.argsort(pos, kind="stable")
-        pos, feat = pos[order], feat[order, None]
+        order = np.argsort(positions, kind="stable")
+        row = np.searchsorted(tokens, positions[order])
+        slot = np.arange(len(row)) - np.searchsorted(row, row)  # rank of each posting within its token
+        feat = np.full((len(tokens), int(slot.max(initial=0)) + 1), -1, np.int32)
+        feat[row, slot] = feats[order]
+        cuts = np.searchsorted(tokens, np.arange(HANDOFF_TOKENS, period, HANDOFF_TOKENS))
         for c in range(copies):
-            tiled.index.add(layer, pos + c * period, feat)
-        tiled.index.postings(layer)
+            for t, f in zip(np.split(tokens, cuts), np.split(feat, cuts)):
+                tiled.index.add(layer, t + c * period, f)
+        tiled.index.freq(layer)
     return tiled
 
 
