@@ -288,11 +288,12 @@ class Backbone:
         again as one. So the pieces joined are always the one-pass encoding."""
         text = as_text(text)
         bounds = [0, *self._safe_cuts(text, piece_chars or PIECE_CHARS), len(text)]
-        n, done, batch = len(bounds) - 1, 0, batch or PIECES_PER_BATCH
+        n, done, batch, n_batches = len(bounds) - 1, 0, batch or PIECES_PER_BATCH, 0
         held: list[tuple[int, int, Encoding]] = []  # tokenised; the cut after the last one is not checked yet
         while done < n:
-            take = range(done, min(done + (batch if done else max(1, batch // 4)), n))  # the consumer waits for
-            # the first batch, so it is a quarter of the others
+            # the consumer waits for the first batch, so the batches grow from a quarter: 2, 4, 8, 8 ... pieces
+            take = range(done, min(done + min(batch, max(1, batch // 4) * 2 ** n_batches), n))
+            n_batches += 1
             pieces = self._encode_batch([text[bounds[i]:bounds[i + 1]] for i in take], [bounds[i] for i in take])
             held = self._join_at_disagreeing_cuts(text, held + [(bounds[i], bounds[i + 1], e)
                                                                for i, e in zip(take, pieces)])

@@ -94,14 +94,15 @@ def _kernel():
 
 
 def sae_topk_triton(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_dec: torch.Tensor, k: int,
-                    block_m: int = 64, block_n: int = 256, precision: str = "tf32", num_warps: int = 8
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    block_m: int = 64, block_n: int | None = None, precision: str = "tf32",
+                    num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused encode + top-k on CUDA: x (N, d) or (G, N, d) -> (ids int64 (N, k), acts float32 (N, k)), largest
     first.
 
-    The default blocks were the fastest of 27 (block_m 16/32/64 x block_n 64/128/256 x warps 2/4/8) for an index
-    chunk (3 heads x 2048 tokens, d 64, 1024 latents, k 16) on an H100: 94 us, against 132 us for the earlier
-    64 / 128 / 4 and 316 us for the torch twin.
+    Blocks: for k <= 16, 64 rows x 256 latents with 8 warps, the fastest of 27 (block_m 16/32/64 x block_n
+    64/128/256 x warps 2/4/8) for an index chunk (3 heads x 2048 tokens, d 64, 1024 latents, k 16) on an H100:
+    94 us, against 132 us for 64 x 128 with 4 warps and 316 us for the torch twin. A larger k keeps 64 x 128 with 4
+    warps (256 latents failed to compile for the test shapes with k 20-64).
     precision: "tf32" (tensor cores; activations agree with fp32 to ~1e-3 relative) or "ieee" (fp32 FMA).
     """
     import triton
@@ -110,7 +111,8 @@ def sae_topk_triton(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b
     G, N, D = heads.shape
     L = W_enc.shape[0]
     K = triton.next_power_of_2(k)
-    block_n = max(block_n, K)
+    block_n = max(block_n or (256 if K <= 16 else 128), K)
+    num_warps = num_warps or (8 if K <= 16 else 4)
     heads = heads.float().contiguous()
     W = W_enc.float().contiguous()
     ids = torch.empty((N, k), dtype=torch.int64, device=x.device)
