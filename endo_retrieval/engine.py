@@ -12,6 +12,7 @@ context and one question (the paper's setting), which indexes the context as a o
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -195,6 +196,8 @@ class EndoIndex:
         waiting: list[tuple[int, int, dict[int, torch.Tensor]]] = []  # positions in the document, features
         sent: list[_HandOff] = []  # on their way to the host
         finite = torch.ones((), dtype=torch.bool, device=self.backbone.device)  # every key seen so far
+        main, encoder = _index_streams(self.backbone.device)
+        on_encoder = torch.cuda.stream(encoder) if encoder is not None else contextlib.nullcontext()
 
         def hand_off() -> None:
             if waiting:
@@ -218,20 +221,26 @@ class EndoIndex:
 
         for first, ids in _whole_chunks(pieces, self.chunk_size):
             for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
+                if encoder is not None:  # the SAE encodes this chunk while the next one's forward runs
+                    encoder.wait_stream(main)
                 features = {}
-                for layer in layers:
-                    keys = chunk.keys[layer]
-                    finite &= torch.isfinite(keys).all()  # read at hand-off: here it would wait for the device
-                    feat, act = self.saes.encode_keys(layer, keys, check_finite=False)
-                    # padding of tokens with fewer than k active features; int16 holds any id below 2**15
-                    features[layer] = torch.where(act > 0, feat, -1).to(
-                        torch.int16 if self.index.d_latent < 2**15 else torch.int32)
-                waiting.append((first + chunk.start, first + chunk.end, features))
-                if sum(e - s for s, e, _ in waiting) >= HANDOFF_TOKENS:
-                    hand_off()
-                    if len(sent) > 1:  # the hand-off before this one: the accelerator is long past it
-                        receive()
-        hand_off()
+                with on_encoder:
+                    for layer in layers:
+                        keys = chunk.keys[layer]
+                        if encoder is not None:
+                            keys.record_stream(encoder)  # not reused by the forward before the SAE has read it
+                        finite &= torch.isfinite(keys).all()  # read at hand-off: here it would wait for the device
+                        feat, act = self.saes.encode_keys(layer, keys, check_finite=False)
+                        # padding of tokens with fewer than k active features; int16 holds any id below 2**15
+                        features[layer] = torch.where(act > 0, feat, -1).to(
+                            torch.int16 if self.index.d_latent < 2**15 else torch.int32)
+                    waiting.append((first + chunk.start, first + chunk.end, features))
+                    if sum(e - s for s, e, _ in waiting) >= HANDOFF_TOKENS:
+                        hand_off()
+                if len(sent) > 1:  # the hand-off before the last one: the accelerator is long past it
+                    receive()
+        with on_encoder:
+            hand_off()
         while sent:
             receive()
 
@@ -476,6 +485,21 @@ def _ahead(items: Iterator, depth: int) -> Iterator:
     finally:
         stop.set()
         worker.join()
+
+
+_ENCODER_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _index_streams(device: torch.device) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
+    """(the stream the forward runs on, the one the index work runs on) on CUDA, else (None, None). The SAE encode,
+    the postings' sort and their copies run beside the forward: the SAE kernel fills 32 programs of a 2048-token
+    chunk, and the forward's small kernels leave most of the accelerator free."""
+    if device.type != "cuda":
+        return None, None
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _ENCODER_STREAMS:
+        _ENCODER_STREAMS[device] = torch.cuda.Stream(device)
+    return torch.cuda.current_stream(device), _ENCODER_STREAMS[device]
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -238,3 +238,28 @@ def test_ahead_keeps_order_raises_the_producers_error_and_stops_when_closed():
     got.close()
     assert not [t for t in threading.enumerate() if t.name == "endo-tokenise"]
     assert len(produced) <= 4  # the thread ran at most depth + 1 items ahead and stopped
+
+
+@pytest.mark.device
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the device tool)")
+def test_index_work_beside_the_forward_gives_the_same_postings(backbone, monkeypatch):
+    """On CUDA the SAE encode, sort and copies run on a stream of their own, beside the forward: the postings are
+    those of the same build on one stream, to the bit, across several hand-offs and replayed chunks."""
+    from endo_retrieval import engine
+
+    monkeypatch.setattr(engine, "HANDOFF_TOKENS", 2048)
+    text = " ".join(f"Item {i}: {FILLER[(37 * i) % 500:][:120]}" for i in range(400))
+
+    def build() -> EndoIndex:
+        idx = EndoIndex(backbone, chunk_size=512)
+        idx.add_documents([Document("d", text)])
+        return idx
+
+    beside = build()
+    assert engine._index_streams(backbone.device)[1] is not None
+    monkeypatch.setattr(engine, "_index_streams", lambda device: (None, None))
+    one_stream = build()
+    assert beside.corpus.n_tokens > 8 * 2048 and beside.index.n_postings > 0
+    for layer in beside.index.layers:
+        for a, b in zip(beside.index.postings(layer), one_stream.index.postings(layer)):
+            np.testing.assert_array_equal(a, b)
