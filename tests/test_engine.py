@@ -259,7 +259,7 @@ def test_index_work_beside_the_forward_gives_the_same_postings(backbone, monkeyp
     assert engine._index_streams(backbone.device)[1] is not None
     monkeypatch.setattr(engine, "_index_streams", lambda device: (None, None))
     one_stream = build()
-    assert beside.corpus.n_tokens > 8 * 2048 and beside.index.n_postings > 0
+    assert beside.corpus.n_tokens > 5 * 2048 and beside.index.n_postings > 0  # several hand-offs
     for layer in beside.index.layers:
         for a, b in zip(beside.index.postings(layer), one_stream.index.postings(layer)):
             np.testing.assert_array_equal(a, b)

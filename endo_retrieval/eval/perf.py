@@ -2,7 +2,7 @@
 
 Sections (`--sections`, each measured in one run on the same text):
 * index  - tokens/s of real indexing (EndoIndex.add_documents: tokenise, early-exit stream, SAE encode, postings,
-           compaction) beside the bare early-exit forward to the deepest SAE layer, same chunks; saved bytes.
+           ready for queries) beside the bare early-exit forward to the deepest SAE layer, same chunks; saved bytes.
 * memory - peak accelerator memory and host RSS versus streamed length (S3 section 3.4: memory O(1) in length).
 * query  - EndoIndex.select latency (question forward, Eq. 9 scores, BM25, spans) and Eq. 9 scoring alone versus
            corpus size; larger corpora are copies of one indexed text (`tile_index`).
@@ -203,7 +203,7 @@ def index_rows(backbone, saes, source: TextSource, n: int, chunk_size: int, roun
     tokens, note = index.corpus.n_tokens, source.note(n)
     return [
         row("index", "index_tokens_per_s", "s3-index", n, indexed, "tok/s", dev, tokens=tokens, per_round=builds,
-            note=f"add_documents: tokenise, stream, SAE encode, postings, compaction; median of {rounds}"
+            note=f"add_documents: tokenise, stream, SAE encode, postings (ready for queries); median of {rounds}"
                  + (f"; {note}" if note else "")),
         row("index", "bare_forward_tokens_per_s", "bare-forward", n, bare, "tok/s", dev, tokens=tokens, per_round=bares,
             note=f"early exit at layer {max(saes.layers)}, keys touched, same chunks ({chunk_size}); median of "
