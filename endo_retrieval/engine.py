@@ -45,6 +45,7 @@ HANDOFF_TOKENS = SEGMENT_TOKENS  # features kept on the accelerator before one c
 # k 16; 64k: its sort's buffers, ~40 MiB, were most of the peak once the forward ran from CUDA graphs). Each hand-off
 # is one index segment, which queries read without a merge
 AHEAD_PIECES = 2 * PIECES_PER_BATCH  # pieces tokenised ahead of the stream: the next batch while one is streamed
+SCORE_ON_ACCELERATOR = 1 << 20  # indexed positions from which a CUDA backbone sums Eq. 9 on the accelerator
 RRF_K = 60  # reciprocal-rank fusion constant (Cormack et al. 2009)
 
 
@@ -271,8 +272,9 @@ class EndoIndex:
         if self.method == "bm25":
             raise ValueError("This index was built with method='bm25' and holds no S3 feature postings; build it "
                              "with method='s3' or 's3-hybrid' to search with S3.")
-        return self.index.score(self.query_features(question), n_positions=self.corpus.n_positions,
-                                prune=self.prune)
+        n, device = self.corpus.n_positions, self.backbone.device
+        return self.index.score(self.query_features(question), n_positions=n, prune=self.prune,
+                                device=device if device.type == "cuda" and n >= SCORE_ON_ACCELERATOR else None)
 
     def bm25_scores(self, question: str) -> np.ndarray:
         key = (self.corpus.n_positions, len(self.corpus))  # changes with every add or remove

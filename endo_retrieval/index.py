@@ -160,6 +160,18 @@ def feature_postings(features: torch.Tensor, d_latent: int) -> tuple[torch.Tenso
     return counts, rows[keep]
 
 
+def scatter_scores(total: torch.Tensor, positions: np.ndarray, run_mass: np.ndarray, runs: np.ndarray) -> None:
+    """Eq. 9's sum on the accelerator, the twin of `np.bincount(positions, np.repeat(run_mass, runs))`: add
+    run_mass[i] at each of the runs[i] next positions into `total` (float64, so the sum matches the host's). Only
+    the positions (4 bytes each below 2**31) and one mass per run go over; nothing waits for the device."""
+    device = total.device
+    index = positions.view(np.int32) if positions.dtype == np.uint32 and len(total) < 2**31 else positions
+    index = torch.from_numpy(np.ascontiguousarray(index)).to(device)
+    weights = torch.repeat_interleave(torch.from_numpy(run_mass).to(device), torch.from_numpy(runs).to(device),
+                                      output_size=len(positions))
+    total.index_add_(0, index, weights)
+
+
 class FeatureIndex:
     """Per-layer inverted index: feature id -> sorted token positions (Eq. 5), scored by Eq. 7/9 with Eq. 10 IDF."""
 
@@ -341,18 +353,24 @@ class FeatureIndex:
     # scoring ----------------------------------------------------------------------------------------------------
 
     def score(self, query: dict[int, tuple[np.ndarray, np.ndarray]], n_positions: int | None = None,
-              prune: float | None = None) -> np.ndarray:
+              prune: float | None = None, device: str | torch.device | None = None) -> np.ndarray:
         """S[t] = sum_l sum_f w_{q,f} * IDF(f) * 1[t in I_l[f]] (Eq. 7/9) over positions [0, n_positions).
 
         `query` maps layer -> (feature ids, weights), any matching shapes (e.g. (tokens, k)); -1 ids are ignored and
         repeated ids (several query tokens or heads) have their weights summed. Stop features are skipped.
         `prune` in (0, 1]: per layer, keep only the heaviest query features whose w * IDF mass reaches that share of
         the layer's total. A query that activates no indexed feature scores all zeros. Returns float32.
+        `device`: a CUDA device sums the postings there (`scatter_scores`) instead of with np.bincount; the postings
+        stay on the host, and only the gathered positions go over (issue 10: scoring large queries on the
+        accelerator).
         """
         if prune is not None and not 0 < prune <= 1:
             raise ValueError(f"prune must be a share in (0, 1] or None, got {prune}")
         n = self.positions_span if n_positions is None else int(n_positions)
-        total = np.zeros(n, dtype=np.float64)
+        on_device = device is not None and torch.device(device).type == "cuda"
+        # on the accelerator, positions >= n land past n and are cut off at the end (a filter would wait for it)
+        total = torch.zeros(max(n, self.positions_span), dtype=torch.float64, device=device) if on_device \
+            else np.zeros(n, dtype=np.float64)
         for layer, (ids, weights) in query.items():
             segments = self._segments(layer)
             ids, weights = np.asarray(ids).ravel(), np.asarray(weights, dtype=np.float64).ravel()
@@ -371,9 +389,12 @@ class FeatureIndex:
                 feats = feats[: int(np.searchsorted(cum, prune * cum[-1] * (1 - 1e-12))) + 1]
             gathered = [s.gather(feats) for s in segments] or [(np.zeros(0, np.int64), np.zeros(len(feats), int))]
             pos = np.concatenate([p for p, _ in gathered])
-            posting_mass = np.concatenate([np.repeat(mass[feats], c) for _, c in gathered])
-            total += np.bincount(pos, weights=posting_mass, minlength=n)[:n]  # positions >= n dropped
-        return total.astype(np.float32)
+            run_mass, runs = np.tile(mass[feats], len(gathered)), np.concatenate([c for _, c in gathered])
+            if on_device:
+                scatter_scores(total, pos, run_mass, runs)
+            else:
+                total += np.bincount(pos, weights=np.repeat(run_mass, runs), minlength=n)[:n]  # positions >= n dropped
+        return total[:n].float().cpu().numpy() if on_device else total.astype(np.float32)
 
     # persistence ------------------------------------------------------------------------------------------------
 

@@ -327,3 +327,20 @@ def test_bad_input_errors():
         FeatureIndex([0], 8, meta={"sae": {"path": object()}})
     with pytest.raises(FileNotFoundError):
         FeatureIndex.load("/nonexistent/index")
+
+
+@pytest.mark.device
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the device tool)")
+@pytest.mark.parametrize("n_positions", [None, 170])  # 170: positions past n are dropped on both sides
+def test_scores_summed_on_the_accelerator_equal_the_hosts(monkeypatch, n_positions):
+    """`score(device="cuda")` (scatter_scores: index_add_ on the accelerator) against the np.bincount twin, over
+    several segments, with stop features and pruning."""
+    monkeypatch.setattr(index_module, "SEGMENT_TOKENS", 1)
+    rng = np.random.default_rng(11)
+    idx = build(random_adds(rng, [3, 7]), [3, 7], stop_freq=0.075)
+    for prune in (None, 0.8):
+        query = {3: (rng.integers(-1, D, size=(5, 6)), rng.random((5, 6))), 7: (rng.integers(0, D, 12), rng.random(12))}
+        host = idx.score(query, n_positions=n_positions, prune=prune)
+        accel = idx.score(query, n_positions=n_positions, prune=prune, device="cuda")
+        assert accel.dtype == np.float32 and accel.shape == host.shape and host.any()
+        np.testing.assert_allclose(accel, host, rtol=1e-6, atol=1e-7)
