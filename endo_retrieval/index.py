@@ -210,8 +210,9 @@ class FeatureIndex:
 
     def add_postings(self, layer: int, positions: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> None:
         """Append a block sorted by `feature_postings`: the tokens at `positions` (T,) hold `counts[f]` postings of
-        each feature f, naming rows into `positions` (feature-major, rows ascending within a feature). Positions
-        may come in any order; ascending ones after every indexed position merge without a sort."""
+        each feature f, naming rows into `positions` (feature-major, rows ascending within a feature): one segment.
+        Positions may come in any order; ascending ones after every indexed position keep the layer streamed
+        (queried without a merge, and merged without a sort when it comes to that)."""
         store = self._layer(layer)
         positions, counts, rows = (np.asarray(a) for a in (positions, counts, rows))
         if counts.shape != (self.d_latent,) or len(rows) != counts.sum():
