@@ -270,8 +270,9 @@ class Backbone:
 
     # ---- text -------------------------------------------------------------------------------------------
     def encode(self, text: str | bytes, piece_chars: int | None = None) -> Encoding:
-        """Token ids and character offsets of `text` (no special tokens): the pieces of `encode_pieces`, joined."""
-        pieces = [enc for *_, enc in self.encode_pieces(text, piece_chars)]
+        """Token ids and character offsets of `text` (no special tokens): the pieces of `encode_pieces`, joined,
+        all tokenised in one batch (nothing waits for the first ones)."""
+        pieces = [enc for *_, enc in self.encode_pieces(text, piece_chars, batch=max(1, len(text)))]
         return pieces[0] if len(pieces) == 1 else Encoding(np.concatenate([p.ids for p in pieces]),
                                                            np.concatenate([p.offsets for p in pieces]))
 
@@ -283,16 +284,18 @@ class Backbone:
 
         The text is cut about every `piece_chars` after a lone newline between two non-blank characters (BPE
         pre-tokenisers split there); the fast tokenizer encodes `batch` pieces at a time on all cores (tokenising
-        256k tokens in one piece took 0.7 s of a 3.3 s index build on an H100). A cut stands only where a window
+        256k tokens in one piece took 0.7 s of a 3.3 s index build on an H100). By default (batch None) the batches
+        grow 2, 4, 8, 8 ... pieces (PIECES_PER_BATCH), since a consumer waits for the first one. A cut stands only where a window
         tokenised across it agrees with the pieces on both sides; where it does not, the two pieces are tokenised
         again as one. So the pieces joined are always the one-pass encoding."""
         text = as_text(text)
         bounds = [0, *self._safe_cuts(text, piece_chars or PIECE_CHARS), len(text)]
-        n, done, batch, n_batches = len(bounds) - 1, 0, batch or PIECES_PER_BATCH, 0
+        n, done, ramp, n_batches = len(bounds) - 1, 0, batch is None, 0
+        batch = batch or PIECES_PER_BATCH
         held: list[tuple[int, int, Encoding]] = []  # tokenised; the cut after the last one is not checked yet
         while done < n:
-            # the consumer waits for the first batch, so the batches grow from a quarter: 2, 4, 8, 8 ... pieces
-            take = range(done, min(done + min(batch, max(1, batch // 4) * 2 ** n_batches), n))
+            size = min(batch, max(1, batch // 4) * 2 ** n_batches) if ramp else batch
+            take = range(done, min(done + size, n))
             n_batches += 1
             pieces = self._encode_batch([text[bounds[i]:bounds[i + 1]] for i in take], [bounds[i] for i in take])
             held = self._join_at_disagreeing_cuts(text, held + [(bounds[i], bounds[i + 1], e)

@@ -43,7 +43,7 @@ def test_long_texts_tokenise_in_pieces_exactly_as_in_one_pass(backbone, monkeypa
     text = "".join(f"Record {i}: the harbour master logged {i * 7} ships, “{i % 13}” of them late — é.\n\n"
                    f"  An indented note follows line {i}.\n" for i in range(400))
     whole = backbone._encode_batch([text])[0]
-    for piece_chars, batch in ((1000, 8), (4096, 8), (1000, 3)):
+    for piece_chars, batch in ((1000, 8), (4096, 8), (1000, 3), (1000, None)):  # None: batches of 2, 4, 8 pieces
         pieces = list(backbone.encode_pieces(text, piece_chars, batch))
         assert len(pieces) > 5  # the cuts were used
         assert [b for _, b, _ in pieces[:-1]] == [a for a, _, _ in pieces[1:]] and pieces[-1][1] == len(text)
