@@ -284,10 +284,10 @@ class Backbone:
 
         The text is cut about every `piece_chars` after a lone newline between two non-blank characters (BPE
         pre-tokenisers split there); the fast tokenizer encodes `batch` pieces at a time on all cores (tokenising
-        256k tokens in one piece took 0.7 s of a 3.3 s index build on an H100). By default (batch None) the batches
-        grow 2, 4, 8, 8 ... pieces (PIECES_PER_BATCH), since a consumer waits for the first one. A cut stands only where a window
-        tokenised across it agrees with the pieces on both sides; where it does not, the two pieces are tokenised
-        again as one. So the pieces joined are always the one-pass encoding."""
+        256k tokens in one piece took 0.7 s of a 3.3 s index build on an H100). By default (batch None) the
+        batches grow 2, 4, 8, 8 ... pieces (PIECES_PER_BATCH), since a consumer waits for the first one. A cut
+        stands only where a window tokenised across it agrees with the pieces on both sides; where it does not, the
+        two pieces are tokenised again as one. So the pieces joined are always the one-pass encoding."""
         text = as_text(text)
         bounds = [0, *self._safe_cuts(text, piece_chars or PIECE_CHARS), len(text)]
         n, done, ramp, n_batches = len(bounds) - 1, 0, batch is None, 0

@@ -26,16 +26,21 @@ def causal_chunk_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
 
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_STREAMS: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+
+
+def side_stream(role: str, device: torch.device) -> torch.cuda.Stream:
+    """One CUDA stream per role and device, made once and kept: cuBLAS keeps a workspace for every stream it has
+    run on (32 MiB on Hopper), so a new stream per call would add up."""
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if (role, device) not in _STREAMS:
+        _STREAMS[role, device] = torch.cuda.Stream(device)
+    return _STREAMS[role, device]
 
 
 def capture_graph(fn, device: torch.device, warmups: int = 1):
-    """(graph, fn's output) of `fn` captured after `warmups` eager runs, all on one stream per device: cuBLAS keeps a
-    workspace for every stream it has run on (32 MiB on Hopper), so a new stream per capture would add up."""
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    stream = _STREAMS[device]
+    """(graph, fn's output) of `fn` captured after `warmups` eager runs, all on the one capture stream per device."""
+    stream = side_stream("capture", device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):  # warm-up outside the capture (cuBLAS and SDPA pick their kernels)
         for _ in range(warmups):

@@ -29,7 +29,7 @@ import torch
 
 from endo_retrieval.backbone import PIECES_PER_BATCH, Backbone, Encoding, as_text
 from endo_retrieval.bm25 import OkapiPostings
-from endo_retrieval.chunk_graph import MIN_REPLAYS
+from endo_retrieval.chunk_graph import MIN_REPLAYS, side_stream
 from endo_retrieval.corpus import CorpusMap, split_sentences
 from endo_retrieval.index import SEGMENT_TOKENS, FeatureIndex, sorted_postings
 from endo_retrieval.methods.base import Span
@@ -208,7 +208,8 @@ class EndoIndex:
                 for layer in layers:  # the next one's): the host only appends
                     sorted_ = sorted_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
                     postings.append(tuple(_to_host(t) for t in sorted_))
-                sent.append(_HandOff(waiting[0][0], waiting[-1][1], positions, postings, _to_host(finite)))
+                sent.append(_HandOff(waiting[0][0], waiting[-1][1], positions, postings, _to_host(finite),
+                                     _recorded_event() if finite.is_cuda else None))  # the copies are async
                 waiting.clear()
 
         def receive() -> None:
@@ -490,19 +491,20 @@ def _ahead(items: Iterator, depth: int) -> Iterator:
         worker.join()
 
 
-_ENCODER_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def _index_streams(device: torch.device) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
     """(the stream the forward runs on, the one the index work runs on) on CUDA, else (None, None). The SAE encode,
     the postings' sort and their copies run beside the forward: the SAE kernel fills 32 programs of a 2048-token
     chunk, and the forward's small kernels leave most of the accelerator free."""
     if device.type != "cuda":
         return None, None
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    if device not in _ENCODER_STREAMS:
-        _ENCODER_STREAMS[device] = torch.cuda.Stream(device)
-    return torch.cuda.current_stream(device), _ENCODER_STREAMS[device]
+    return torch.cuda.current_stream(device), side_stream("index", device)
+
+
+def _recorded_event() -> torch.cuda.Event:
+    """An event on the current stream, after the work queued on it so far."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -519,12 +521,7 @@ class _HandOff:
     positions: np.ndarray
     postings: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     finite_flag: torch.Tensor
-    event: torch.cuda.Event | None = None
-
-    def __post_init__(self) -> None:
-        if self.finite_flag.is_pinned():
-            self.event = torch.cuda.Event()
-            self.event.record()
+    event: torch.cuda.Event | None  # recorded after the copies on an accelerator; None on the CPU
 
     def arrived(self) -> None:
         if self.event is not None:

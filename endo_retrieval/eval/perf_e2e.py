@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from endo_retrieval.chunk_graph import MIN_REPLAYS
-
 from endo_retrieval.eval.perf import clock, peak_accel_mb, questions_from, reset_peak, row
 from endo_retrieval.eval.runner import USER_TEMPLATE
 
