@@ -280,7 +280,7 @@ class Backbone:
                       ) -> Iterator[tuple[int, int, Encoding]]:
         """(first char, end char, encoding) of consecutive pieces of `text`, offsets into the whole text, each
         yielded once final, so a consumer can start on the first pieces while the rest wait to be tokenised
-        (issue 10: the indexer streams each batch to the accelerator before tokenising the next).
+        (the indexer streams each batch to the accelerator before tokenising the next).
 
         The text is cut about every `piece_chars` after a lone newline between two non-blank characters (BPE
         pre-tokenisers split there); the fast tokenizer encodes `batch` pieces at a time on all cores (tokenising

@@ -1,8 +1,8 @@
-"""`Backbone.stream`'s chunk forward, captured once per chunk shape as a CUDA graph and replayed (issue 10).
+"""`Backbone.stream`'s chunk forward, captured once per chunk shape as a CUDA graph and replayed.
 
 Eager, the default model's forward to layer 19 launches ~740 kernels per 2048-token chunk, and the host cannot
 launch them as fast as an H200 runs them: streaming 256k tokens took 2.0 s eager and 0.53 s replayed, with the same
-keys to the bit (H200, session 7). Every chunk `stream` forwards is causal attention over the tokens it is given
+keys to the bit (H200). Every chunk `stream` forwards is causal attention over the tokens it is given
 (independent: the chunk; sink_window: sink + window + chunk), so the captured forward calls SDPA's causal kernel
 directly: no mask is built, and nothing in the graph reads a host value. The eager forward is the twin the device
 test holds the replay against.

@@ -38,7 +38,7 @@ def split_sentences(text: str, start: int = 0, end: int | None = None) -> np.nda
 
     `start`, `end`: only the starts in [start, end), where `start` is 0 or follows a newline and a non-blank
     character (a cut of `Backbone.encode_pieces`): no match crosses such a point, so the starts are the whole
-    text's (the indexer splits each piece while the accelerator runs, issue 10)."""
+    text's (the indexer splits each piece while the accelerator runs)."""
     end = len(text) if end is None else end
     starts = [start]
     for m in _SENTENCE_END.finditer(text, start, end):

@@ -1,4 +1,4 @@
-"""Greedy decoding over a static KV cache, each step replayed from a CUDA graph (issue 10).
+"""Greedy decoding over a static KV cache, each step replayed from a CUDA graph.
 
 An eager decode step of the default model costs 15-20 ms on an H200, almost all of it Python and kernel launches
 (64 tokens took ~1 s in every method of `endo bench perf`'s end-to-end section); replayed, 4.5-5 ms. The prompt is

@@ -163,7 +163,7 @@ class EndoIndex:
 
             def tokenised(text=text, pieces=pieces, sentences=sentences) -> Iterator[Encoding]:
                 # the pieces are tokenised and their sentences split a batch ahead, in a thread, while the stream
-                # launches the chunks before them (issue 10; the Rust tokenizer runs without the GIL)
+                # launches the chunks before them (the Rust tokenizer runs without the GIL)
                 split = ((a, b, enc, split_sentences(text, a, b)) for a, b, enc in self.backbone.encode_pieces(text))
                 for a, b, enc, starts in _ahead(split, AHEAD_PIECES):
                     pieces.append(enc)
@@ -190,8 +190,8 @@ class EndoIndex:
 
     def _index_tokens(self, pieces: Iterable[Encoding], start: int) -> None:
         """Stream the document's tokens as its pieces arrive, encode each chunk's keys (Eq. 4) and append postings
-        (Eq. 5), with no wait for the accelerator until the end (issue 10: with the forward replayed from CUDA
-        graphs, the host is idle while it runs). The chunks are those of one stream over the whole document. The
+        (Eq. 5), with no wait for the accelerator until the end (with the forward replayed from CUDA graphs,
+        the host is idle while it runs). The chunks are those of one stream over the whole document. The
         features stay on the accelerator until HANDOFF_TOKENS of them wait, are sorted into postings there, and
         copied to the host without waiting; the host adds them one hand-off later, when they have arrived."""
         layers = self.saes.layers

@@ -2,7 +2,7 @@
 
 Per target layer, feature id -> sorted token positions, held as CSR arrays (`indptr`, `positions`) instead of the
 paper's Python dict/list postings. Each `add()` appends one such segment. While every segment starts after the ones
-before it (a streamed build), queries read the segments as they are, so a build ends without a merge (issue 10);
+before it (a streamed build), queries read the segments as they are, so a build ends without a merge;
 what needs one CSR per layer (saving, removing a range, `postings()`) merges them first, once.
 
 On disk, one file per index (`feature_index.bin` in the index folder) so a save is one atomic `os.replace`:
@@ -141,7 +141,7 @@ def sorted_postings(features: torch.Tensor, d_latent: int) -> tuple[torch.Tensor
     """Eq. 5 for a block of tokens (T, k), without a synchronisation: (counts (d_latent,), rows, keep), where
     rows[keep] (int32) names the token row of every posting, grouped by feature and ascending within it; -1 slots
     and a feature repeated in a row are not kept. It runs where the features are, so an accelerator sorts while the
-    host only appends (issue 10); the host drops the unkept rows (their number is not known without waiting)."""
+    host only appends; the host drops the unkept rows (their number is not known without waiting)."""
     k = features.shape[1]
     keys = features.reshape(-1).to(torch.int32)
     keys = torch.where(keys < 0, d_latent, keys)  # empty slots sort after every feature
@@ -362,7 +362,7 @@ class FeatureIndex:
         `prune` in (0, 1]: per layer, keep only the heaviest query features whose w * IDF mass reaches that share of
         the layer's total. A query that activates no indexed feature scores all zeros. Returns float32.
         `device`: a CUDA device sums the postings there (`scatter_scores`) instead of with np.bincount; the postings
-        stay on the host, and only the gathered positions go over (issue 10: scoring large queries on the
+        stay on the host, and only the gathered positions go over (large queries score faster on the
         accelerator).
         """
         if prune is not None and not 0 < prune <= 1:

@@ -1,4 +1,4 @@
-"""Metrics checked against numbers worked out by hand (issue 7: a two-item toy set, KL of full vs itself is 0)."""
+"""Metrics checked against numbers worked out by hand (a two-item toy set; KL of full vs itself is 0)."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""`endo bench perf`: speed and memory of the endogenous index, side by side with what it is built on (issue 10).
+"""`endo bench perf`: speed and memory of the endogenous index, side by side with what it is built on.
 
 Sections (`--sections`, each measured in one run on the same text):
 * index  - tokens/s of real indexing (EndoIndex.add_documents: tokenise, early-exit stream, SAE encode, postings,
@@ -229,7 +229,7 @@ def memory_section(backbone, saes, source: TextSource, lengths: list[int], chunk
     rows = []
     ids = backbone.encode(source.take(max(lengths))).ids
     # once per process, not per length: the first eager matmul on the default stream allocates cuBLAS's workspace
-    # (32 MiB on Hopper: it landed in the 256k build and read as growth, session 7) and the first build captures the
+    # (32 MiB on Hopper: measured inside the 256k build, it read as growth with length) and the first build captures the
     # chunk graphs; both happen here, before the peaks are read
     list(backbone.stream(ids[:16], [max(saes.layers)], chunk_size=16))
     build_index(backbone, saes, source.take(min(lengths)), chunk_size)

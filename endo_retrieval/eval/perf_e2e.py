@@ -1,4 +1,4 @@
-"""End to end and time to first token for `endo bench perf` (issue 10 acceptance; the ILRe benchmark of issue 5).
+"""End to end and time to first token for `endo bench perf`: the full context against S3 and ILRe.
 
 Every method starts from the context string and the question and ends after greedy decoding with the model's own
 KV cache; all share one prompt template (the quality bench's) and decode exactly `max_new_tokens` tokens
@@ -208,7 +208,7 @@ def random_saes(backbone, layers: list[int], d_latent: int = 1024, k: int = 16):
 def random_8b_rows(source, sections: list[str], ttft_lengths: list[int], e2e_lengths: list[int], args
                    ) -> list[dict]:
     """ttft and/or e2e rows of a Llama-3-8B-shaped model with random weights on CUDA; ILRe at layer n_layers // 2.
-    Its prefill outweighs its 64 decode steps, unlike the 135M default model's (issue 10's end-to-end targets)."""
+    Its prefill outweighs its 64 decode steps, unlike the 135M default model's, so what precedes decoding shows."""
     from tqdm.auto import tqdm
 
     from endo_retrieval.backbone import Backbone

@@ -1,4 +1,4 @@
-"""Reference rows and outside baselines for the bench (issue 7): the full context, chunk retrieval with BM25 or a
+"""Reference rows and outside baselines for the bench: the full context, chunk retrieval with BM25 or a
 dense embedder (the RAG recipe of seed 000 section 4.3, minus the reranker), and the peers run through their own
 libraries: LongLLMLingua (`llmlingua`) and KV-cache compression from NVIDIA's `kvpress`.
 
