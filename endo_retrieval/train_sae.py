@@ -84,7 +84,8 @@ def train_sae(vectors: torch.Tensor, cfg: TrainConfig, checkpoint: Path | None =
     since_fired = torch.zeros(cfg.d_latent, dtype=torch.long, device=device)
     start = 0
     if checkpoint is not None and Path(checkpoint).exists():
-        state = torch.load(checkpoint, map_location=device, weights_only=False)
+        # weights_only: the checkpoint holds tensors, numbers and strings only, so no pickled code can run
+        state = torch.load(checkpoint, map_location=device, weights_only=True)
         if state["config"] != asdict(cfg) or state["n_vectors"] != len(x):
             raise SAEError(f"Checkpoint {checkpoint} belongs to another run (config or data differ); "
                            "delete it or run without --resume.")

@@ -201,7 +201,7 @@ def test_resume_after_interrupt_matches_uninterrupted(tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     with pytest.raises(TrainingInterrupted):
         train_sae(x, cfg, checkpoint=ckpt, stop_after=25)  # simulated crash after step 25
-    assert torch.load(ckpt, weights_only=False)["step"] == 20  # last checkpoint before the crash
+    assert torch.load(ckpt, weights_only=True)["step"] == 20  # last checkpoint before the crash
     resumed, stats = train_sae(x, cfg, checkpoint=ckpt)
     assert stats["resumed_from"] == 20
     assert torch.allclose(resumed.W_dec, full.W_dec, atol=1e-6)

@@ -294,7 +294,7 @@ class Evaluator:
         """The full context's answer logits, computed once per example (`scored`: already computed) and kept."""
         path = self.cache_dir / f"{hashlib.sha1(example.id.encode()).hexdigest()[:16]}-{context_tokens}.pt"
         if path.exists():
-            return torch.load(path)
+            return torch.load(path, weights_only=True)  # tensors only: a cached file cannot run code
         scored = scored or self.whole_prompt(example, context_tokens)[1]["full", None]
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
