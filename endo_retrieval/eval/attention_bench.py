@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from endo_retrieval.eval.bench import _int_list
-from endo_retrieval.eval.perf import length_label, peak_rss_mb
+from endo_retrieval.eval.measure import int_list, length_label, peak_rss_mb
 
 SCHEMA = "endo-bench-attention/1"
 QUESTION = "What is the pass key?"
@@ -51,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, any of {', '.join(MEASURES)} (default accuracy,kernel; kernel and "
                         "latency need CUDA)")
     p.add_argument("--out", required=True, help="FILE.json; FILE.md and FILE.png go beside it")
-    p.add_argument("--context-tokens", type=_int_list, default=[8192, 16384, 32768, 65536, 131072],
+    p.add_argument("--context-tokens", type=int_list, default=[8192, 16384, 32768, 65536, 131072],
                    help="haystack lengths (default 8192,16384,32768,65536,131072)")
     p.add_argument("--depths", type=int, default=5, help="needle depths per length, evenly from 0 to 1 (default 5)")
     p.add_argument("--attention", default="dense,reattention",
@@ -75,12 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-keys", type=int, default=4096, help="cached keys per sequence (default 4096)")
     p.add_argument("--latency-batch", type=int, default=16, help="sequences decoded together (default 16)")
     p.add_argument("--latency-steps", type=int, default=32, help="decode steps timed per backend (default 32)")
-    p.add_argument("--scopes", type=_int_list, default=None,
+    p.add_argument("--scopes", type=int_list, default=None,
                    help="ReAttention attended scopes to compare (its `window`: local = half, k' fills the rest); "
                         "default: the model's trained window only")
     p.add_argument("--dense-max", type=int, default=None,
                    help="skip `dense` above this length (it reads every key; default: run it everywhere)")
-    p.add_argument("--kernel-keys", type=_int_list, default=[8192, 16384, 32768, 65536],
+    p.add_argument("--kernel-keys", type=int_list, default=[8192, 16384, 32768, 65536],
                    help="key counts for the kernel comparison (CUDA only)")
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)

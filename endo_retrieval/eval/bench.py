@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from endo_retrieval.eval.measure import int_list
+
 # benchmark -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args)
 BENCHES = {
     "quality": ("endo_retrieval.eval.bench", "quality_",
@@ -15,22 +17,15 @@ BENCHES = {
 }
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, e.g. 4096,8192; got {text!r}")
-
-
 def quality_add_arguments(p: argparse.ArgumentParser) -> None:
     from endo_retrieval.eval.runner import METHODS, MAX_NEW_TOKENS
 
     p.add_argument("--data", required=True, help="HotpotQA PATH.json, LongBench-style PATH.jsonl, or passkey:DIR")
     p.add_argument("--out", required=True, help="FILE.json; the Markdown table, plots and the resumable "
                    "FILE.records.jsonl go beside it")
-    p.add_argument("--context-tokens", type=_int_list, action="extend", default=None,
+    p.add_argument("--context-tokens", type=int_list, action="extend", default=None,
                    help="haystack length(s) in tokens, e.g. 4096,8192 (default 4096)")
-    p.add_argument("--budget", type=_int_list, action="extend", default=None,
+    p.add_argument("--budget", type=int_list, action="extend", default=None,
                    help="context-token budget(s), e.g. 512,1024 (default 1024)")
     p.add_argument("--methods", default="", help=f"comma-separated (default all): {', '.join(METHODS)}")
     p.add_argument("--limit", type=int, default=None, help="the first N examples")

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
-import resource
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from endo_retrieval.eval.bench import _int_list
+from endo_retrieval.eval.measure import (clock, int_list, length_label, peak_accel_mb, peak_rss_mb, questions_from,
+                                         reset_peak, row)
 
 SCHEMA = "endo-bench-perf/1"
 SECTIONS = ("index", "memory", "query", "e2e", "ttft")
@@ -38,30 +37,6 @@ RSS_NOTE = "host RSS is the process maximum so far (lengths run in increasing or
 
 
 # ---- timing and memory ------------------------------------------------------------------------------------------
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def clock(device) -> float:
-    """Seconds, read after the accelerator has finished what was queued (CUDA kernels run asynchronously)."""
-    _sync(device)
-    return time.perf_counter()
-
-
-def reset_peak(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_accel_mb(device) -> float | None:
-    return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-
 
 def stream_throughput(backbone, ids, layer: int, chunk_size: int = 1024, mode: str = "independent") -> float:
     """Tokens per second of streaming `ids` and capturing the keys of `layer` (layers after it never run)."""
@@ -88,13 +63,6 @@ def memory_rows(backbone, ids, lengths, layer: int, chunk_size: int = 1024, mode
         rows.append({"tokens": n, "seconds": time.perf_counter() - t, "peak_rss_mb": peak_rss_mb(),
                      "peak_accel_mb": peak_accel_mb(backbone.device)})
     return rows
-
-
-def row(section: str, metric: str, method: str | None, n: int | None, value, unit: str, device: str,
-        **extra) -> dict:
-    """One result row of the GUIDE contract; `value` None means not measured (the note says why)."""
-    return {"section": section, "metric": metric, "method": method, "context_tokens": n,
-            "value": None if value is None else float(value), "unit": unit, "device": device, **extra}
 
 
 # ---- text ---------------------------------------------------------------------------------------------------
@@ -150,16 +118,6 @@ def generated_filler(seed: int = 0, sentences: int = 4096) -> str:
     rng = random.Random(seed)
     picked = [rng.choice(FILLER) for _ in range(sentences)]
     return "\n\n".join(" ".join(picked[i:i + 8]) for i in range(0, sentences, 8))
-
-
-def questions_from(text: str, count: int) -> list[str]:
-    """`count` questions about sentences spread evenly through `text`: timing needs questions of realistic length
-    and vocabulary, not answers."""
-    sentences = [s.split() for s in re.split(r"(?<=[.!?])\s+", text) if len(s.split()) >= 8]
-    if not sentences:
-        raise ValueError("the text has no sentence of 8 words or more to ask about; give --text real prose.")
-    picks = np.linspace(0, len(sentences) - 1, count).round().astype(int)
-    return [f"What does the text say about {' '.join(sentences[i][1:7]).strip(',;:')}?" for i in picks]
 
 
 # ---- index and memory -------------------------------------------------------------------------------------------
@@ -364,25 +322,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-repeat", action="store_true", help="refuse lengths longer than the text instead")
     p.add_argument("--index-tokens", type=int, default=None, help=f"index section length (default {cuda[0]} on "
                    f"CUDA, {cpu[0]} on CPU)")
-    p.add_argument("--lengths", type=_int_list, default=None, help=f"memory section lengths (default "
+    p.add_argument("--lengths", type=int_list, default=None, help=f"memory section lengths (default "
                    f"{','.join(map(str, cuda[1]))}; CPU {','.join(map(str, cpu[1]))})")
-    p.add_argument("--corpus-sizes", type=_int_list, default=None, help=f"query section corpus sizes in tokens, "
+    p.add_argument("--corpus-sizes", type=int_list, default=None, help=f"query section corpus sizes in tokens, "
                    f"multiples of --query-base (default {','.join(map(str, cuda[2]))}; CPU "
                    f"{','.join(map(str, cpu[2]))})")
     p.add_argument("--query-base", type=int, default=None, help="tokens really indexed for the query section; "
                    "larger corpora are copies of it (default: the smallest corpus size)")
     p.add_argument("--query-questions", type=int, default=20, help="questions timed per corpus size (default 20)")
-    p.add_argument("--e2e-lengths", type=_int_list, default=None, help=f"e2e context lengths (default "
+    p.add_argument("--e2e-lengths", type=int_list, default=None, help=f"e2e context lengths (default "
                    f"{','.join(map(str, cuda[3]))}; CPU {','.join(map(str, cpu[3]))})")
     p.add_argument("--questions", type=int, default=10, help="questions one s3-hybrid index serves in e2e "
                    "(the amortised row; default 10)")
-    p.add_argument("--ttft-lengths", type=_int_list, default=None, help=f"ttft lengths on the model (default "
+    p.add_argument("--ttft-lengths", type=int_list, default=None, help=f"ttft lengths on the model (default "
                    f"{','.join(map(str, cuda[4]))}; CPU {','.join(map(str, cpu[4]))})")
     p.add_argument("--random-llama-8b", action="store_true", help="also time ttft and e2e on a Llama-3-8B-shaped "
                    "model with RANDOM weights (CUDA only)")
-    p.add_argument("--ttft-lengths-8b", type=_int_list, default=[131072, 262144, 524288, 1048576],
+    p.add_argument("--ttft-lengths-8b", type=int_list, default=[131072, 262144, 524288, 1048576],
                    help="ttft lengths of the 8B-shaped model (default 131072,262144,524288,1048576)")
-    p.add_argument("--e2e-lengths-8b", type=_int_list, default=[32768, 131072],
+    p.add_argument("--e2e-lengths-8b", type=int_list, default=[32768, 131072],
                    help="e2e lengths of the 8B-shaped model (default 32768,131072)")
     p.add_argument("--budget", type=int, default=1024, help="context tokens ilre and s3-hybrid keep (default 1024)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per question in e2e (default 64)")
@@ -436,15 +394,6 @@ def longest(s: dict, random_8b: bool) -> int:
 
 
 # ---- outputs ----------------------------------------------------------------------------------------------------
-
-def length_label(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for size, suffix in ((2**20, "M"), (2**10, "k")):
-        if n >= size and n % size == 0:
-            return f"{n // size}{suffix}"
-    return str(n)
-
 
 def series_label(r: dict) -> str:
     label = r["method"] or ""

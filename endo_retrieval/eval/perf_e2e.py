@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.chunk_graph import MIN_REPLAYS
-from endo_retrieval.eval.perf import clock, peak_accel_mb, questions_from, reset_peak, row
+from endo_retrieval.eval.measure import clock, peak_accel_mb, questions_from, reset_peak, row
 from endo_retrieval.eval.runner import USER_TEMPLATE
 
 RANDOM_8B = "random llama 8B-shape"

@@ -24,7 +24,7 @@ import torch
 
 from endo_retrieval.eval import metrics
 from endo_retrieval.eval.data import Example, load_examples
-from endo_retrieval.eval.perf import peak_rss_mb
+from endo_retrieval.eval.measure import peak_rss_mb
 from endo_retrieval.methods import REGISTRY
 
 logger = logging.getLogger(__name__)
