@@ -514,16 +514,17 @@ class Backbone:
         plain greedy generation (no stream, no extra options) replays CUDA-graph steps over a static cache
         (`decode.py`: 3-4x faster; bf16 near-ties may pick other tokens than `model.generate`).
 
-        attention: None (Hugging Face's own attention) or a decode-time backend, by name ("dense",
-        "reattention", ...) or as an instance, e.g. `ReAttention(top_k=8)`; backends decode greedily."""
+        attention: None (Hugging Face's own attention) or a decode-time backend object, e.g. `ReAttention(top_k=8)`
+        or `get_backend("reattention")` (endo_retrieval.attention); backends decode greedily. The backbone does not
+        know the backends: it hands the prompt to the object's own `generate`."""
         ids = self.chat_ids(prompt_or_messages, system)
         if attention is not None:
-            from endo_retrieval.attention import get_backend
-            from endo_retrieval.attention.generate import generate_text
-
+            if isinstance(attention, str):
+                raise BackboneError(f"attention takes a backend object, not a name: from endo_retrieval.attention "
+                                    f"import get_backend; generate(..., attention=get_backend({attention!r}))")
             if do_sample or gen_kwargs:
                 raise BackboneError("attention backends decode greedily; drop do_sample and other generate options")
-            return generate_text(self, ids[0], get_backend(attention), max_new_tokens, stream=stream)
+            return attention.generate(self, ids[0], max_new_tokens, stream=stream)
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
                       attention_mask=torch.ones_like(ids), pad_token_id=self.tokenizer.eos_token_id, **gen_kwargs)
         if not do_sample:
@@ -539,15 +540,18 @@ class Backbone:
     def _generate_graphed(self, ids: torch.Tensor, max_new_tokens: int) -> str:
         """Greedy decoding with CUDA-graph steps over a static cache (`decode.py`; an eager Hugging Face step of the
         default model costs 15-20 ms on an H200, nearly all launches); stops at the model's end-of-sequence ids."""
-        from endo_retrieval.attention.generate import eos_ids
-
-        eos, out = eos_ids(self), []
+        eos, out = self.eos_ids(), []
         with self._lock, contextlib.closing(greedy_tokens(self.model, ids, max_new_tokens)) as steps:
             for token in steps:  # closing: a stop at end-of-sequence puts the model's attention back at once
                 if int(token) in eos:
                     break
                 out.append(int(token))
         return self.tokenizer.decode(out, skip_special_tokens=True).strip()
+
+    def eos_ids(self) -> set[int]:
+        """The ids that end generation: the model's generation config, else the tokenizer's end-of-sequence."""
+        eos = self.model.generation_config.eos_token_id
+        return {eos} if isinstance(eos, int) else set(eos or [self.tokenizer.eos_token_id])
 
     def _generate_stream(self, ids, kwargs) -> Iterator[str]:
         from transformers import TextIteratorStreamer

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from endo_retrieval.attention import AttentionError, Dense, ReAttention, get_backend, installed
-from endo_retrieval.attention.generate import eos_ids, generate_ids
+from endo_retrieval.backbone import BackboneError
 from endo_retrieval.kernels.topk_attention import topk_scores_reference
 
 PROMPT = ("Maple Street runs past the old mill, where the river bends twice before the bridge. " * 25
@@ -14,7 +14,7 @@ PROMPT = ("Maple Street runs past the old mill, where the river bends twice befo
 
 
 def hf_greedy(bb, ids, n):
-    eos = eos_ids(bb)
+    eos = bb.eos_ids()
     with torch.inference_mode():
         mask = torch.ones(1, len(ids), dtype=torch.long, device=ids.device)
         out = bb.model.generate(ids.view(1, -1), max_new_tokens=n, do_sample=False, temperature=None, top_p=None,
@@ -26,7 +26,7 @@ def hf_greedy(bb, ids, n):
 
 def test_dense_backend_matches_hugging_face_on_every_family(tiny_backbone):
     ids = tiny_backbone.chat_ids("A short prompt for a tiny random model, long enough for two chunks.")[0]
-    assert list(generate_ids(tiny_backbone, ids, Dense(chunk_size=8), 12)) == hf_greedy(tiny_backbone, ids, 12)
+    assert list(Dense(chunk_size=8).generate_ids(tiny_backbone, ids, 12)) == hf_greedy(tiny_backbone, ids, 12)
     assert "forward" not in tiny_backbone.model.model.layers[0].self_attn.__dict__  # uninstalled afterwards
 
 
@@ -34,11 +34,11 @@ def test_dense_and_covering_reattention_reproduce_hf_on_the_default_model(backbo
     ids = backbone.chat_ids(PROMPT)[0]
     assert len(ids) > 600
     reference = hf_greedy(backbone, ids, 16)
-    assert list(generate_ids(backbone, ids, Dense(chunk_size=256), 16)) == reference
+    assert list(Dense(chunk_size=256).generate_ids(backbone, ids, 16)) == reference
     # a middle exists (global 32 + local 256 < prompt) and every selection covers it: one pick widened by a span
     # longer than the middle, so [global, selected, local] is the whole cache in order
     covering = ReAttention(global_size=32, local_size=256, span=1024, top_k_prime=1, chunk_size=128)
-    assert list(generate_ids(backbone, ids, covering, 16)) == reference
+    assert list(covering.generate_ids(backbone, ids, 16)) == reference
     assert "Orlanda" in backbone.tokenizer.decode(reference)
 
 
@@ -52,8 +52,8 @@ class SinkAndLocalOnly(ReAttention):
 def test_a_narrow_reattention_scope_still_finds_the_needle(backbone):
     ids = backbone.chat_ids(PROMPT)[0]
     narrow = dict(global_size=4, local_size=64, span=8, top_k=1, top_k_prime=4, chunk_size=64)  # reads <= 100 keys
-    found = backbone.tokenizer.decode(list(generate_ids(backbone, ids, ReAttention(**narrow), 16)))
-    blind = backbone.tokenizer.decode(list(generate_ids(backbone, ids, SinkAndLocalOnly(**narrow), 16)))
+    found = backbone.tokenizer.decode(list(ReAttention(**narrow).generate_ids(backbone, ids, 16)))
+    blind = backbone.tokenizer.decode(list(SinkAndLocalOnly(**narrow).generate_ids(backbone, ids, 16)))
     assert "Orlanda" in found  # the needle sits ~250 tokens before the local part: only selection reaches it
     assert "Orlanda" not in blind
 
@@ -74,12 +74,15 @@ def test_selection_finds_the_matching_key_and_respects_the_scope():
 
 
 def test_backbone_generate_takes_an_attention_backend(backbone):
-    text = backbone.generate(PROMPT, max_new_tokens=12, attention="dense")
+    text = backbone.generate(PROMPT, max_new_tokens=12, attention=get_backend("dense"))
     assert text == backbone.generate(PROMPT, max_new_tokens=12)
     pieces = list(backbone.generate(PROMPT, max_new_tokens=12, attention=ReAttention(local_size=512), stream=True))
     assert "".join(pieces).strip() == text  # 700 tokens fit in global + local: same as dense
     with pytest.raises(AttentionError, match="Unknown attention backend 'sparse'; known: dense, reattention"):
-        backbone.generate("hi", attention="sparse")
+        get_backend("sparse")
+    # the backbone does not know the backends by name: it says where the names live
+    with pytest.raises(BackboneError, match=r"attention=get_backend\('dense'\)"):
+        backbone.generate("hi", attention="dense")
 
 
 def test_bad_reattention_settings_show_the_arithmetic(backbone):

@@ -10,7 +10,6 @@ import torch
 
 from endo_retrieval.attention import AttentionError, Dense
 from endo_retrieval.attention.completion import Completion
-from endo_retrieval.attention.generate import generate_ids
 from endo_retrieval.attention.phi import PhiMaps
 
 ALL = 10 ** 9  # a budget above any mid region: K covers M
@@ -65,7 +64,7 @@ def test_k_covering_the_mid_region_is_dense_attention(tiny_backbone):
         assert torch.allclose(got, want, atol=1e-5)
     ids = tiny_backbone.chat_ids("A prompt for a tiny random model, long enough for a mid region to exist.")[0]
     hybrid = Completion(budget=ALL, phi=random_maps(tiny_backbone), chunk_size=16)
-    assert list(generate_ids(tiny_backbone, ids, hybrid, 10)) == list(generate_ids(tiny_backbone, ids, Dense(), 10))
+    assert list(hybrid.generate_ids(tiny_backbone, ids, 10)) == list(Dense().generate_ids(tiny_backbone, ids, 10))
 
 
 def test_phi_off_is_selection_only_top_k(tiny_backbone):
@@ -76,8 +75,8 @@ def test_phi_off_is_selection_only_top_k(tiny_backbone):
     assert not torch.allclose(got[-1], drive(Dense(), tiny_backbone)[-1], atol=1e-3)  # keys were dropped
     ids = tiny_backbone.chat_ids("A prompt for a tiny random model, long enough for a mid region to exist.")[0]
     selection = Completion(budget=26, chunk_size=16)
-    assert list(generate_ids(tiny_backbone, ids, selection, 10)) == list(
-        generate_ids(tiny_backbone, ids, SinkTailTopK(top_k=6, chunk_size=16), 10))
+    assert list(selection.generate_ids(tiny_backbone, ids, 10)) == list(
+        SinkTailTopK(top_k=6, chunk_size=16).generate_ids(tiny_backbone, ids, 10))
 
 
 def test_stable_hybrid_equals_the_natural_form_of_eq_6_to_10(tiny_backbone):

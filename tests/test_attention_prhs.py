@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from endo_retrieval.attention import AttentionError, Dense
-from endo_retrieval.attention.generate import generate_ids
 from endo_retrieval.attention.prhs import PrHS
 from endo_retrieval.kernels.prhs_step import prhs_step_reference
 
@@ -71,8 +70,8 @@ def test_gated_shut_prhs_is_per_step_top_k_on_random_states(tiny_backbone):
 def test_gated_shut_prhs_generates_the_per_step_top_k_tokens(tiny_backbone):
     ids = tiny_backbone.chat_ids("A prompt for a tiny random model, long enough for a middle region to exist.")[0]
     plain = PrHS(**PLAIN, chunk_size=16)
-    got = list(generate_ids(tiny_backbone, ids, plain, 12))
-    assert got == list(generate_ids(tiny_backbone, ids, PerStepTopK(chunk_size=16), 12))
+    got = list(plain.generate_ids(tiny_backbone, ids, 12))
+    assert got == list(PerStepTopK(chunk_size=16).generate_ids(tiny_backbone, ids, 12))
     assert plain.stats["rho_hat"] == 1.0  # every head retrieves at every step
 
 
@@ -140,6 +139,6 @@ def test_bad_prhs_settings_are_refused(tiny_backbone):
 def test_prhs_defaults_on_the_default_model(backbone):
     ids = backbone.chat_ids(NEEDLE)[0]
     prhs = PrHS(chunk_size=128)  # the needle lies ~150 tokens before the local window: only Top-K reaches it
-    text = backbone.tokenizer.decode(list(generate_ids(backbone, ids, prhs, 12)))
+    text = backbone.tokenizer.decode(list(prhs.generate_ids(backbone, ids, 12)))
     assert "Ilsabet" in text
     assert 0 < prhs.stats["rho_hat"] < 1

@@ -1,4 +1,4 @@
-"""Decode-time attention backends for the local generator: `attention="dense" | "reattention"`."""
+"""Decode-time attention backends for the local generator, by name in BACKENDS: `get_backend("reattention")`."""
 from __future__ import annotations
 
 from endo_retrieval.attention.base import AttentionBackend, AttentionError, KVCache, installed
@@ -11,9 +11,9 @@ BACKENDS: dict[str, type[AttentionBackend]] = {"dense": Dense, "reattention": Re
                                                  "completion": Completion}
 
 
-def get_backend(attention: "str | AttentionBackend", **settings) -> AttentionBackend:
-    """A backend instance from its name (settings go to its constructor) or an instance as it is."""
-    if isinstance(attention, AttentionBackend):
+def get_backend(attention: "str | AttentionBackend | None", **settings) -> AttentionBackend | None:
+    """A backend instance from its name (settings go to its constructor); an instance, or None, as it is."""
+    if attention is None or isinstance(attention, AttentionBackend):
         return attention
     if attention not in BACKENDS:
         raise AttentionError(f"Unknown attention backend {attention!r}; known: {', '.join(BACKENDS)}.")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +89,49 @@ class AttentionBackend:
 
     def rope(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         return self.backbone.apply_rope(x, torch.arange(start, stop, device=x.device))
+
+    def generate_ids(self, backbone: Backbone, ids, max_new_tokens: int = 64) -> Iterator[int]:
+        """Greedy token ids after the prompt `ids` (1-D) with this backend installed, stopping at end-of-sequence:
+        chunked prefill (`chunk_size` tokens at a time), then one token per step. Hugging Face's `generate` keeps
+        its own rotated cache, so backends need this loop of their own."""
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if len(ids) == 0:
+            raise ValueError("the prompt is empty")
+        eos, model = backbone.eos_ids(), backbone.model
+
+        def logits_after(x: torch.Tensor) -> torch.Tensor:
+            out = model(input_ids=x.view(1, -1).to(backbone.device), use_cache=False, logits_to_keep=1)
+            return out.logits[0, -1]
+
+        with backbone._lock, torch.inference_mode(), installed(backbone, self):
+            for chunk in ids.split(self.chunk_size):  # Algorithm 1: chunked prefill
+                logits = logits_after(chunk)
+            for step in range(max_new_tokens):  # Algorithm 2: one token per step
+                token = int(logits.argmax())
+                if token in eos:
+                    return
+                yield token
+                if step + 1 < max_new_tokens:
+                    logits = logits_after(torch.tensor([token]))
+
+    def generate(self, backbone: Backbone, ids, max_new_tokens: int = 64, stream: bool = False):
+        """Decoded text of `generate_ids`, or with stream=True an iterator of text pieces as they form
+        (what `Backbone.generate(..., attention=backend)` returns)."""
+        tokens = self.generate_ids(backbone, ids, max_new_tokens)
+        if not stream:
+            return backbone.tokenizer.decode(list(tokens), skip_special_tokens=True).strip()
+        return text_pieces(backbone.tokenizer, tokens)
+
+
+def text_pieces(tokenizer, tokens: Iterator[int]) -> Iterator[str]:
+    """The text of `tokens` piece by piece, each piece yielded once no multi-token character is left half-done."""
+    seen, emitted = [], ""
+    for token in tokens:
+        seen.append(token)
+        text = tokenizer.decode(seen, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            yield text[len(emitted):]
+            emitted = text
 
 
 def _attention_forward(module, backend: AttentionBackend, hidden_states: torch.Tensor, *args, **kwargs):

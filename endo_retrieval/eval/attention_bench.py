@@ -134,7 +134,6 @@ def accuracy_rows(backbone, data: str, lengths: list[int], depths: int, limit: i
     from tqdm import tqdm
 
     from endo_retrieval.attention import AttentionError, get_backend
-    from endo_retrieval.attention.generate import generate_text
     from endo_retrieval.eval.data import load_examples
     from endo_retrieval.eval.metrics import exact_match, f1_score
     from endo_retrieval.eval.runner import Prompter
@@ -164,7 +163,7 @@ def accuracy_rows(backbone, data: str, lengths: list[int], depths: int, limit: i
                     torch.cuda.reset_peak_memory_stats()
                 t = time.perf_counter()
                 try:
-                    answer = generate_text(backbone, prompt(ex), backend, max_new_tokens)
+                    answer = backend.generate(backbone, prompt(ex), max_new_tokens)
                 except AttentionError as err:  # budget below the anchors, phi maps absent or for another model
                     note = str(err)
                     bar.update()
@@ -376,16 +375,15 @@ def graph_operator_rows(backbone, q, k, v, scaling, runs, base: dict, batch: int
 
 def throughput_rows(backbone, text: str, runs: list[tuple[str, str, dict]], context: int = 4096,
                     new_tokens: int = 64) -> list[dict]:
-    """Decode tokens/s of `generate_ids` with each backend after a `context`-token prompt of real text (the time
+    """Decode tokens/s of `AttentionBackend.generate_ids` with each backend after a `context`-token prompt of real text (the time
     from the first generated token to the last; prefill excluded). Batch 1, as the backends decode."""
     from endo_retrieval.attention import get_backend
-    from endo_retrieval.attention.generate import generate_ids
 
     ids = torch.as_tensor(backbone.encode(text).ids[:context])
     rows = []
     for label, name, settings in runs:
         backend = get_backend(name, **settings)
-        stamps = [time.perf_counter() for _ in generate_ids(backbone, ids, backend, new_tokens)]
+        stamps = [time.perf_counter() for _ in backend.generate_ids(backbone, ids, new_tokens)]
         tokens_per_s = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else None
         rows.append({"attention": name, "variant": label, "task": "throughput", "context_tokens": context,
                      "budget": backend.scope, "n": len(stamps), "accuracy": None, "attn_rel_l1": None,

@@ -21,6 +21,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr
 
+from endo_retrieval.attention import get_backend
 from endo_retrieval.backbone import Backbone
 
 
@@ -109,7 +110,7 @@ class ChatEndo(BaseChatModel):
         message = self._tool_call(messages, tools, tool_choice)
         if message is None:
             text = self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens,
-                                           attention=self.attention)
+                                           attention=get_backend(self.attention))
             message = AIMessage(content=_cut_at_stop(text, stop))
         return ChatResult(generations=[ChatGeneration(message=message)])
 
@@ -123,7 +124,7 @@ class ChatEndo(BaseChatModel):
             return
         text = ""
         for piece in self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=True,
-                                                attention=self.attention):
+                                                attention=get_backend(self.attention)):
             kept = _cut_at_stop(text + piece, stop)[len(text):]
             text += kept
             if kept:

@@ -14,6 +14,7 @@ from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
+from endo_retrieval.attention import get_backend
 from endo_retrieval.backbone import Backbone
 
 
@@ -60,13 +61,13 @@ class EndoLLM(CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         text = self._backbone.generate(self._messages(prompt), max_new_tokens=self.max_new_tokens,
-                                           attention=self.attention)
+                                           attention=get_backend(self.attention))
         return CompletionResponse(text=text)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         pieces = self._backbone.generate(self._messages(prompt), max_new_tokens=self.max_new_tokens, stream=True,
-                                             attention=self.attention)
+                                             attention=get_backend(self.attention))
 
         def gen() -> CompletionResponseGen:
             text = ""
@@ -79,13 +80,13 @@ class EndoLLM(CustomLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         text = self._backbone.generate(self._messages(messages), max_new_tokens=self.max_new_tokens,
-                                           attention=self.attention)
+                                           attention=get_backend(self.attention))
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         pieces = self._backbone.generate(self._messages(messages), max_new_tokens=self.max_new_tokens, stream=True,
-                                             attention=self.attention)
+                                             attention=get_backend(self.attention))
 
         def gen() -> ChatResponseGen:
             text = ""

@@ -1,0 +1,101 @@
+"""The project's modules import one another in one direction: no module reaches itself through its imports.
+
+Every import counts, also those inside functions (a lazy import still ties the two modules together). Module names
+come from pyproject.toml's package-dir, so kernels/ is endo_retrieval.kernels and integrations/ the ecosystems'
+own paths. `from pkg import name` points at pkg.name when that is a module of ours, else at pkg.
+"""
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+UNSAFE_LOADS = ("weights_only=" + "False", "allow_pickle=" + "True")  # split, so this file does not match itself
+
+
+def project_modules() -> dict[str, Path]:
+    """module name -> file, for every .py under the package folders pyproject.toml maps."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"endo_retrieval": "endo_retrieval", **tool.get("package-dir", {})}
+    modules = {}
+    for package, folder in folders.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((package, *parts[:-1], *(() if parts[-1] == "__init__" else parts[-1:])))
+            modules[name] = path
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules that `name` (at `path`) imports anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in modules and t != name}
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph as [a, b, ..., a], or None (depth-first search, colours white/grey/black)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_walker_sees_every_package_and_lazy_imports():
+    modules = project_modules()
+    for name in ("endo_retrieval.backbone", "endo_retrieval.attention.base", "endo_retrieval.eval.runner",
+                 "endo_retrieval.kernels.sae_topk", "llama_index.retrievers.endo", "langchain_endo.retrievers"):
+        assert name in modules
+    # sae.py imports its kernel inside a function
+    assert "endo_retrieval.kernels.sae_topk" in imports_of("endo_retrieval.sae", modules["endo_retrieval.sae"],
+                                                           modules)
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) is None
+
+
+def test_no_import_cycles():
+    modules = project_modules()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("pattern", UNSAFE_LOADS)
+def test_no_file_is_loaded_with_pickle(pattern):
+    """torch.load and np.load may unpickle, which runs code; everything the project reads is tensors or arrays."""
+    hits = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+            if ".venv" not in p.parts and pattern in p.read_text()]
+    assert hits == []
