@@ -47,13 +47,15 @@ def index_add_arguments(p) -> None:
 
 def index_run(args) -> int:
     from endo_retrieval.engine import Document, EndoIndex
+    from endo_retrieval.files import writer_lock
 
     files = _files(args.paths)
     out = Path(args.out)
-    idx = EndoIndex.load(out) if args.append else EndoIndex(method=args.method)
     docs = [Document(str(f), _read(f), {"path": str(f.resolve())}) for f in files]
-    idx.add_documents(docs, progress=sys.stderr.isatty())
-    idx.save(out)
+    with writer_lock(out):  # from load to save: a second writer gets IndexBusyError, no append is lost
+        idx = EndoIndex.load(out) if args.append else EndoIndex(method=args.method)
+        idx.add_documents(docs, progress=sys.stderr.isatty())
+        idx.save(out)
     print(f"indexed {len(docs)} document(s), {idx.corpus.n_tokens} tokens, {idx.index.n_postings} postings "
           f"({idx.index.bytes_per_posting():.2f} bytes/posting on disk) -> {out}")
     return 0

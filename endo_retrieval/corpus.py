@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from endo_retrieval.files import atomic_write
-from endo_retrieval.index import IndexCorruptError, _check_json
+from endo_retrieval.index import MAX_VALUE, IndexCorruptError, _check_json
 
 FORMAT_NAME = "endo-corpus-map"
 FORMAT_VERSION = 1
@@ -120,6 +120,18 @@ class CorpusMap:
         self._cache = None
         return doc.start, doc.end
 
+    def extend(self, other: "CorpusMap") -> int:
+        """Append `other`'s documents after this map's positions (removed ranges kept); returns the shift."""
+        shift = self._next
+        for doc_id in other._docs:
+            if doc_id in self._docs:
+                raise ValueError(f"document id {doc_id!r} is in both corpus maps; ids must be unique")
+        for d in other._docs.values():
+            self._docs[d.doc_id] = Document(d.doc_id, d.start + shift, d.end + shift, d.text, d.offsets, d.metadata,
+                                            d.sentence_starts + shift)
+        self._next, self._cache = shift + other._next, None
+        return shift
+
     # lookup -----------------------------------------------------------------------------------------------------
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, list[Document]]:
@@ -216,22 +228,56 @@ class CorpusMap:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no corpus map at {path}; build one and save() it there first")
+        with open(path, "rb") as f:
+            return cls.read(f, path)
+
+    @classmethod
+    def read(cls, f, path: Path) -> CorpusMap:
+        """`load()` from an open file (`path` names it in messages). IndexCorruptError for anything but a map
+        this version wrote, the header's every field checked, so no other exception comes out of a damaged file."""
         try:
-            with np.load(path, allow_pickle=False) as data:  # zip CRCs catch damaged members
+            with np.load(f, allow_pickle=False) as data:  # zip CRCs catch damaged members
                 header = json.loads(data["header"].tobytes())
                 offsets, sentences = data["offsets"], data["sentence_starts"]
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, io.UnsupportedOperation) as err:
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, io.UnsupportedOperation,
+                MemoryError) as err:
             raise IndexCorruptError(f"corpus map {path} is damaged ({err}); delete it and rebuild the index") from None
-        if header.get("format") != FORMAT_NAME or header.get("version") != FORMAT_VERSION:
-            raise ValueError(f"corpus map {path} has format {header.get('format')!r} version {header.get('version')};"
-                             f" this library reads {FORMAT_NAME!r} version {FORMAT_VERSION}. Rebuild the index.")
-        corpus, tok, sent = cls(), 0, 0
+        if not isinstance(header, dict) or header.get("format") != FORMAT_NAME or \
+                header.get("version") != FORMAT_VERSION:
+            version = header.get("version") if isinstance(header, dict) else None
+            raise IndexCorruptError(f"corpus map {path} is not a {FORMAT_NAME!r} version {FORMAT_VERSION} "
+                                    f"(version {version!r}); rebuild the index with this version.")
+        try:
+            return cls._from_header(header, offsets, sentences)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as err:
+            raise IndexCorruptError(f"corpus map {path} is damaged or inconsistent ({type(err).__name__}: {err}); "
+                                    "delete it and rebuild the index") from None
+
+    @classmethod
+    def _from_header(cls, header: dict, offsets: np.ndarray, sentences: np.ndarray) -> CorpusMap:
+        """The map a saved header and its arrays describe; ValueError where they do not fit together."""
+        def need(ok, what: str) -> None:
+            if not ok:
+                raise ValueError(what)
+
+        need(offsets.dtype.kind == "i" and offsets.ndim == 2 and offsets.shape[1] == 2, "offsets are not (n, 2) ints")
+        need(sentences.dtype.kind == "i" and sentences.ndim == 1, "sentence starts are not ints")
+        corpus, tok, sent, end = cls(), 0, 0, 0
         for d in header["docs"]:
-            n, m = d["end"] - d["start"], d["n_sentences"]
-            corpus._docs[d["id"]] = Document(d["id"], d["start"], d["end"], d["text"], offsets[tok:tok + n],
-                                             d["metadata"], sentences[sent:sent + m])
-            tok, sent = tok + n, sent + m
-        if tok != len(offsets) or sent != len(sentences):
-            raise IndexCorruptError(f"corpus map {path} is inconsistent; delete it and rebuild the index")
+            start, stop, m, text = d["start"], d["end"], d["n_sentences"], d["text"]
+            need(all(type(v) is int for v in (start, stop, m)) and end <= start < stop and m >= 1,
+                 f"document {d['id']!r} has bad bounds")
+            need(isinstance(d["id"], str) and d["id"] and d["id"] not in corpus._docs, "a document id is bad")
+            need(isinstance(text, str) and isinstance(d["metadata"], dict), f"document {d['id']!r} has bad fields")
+            n, own, starts = stop - start, offsets[tok:tok + stop - start], sentences[sent:sent + m]
+            need(len(own) == n and len(starts) == m, "the arrays are shorter than the documents")
+            need(own.min() >= 0 and own.max() <= len(text) and np.all(own[:, 0] <= own[:, 1]),
+                 f"document {d['id']!r}: token offsets lie outside its text")
+            need(starts[0] == start and np.all(np.diff(starts) > 0) and starts[-1] < stop,
+                 f"document {d['id']!r}: sentence starts lie outside it")
+            corpus._docs[d["id"]] = Document(d["id"], start, stop, text, own, d["metadata"], starts)
+            tok, sent, end = tok + n, sent + m, stop
+        need(tok == len(offsets) and sent == len(sentences), "the arrays hold more than the documents")
+        need(type(header["next"]) is int and end <= header["next"] < MAX_VALUE, "'next' lies outside the positions")
         corpus._next = header["next"]
         return corpus

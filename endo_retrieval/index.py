@@ -38,14 +38,17 @@ FORMAT_VERSION = 1
 INDEX_FILE = "feature_index.bin"
 MAGIC = b"ENDOIDX\x00"
 PAPER_STOP_FREQ = 5000  # appendix E
+MAX_VALUE = 1 << 48  # no stored count or position reaches this (a 2**48-token corpus is far past any index)
 SEGMENT_TOKENS = 32768  # a streamed segment this large is queried as it is; smaller neighbours are merged first
 
 
 class IndexCorruptError(ValueError):
-    """The index file is damaged or truncated; it has to be rebuilt."""
+    """An index on disk cannot be used: a file is damaged, truncated, missing, or written by another format version
+    or for another model. Every load failure of an index raises this one type (the CLI prints it as one line); the
+    message names the file and says what to do, usually to rebuild the index."""
 
 
-class IndexVersionError(ValueError):
+class IndexVersionError(IndexCorruptError):
     """The index file was written by an incompatible version of the format."""
 
 
@@ -228,6 +231,21 @@ class FeatureIndex:
         indptr = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
         store.segments.append(_Segment(positions, indptr,
                                        positions.astype(_position_dtype(int(positions.max())))[rows]))
+
+    def extend(self, other: "FeatureIndex", offset: int) -> None:
+        """Append `other`'s postings, every position moved up by `offset` (at or past this index's positions): one
+        segment per layer, as a streamed hand-off is (an index built in parts by several workers, `segments.py`)."""
+        if other.layers != self.layers or other.d_latent != self.d_latent:
+            raise ValueError(f"cannot join an index of layers {other.layers} x {other.d_latent} features to one of "
+                             f"{self.layers} x {self.d_latent}")
+        for layer in self.layers:
+            part, store = other._merged(other._layers[layer]), self._layers[layer]
+            if not len(part.tokens):
+                continue
+            tokens = part.tokens + offset
+            store.streamed &= bool(tokens[0] > store.last_token)
+            dtype = _position_dtype(int(tokens[-1]))
+            store.segments.append(_Segment(tokens, part.indptr, part.positions.astype(dtype) + dtype(offset)))
 
     def _merge(self, blocks: list[_Segment], streamed: bool) -> _Segment:
         """Segments merged into one CSR (sorted within each feature, duplicates dropped)."""
@@ -438,13 +456,25 @@ class FeatureIndex:
         if not path.is_file():
             raise FileNotFoundError(f"no feature index at {path}; build one and save() it there first")
         with open(path, "rb") as f:  # one open file throughout: a concurrent save() replaces the name, not it
-            header, payload = _read_verified(f, path, mmap)
-        index = cls(header["layers"], header["d_latent"], header["stop_freq"], header["meta"])
+            return cls.read(f, path, mmap)
+
+    @classmethod
+    def read(cls, f, path: Path, mmap: bool = True) -> FeatureIndex:
+        """`load()` from an open file (`path` names it in messages)."""
         try:
-            for entry in header["arrays"]:
-                index._layers[entry["layer"]] = _decode_layer(payload, entry, index.d_latent)
-        except IndexCorruptError as err:
-            raise IndexCorruptError(f"index file {path} is damaged; delete it and rebuild the index ({err})") from None
+            header, payload = _read_verified(f, path, mmap)
+            index = cls(header["layers"], header["d_latent"], header["stop_freq"], header["meta"])
+            entries = {entry["layer"]: entry for entry in header["arrays"]}
+            if sorted(entries) != sorted(index.layers) or len(entries) != len(header["arrays"]):
+                raise IndexCorruptError(f"arrays for layers {sorted(entries)}, header lists {index.layers}")
+            for layer, entry in entries.items():
+                index._layers[layer] = _decode_layer(payload, entry, index.d_latent)
+        except IndexVersionError:
+            raise
+        except (IndexCorruptError, ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+                MemoryError) as err:  # a header of the wrong shape as much as a damaged stream
+            raise IndexCorruptError(f"index file {path} is damaged; delete it and rebuild the index "
+                                    f"({type(err).__name__}: {err})") from None
         return index
 
 
@@ -462,13 +492,15 @@ def _read_verified(f, path: Path, mmap: bool) -> tuple[dict, np.ndarray]:
     if hashlib.sha256(header_bytes).digest() != prefix[16:48]:
         raise IndexCorruptError(f"{rebuild} (header checksum mismatch)")
     header = json.loads(header_bytes)
+    if not isinstance(header, dict):
+        raise IndexCorruptError(f"{rebuild} (the header is not a JSON object)")
     if header.get("format") != FORMAT_NAME:
         raise IndexCorruptError(f"{rebuild} (format {header.get('format')!r}, expected {FORMAT_NAME!r})")
     if header.get("version") != FORMAT_VERSION:
         raise IndexVersionError(f"index file {path} has format version {header.get('version')}; this library "
                                 f"reads version {FORMAT_VERSION}. Rebuild the index with this version.")
     start, n_payload = 48 + header_len, header["payload_nbytes"]
-    if size != start + n_payload:
+    if not _is_int(n_payload) or size != start + n_payload:
         raise IndexCorruptError(f"{rebuild} (file is {size} bytes, header says {start + n_payload}; truncated?)")
     if mmap and n_payload:
         payload = np.memmap(f, dtype=np.uint8, mode="r", offset=start, shape=(n_payload,))
@@ -482,7 +514,13 @@ def _read_verified(f, path: Path, mmap: bool) -> tuple[dict, np.ndarray]:
 def _decode_layer(payload: np.ndarray, entry: dict, d_latent: int) -> _LayerPostings:
     def stream(name: str) -> np.ndarray:
         s = entry[name]
-        return varint_decode(payload[s["offset"]: s["offset"] + s["nbytes"]], s["count"]).astype(np.int64)
+        if not all(_is_int(s[key]) and s[key] >= 0 for key in ("offset", "nbytes", "count")) or \
+                s["offset"] + s["nbytes"] > len(payload):
+            raise IndexCorruptError(f"layer {entry['layer']}: stream {name} lies outside the payload")
+        values = varint_decode(payload[s["offset"]: s["offset"] + s["nbytes"]], s["count"])
+        if len(values) and values.max() >= MAX_VALUE:  # a position past any corpus: damage, not data
+            raise IndexCorruptError(f"layer {entry['layer']}: stream {name} holds a value >= 2**48")
+        return values.astype(np.int64)
 
     counts = stream("counts")
     if len(counts) != d_latent:
@@ -492,9 +530,18 @@ def _decode_layer(payload: np.ndarray, entry: dict, d_latent: int) -> _LayerPost
     if len(deltas) != indptr[-1]:
         raise IndexCorruptError(f"layer {entry['layer']}: {len(deltas)} postings, counts say {indptr[-1]}")
     positions = _delta_decode(indptr, deltas)
-    tokens = np.cumsum(stream("tokens"))
+    token_deltas = stream("tokens")
+    tokens = np.cumsum(token_deltas)
     max_pos = int(tokens[-1]) if len(tokens) else 0
+    firsts = indptr[:-1][np.diff(indptr) > 0]  # each feature's first posting is absolute, the others are gaps
+    if np.any(token_deltas[1:] == 0) or np.count_nonzero(deltas == 0) > np.count_nonzero(deltas[firsts] == 0) or \
+            (len(positions) and positions.max() > max_pos):
+        raise IndexCorruptError(f"layer {entry['layer']}: positions are not ascending or not among the tokens")
     return _LayerPostings([_Segment(tokens, indptr, positions.astype(_position_dtype(max_pos)))])
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_stop_freq(stop_freq) -> None:

@@ -7,6 +7,7 @@ The model loads on the first tool call, so the handshake is immediate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,10 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from endo_retrieval.engine import SEARCH_METHODS, Document, EndoIndex
+from endo_retrieval.files import writer_lock
+
+
+MAX_QUESTION_CHARS = 20_000
 
 
 class Evidence(BaseModel):
@@ -54,10 +59,16 @@ class IndexHolder:
             return self.index().search(question, k=k, budget=budget, method=self.method)
 
     def add(self, docs: list[Document]) -> list[str]:
-        with self._lock:
-            ids = self.index().add_documents(docs)
+        with self._lock, writer_lock(self.folder) if self.folder else contextlib.nullcontext():
+            index = self.index()
+            ids = index.add_documents(docs)
             if self.folder is not None:
-                self._index.save(self.folder)
+                try:
+                    index.save(self.folder)
+                except BaseException:  # what is served stays what is on disk
+                    for doc_id in ids:
+                        index.remove_document(doc_id)
+                    raise
             return ids
 
 
@@ -71,9 +82,12 @@ def build_server(holder: IndexHolder, k: int = 4, budget: int | None = None):
     @server.tool()
     def search_evidence(question: str, k: int = k, budget: int | None = budget) -> list[Evidence]:
         """The k best evidence spans for the question, best first, with their document ids and offsets."""
+        if len(question) > MAX_QUESTION_CHARS:  # its forward would hold attention over all of it at once
+            raise ToolError(f"The question has {len(question)} characters; ask with at most {MAX_QUESTION_CHARS} "
+                            "(put long material into add_documents instead).")
         try:
             spans = holder.search(question, k, budget)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             raise ToolError(str(e)) from None
         return [Evidence(doc_id=s.doc_id, text=s.text, char_start=s.char_start, char_end=s.char_end,
                          score=s.score, signals=list(s.signals), metadata=s.metadata) for s in spans]
@@ -83,13 +97,16 @@ def build_server(holder: IndexHolder, k: int = 4, budget: int | None = None):
         """Index documents (ids must be new); returns their ids. Saved to the server's index folder, if any."""
         try:
             return holder.add([Document(d.doc_id, d.text, d.metadata) for d in documents])
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # a bad document, a busy or damaged index folder, a full disk
             raise ToolError(str(e)) from None
 
     @server.tool()
     def list_documents() -> list[str]:
         """The ids of the indexed documents."""
-        return holder.index().doc_ids
+        try:
+            return holder.index().doc_ids
+        except (ValueError, OSError) as e:
+            raise ToolError(str(e)) from None
 
     return server
 
