@@ -84,8 +84,8 @@ def main(argv=None) -> int:
     try:
         rc = run(args)
         return rc if isinstance(rc, int) else 0  # some commands return their report (train-sae: the card)
-    except (BackboneError, ValueError, FileNotFoundError) as e:
-        print(f"endo {args.command}: error: {e}", file=sys.stderr)
+    except (BackboneError, ValueError, OSError) as e:  # a damaged index, a busy one, a full disk: one line
+        print(f"endo {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -17,8 +17,6 @@ import json
 import os
 import queue
 import re
-import shutil
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,13 +29,19 @@ from endo_retrieval.backbone import PIECES_PER_BATCH, Backbone, Encoding, as_tex
 from endo_retrieval.bm25 import OkapiPostings
 from endo_retrieval.chunk_graph import MIN_REPLAYS, side_stream
 from endo_retrieval.corpus import CorpusMap, split_sentences
-from endo_retrieval.index import SEGMENT_TOKENS, FeatureIndex, sorted_postings
+from endo_retrieval.files import atomic_write, read_folder, replacing_folder, writer_lock
+from endo_retrieval.index import INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError, IndexVersionError, \
+    sorted_postings
 from endo_retrieval.methods.base import Span
+from endo_retrieval.rwlock import ReadWriteLock, locked
 from endo_retrieval.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
 from endo_retrieval.sae import SAEError
 
 FORMAT = "endo-index"
 VERSION = 1
+HEADER = "endo-index.json"
+HEADER_FIELDS = {"format": str, "version": int, "model": str, "model_hash": str, "method": str, "chunk_size": int,
+                 "sae_layers": list}  # and "prune": a share in (0, 1] or null
 SEARCH_METHODS = ("s3-hybrid", "s3", "bm25")
 CHUNK = 2048  # Table 6: streaming chunk size
 GROUP_CHUNKS = MIN_REPLAYS  # whole chunks per stream call while the text arrives: a call replays these shapes
@@ -130,8 +134,10 @@ class EndoIndex:
         self.index = FeatureIndex(self.saes.layers, self.saes.card["d_latent"], stop_freq=stop_freq,
                                   meta={"model_hash": self.backbone.model_hash})
         self.corpus = CorpusMap()
+        self._rw = ReadWriteLock()  # queries share the index, an add or remove has it alone
 
     # ---- phase 1: streaming semantic indexing (Eq. 4-5) ------------------------------------------------------
+    @locked("write")
     def add_documents(self, docs: Iterable[Document | str], progress: bool = False) -> list[str]:
         """Index documents one after another; returns their ids. A bad document raises before anything is added."""
         docs = [d if isinstance(d, Document) else Document(f"doc-{len(self.corpus) + i}", d)
@@ -247,6 +253,7 @@ class EndoIndex:
         while sent:
             receive()
 
+    @locked("write")
     def remove_document(self, doc_id: str) -> None:
         start, end = self.corpus.remove_document(doc_id)
         self.index.remove_range(start, end)
@@ -269,6 +276,7 @@ class EndoIndex:
             out[layer] = (feat[keep].cpu().numpy(), act[keep].float().cpu().numpy())
         return out
 
+    @locked("read")
     def s3_scores(self, question: str) -> np.ndarray:
         """S[t] = sum_l sum_f w_{q,f} IDF(f) 1[t in I_l[f]] (Eq. 7/9), vectorised over postings."""
         if self.method == "bm25":
@@ -278,6 +286,7 @@ class EndoIndex:
         return self.index.score(self.query_features(question), n_positions=n, prune=self.prune,
                                 device=device if device.type == "cuda" and n >= SCORE_ON_ACCELERATOR else None)
 
+    @locked("read")
     def bm25_scores(self, question: str) -> np.ndarray:
         key = (self.corpus.n_positions, len(self.corpus))  # changes with every add or remove
         if getattr(self, "_bm25", None) is None or self._bm25[0] != key:
@@ -296,6 +305,7 @@ class EndoIndex:
             out["bm25"] = self.bm25_scores(question)
         return out
 
+    @locked("read")
     def select(self, question: str, budget: int, method: str | None = None, lead_tail: int = 0,
                kernel: int = QA_KERNEL, s3_share: float = 0.5, scores: dict[str, np.ndarray] | None = None
                ) -> list[Span]:
@@ -342,6 +352,7 @@ class EndoIndex:
         score = sum(1.0 / (RRF_K + r) for r in best.values())
         return Span(a, b, c0, c1, text, score, tuple(sorted(best)), doc_id, self.corpus.doc(doc_id).metadata)
 
+    @locked("read")
     def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None) -> list[Span]:
         """The k best evidence spans, best first, under `budget` tokens (default 128 per span)."""
         if k < 1:
@@ -350,55 +361,95 @@ class EndoIndex:
         return sorted(spans, key=lambda s: -s.score)[:k]
 
     # ---- persistence ---------------------------------------------------------------------------------------
+    @locked("read")
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write the index atomically: a new folder beside `directory` is filled, then swapped in."""
+        """Write the index atomically: a new folder beside `directory` is filled, then swapped in (files.py), by one
+        writer at a time (IndexBusyError for another). A crash leaves the old index or the new one."""
         directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp", dir=directory.parent))
-        try:
-            self.index.save(tmp / "features")
-            self.corpus.save(tmp / "corpus.npz")
-            (tmp / "endo-index.json").write_text(json.dumps({
-                "format": FORMAT, "version": VERSION, "model": self.backbone.model_id,
-                "model_hash": self.backbone.model_hash, "method": self.method, "chunk_size": self.chunk_size,
-                "sae_layers": self.saes.layers, "prune": self.prune}, indent=1))
-            old = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            if directory.exists():
-                os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        header = json.dumps({"format": FORMAT, "version": VERSION, "model": self.backbone.model_id,
+                             "model_hash": self.backbone.model_hash, "method": self.method,
+                             "chunk_size": self.chunk_size, "sae_layers": self.saes.layers, "prune": self.prune},
+                            indent=1)
+        with writer_lock(directory):
+            if directory.is_dir() and any(directory.iterdir()) and not (directory / HEADER).exists():
+                raise ValueError(f"{directory} exists and holds no endo index (no {HEADER}); refusing to replace "
+                                 "it. Pass a new folder, or delete that one first.")
+            with replacing_folder(directory) as tmp:
+                self.index.save(tmp / "features")
+                self.corpus.save(tmp / "corpus.npz")
+                atomic_write(tmp / HEADER, lambda p: p.write_text(header))
         return directory
 
     @classmethod
     def load(cls, directory: str | os.PathLike, backbone: Backbone | None = None, saes=None,
              int8_queries: bool | None = None) -> "EndoIndex":
+        """The index saved in `directory`, read as one state even while a writer replaces it. Every failure is an
+        IndexCorruptError (a ValueError) whose message says what to do."""
         directory = Path(directory)
-        head = directory / "endo-index.json"
-        if not head.exists():
-            raise ValueError(f"{directory} holds no endo index (no endo-index.json); build one with "
-                             "`endo index PATH... --out DIR` or EndoIndex.save().")
+
+        def read(open_file):
+            with open_file(HEADER) as f:
+                meta = _check_header(f.read(), directory / HEADER)
+            with open_file(f"features/{INDEX_FILE}") as f:
+                index = FeatureIndex.read(f, directory / "features" / INDEX_FILE)
+            with open_file("corpus.npz") as f:
+                return meta, index, CorpusMap.read(f, directory / "corpus.npz")
+
         try:
-            meta = json.loads(head.read_text())
-        except json.JSONDecodeError:
-            raise ValueError(f"{head} is corrupt; rebuild the index.") from None
-        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise ValueError(f"{directory} is not a version-{VERSION} endo index; rebuild it with this version.")
+            meta, index, corpus = read_folder(directory, read)
+        except FileNotFoundError as err:
+            if err.filename not in (None, HEADER, str(directory)):
+                raise IndexCorruptError(f"the index in {directory} is damaged: {err.filename} is missing; delete "
+                                        "the folder and rebuild the index with `endo index PATH... --out DIR`."
+                                        ) from None
+            raise IndexCorruptError(f"{directory} holds no endo index (no {HEADER}); build one with "
+                                    "`endo index PATH... --out DIR` or EndoIndex.save().") from None
+        except IsADirectoryError as err:
+            raise IndexCorruptError(f"the index in {directory} is damaged ({err}); delete the folder and rebuild "
+                                    "the index.") from None
         backbone = backbone or Backbone.default()
         if meta["model_hash"] != backbone.model_hash:
-            raise ValueError(f"The index in {directory} was built with model {meta['model']} "
-                             f"({meta['model_hash'][:12]}), not with the loaded {backbone.model_id} "
-                             f"({backbone.model_hash[:12]}); load that model or rebuild the index.")
+            raise IndexCorruptError(f"The index in {directory} was built with model {meta['model']} "
+                                    f"({meta['model_hash'][:12]}), not with the loaded {backbone.model_id} "
+                                    f"({backbone.model_hash[:12]}); load that model or rebuild the index.")
         self = cls(backbone, meta["method"], saes=saes, chunk_size=meta["chunk_size"], prune=meta.get("prune"),
                    int8_queries=int8_queries)
-        if self.saes.layers != meta["sae_layers"]:
-            raise ValueError(f"The index in {directory} was built with SAE layers {meta['sae_layers']}, the loaded "
-                             f"SAEs have {self.saes.layers}; rebuild the index.")
-        self.index = FeatureIndex.load(directory / "features")
-        self.corpus = CorpusMap.load(directory / "corpus.npz")
+        if self.saes.layers != meta["sae_layers"] or index.layers != meta["sae_layers"] or \
+                index.d_latent != self.saes.card["d_latent"]:
+            raise IndexCorruptError(f"The index in {directory} holds SAE layers {index.layers} of {index.d_latent} "
+                                    f"latents (header: {meta['sae_layers']}); the loaded SAEs have {self.saes.layers} "
+                                    f"of {self.saes.card['d_latent']}; load those SAEs or rebuild the index.")
+        if index.positions_span > corpus.n_positions:
+            raise IndexCorruptError(f"the index in {directory} is damaged (postings past the corpus map's "
+                                    f"{corpus.n_positions} positions); delete the folder and rebuild the index.")
+        self.index, self.corpus = index, corpus
         return self
+
+
+def _check_header(raw: bytes, path: Path) -> dict:
+    """endo-index.json with every field checked: IndexCorruptError names what is wrong and says what to do."""
+    damaged = f"{path} is damaged ({{}}); delete the index folder and rebuild it with `endo index PATH... --out DIR`."
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except ValueError as err:  # not UTF-8, not JSON
+        raise IndexCorruptError(damaged.format(f"{type(err).__name__}: {err}")) from None
+    if not isinstance(meta, dict):
+        raise IndexCorruptError(damaged.format("not a JSON object"))
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise IndexVersionError(f"{path.parent} is not a version-{VERSION} endo index (format "
+                                f"{meta.get('format')!r}, version {meta.get('version')!r}); rebuild it with this "
+                                "version: `endo index PATH... --out DIR`.")
+    for key, kind in HEADER_FIELDS.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise IndexCorruptError(damaged.format(f"{key!r} is {meta.get(key)!r}, not a {kind.__name__}"))
+    prune = meta.get("prune")
+    checks = {"method": meta["method"] in SEARCH_METHODS, "chunk_size": 0 < meta["chunk_size"] < 1 << 31,
+              "sae_layers": all(type(l) is int and 0 <= l < 1 << 16 for l in meta["sae_layers"]),
+              "prune": prune is None or (type(prune) in (int, float) and 0 < prune <= 1)}
+    for key, ok in checks.items():
+        if not ok:
+            raise IndexCorruptError(damaged.format(f"{key!r} is {meta.get(key)!r}"))
+    return meta
 
 
 def _check_method(method: str) -> str:

@@ -8,6 +8,7 @@ calls `step()`, where the crash tests stop the process (`crash_hook`), so each s
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -164,7 +165,7 @@ def read_folder(directory: str | os.PathLike, read: Callable[[Callable[[str], Bi
             fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except FileNotFoundError:
             if not (directory.exists() or set_aside(directory).exists()):
-                raise
+                raise FileNotFoundError(errno.ENOENT, "no such folder", str(directory)) from None
             continue  # swapped between the look and the open
         try:
             return read(_opener(folder, fd))
