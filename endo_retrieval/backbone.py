@@ -408,7 +408,8 @@ class Backbone:
 
     def stream(self, ids, layers: Sequence[int], *, chunk_size: int = 1024, mode: str = "independent",
                sink: int = 4, window: int = 512, capture: Sequence[str] = ("k",),
-               split_at: int | None = None, positions: str = "frame", int8: bool = False) -> Iterator[Chunk]:
+               split_at: int | None = None, positions: str = "frame", int8: bool = False, start: int = 0
+               ) -> Iterator[Chunk]:
         """Forward `ids` chunk by chunk up to max(layers) only, yielding each chunk's pre-RoPE states.
 
         mode="independent": every chunk alone at positions 0..T-1 (S3-Attention appendix I).
@@ -419,6 +420,8 @@ class Backbone:
           "absolute" every token at its own index (ILRe without DCA);
           "dca"      absolute, but from the third chunk on the sink moves up by (i-2) chunk sizes (ILRe Eq. 6).
         `split_at`: no chunk crosses this position (e.g. context | query part).
+        `start`: chunks that begin before it are not run (a worker's share of one stream: a sink_window chunk
+        needs only its frame, which it recomputes).
         `int8`: forward through int8-quantized linear maps (CPU only; see `query_states`).
         """
         ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
@@ -445,6 +448,8 @@ class Backbone:
         lengths = Counter(n_sink + e - w0 for n_sink, w0, _, e in spans)
         graphed = self.chunk_graphs and self.device.type == "cuda" and not int8
         for i, (n_sink, w0, s, e) in enumerate(spans):
+            if s < start:
+                continue
             x = torch.cat([ids[:n_sink].to(self.device, non_blocking=True),
                            ids[w0:e].to(self.device, non_blocking=True)]).unsqueeze(0)
             n = x.shape[1] - (e - s)

@@ -34,55 +34,83 @@ def density(scores: np.ndarray, kernel: int = QA_KERNEL, segment_bounds: np.ndar
         raise ValueError(f"kernel must be a positive integer, got {kernel}")
     if kernel == 1:  # the window is the position itself
         return s.astype(np.float32)
-    # window of position t: [t - kernel//2, t + (kernel-1)//2], clipped to t's segment (zero padding beyond), summed
-    # through a prefix sum in O(n); only positions within a kernel of a bound (0 and n among them) need clipping
-    n, back, ahead = len(s), kernel // 2, (kernel - 1) // 2 + 1
-    csum = np.concatenate(([0.0], np.cumsum(s)))
-    out = np.empty(n, dtype=np.float32)
-    a, b = min(back, n), max(n - ahead + 1, 0)  # [a, b): windows inside [0, n)
-    if a < b:
-        out[a:b] = (csum[a + ahead: b + ahead] - csum[a - back: b - back]) / kernel
+    # window of position t: [t - kernel//2, t + (kernel-1)//2], clipped to t's segment (zero padding beyond). Each
+    # window is summed in one fixed order (kernel shifted adds), so a position's density does not depend on where its
+    # document lies in the corpus: a shard's curve equals the whole index's bit for bit (a prefix sum carries the
+    # rounding of everything before it). Only positions within a kernel of a bound (0 and n among them) are clipped.
+    n, back = len(s), kernel // 2
+    padded = np.zeros(n + kernel - 1)
+    padded[back: back + n] = s
+    total = np.zeros(n)
+    for j in range(kernel):
+        total += padded[j: j + n]
     bounds = np.unique(np.clip(np.concatenate(([0], np.asarray(
         segment_bounds if segment_bounds is not None else [], dtype=np.int64), [n])), 0, n))
     near = (bounds[:, None] + np.arange(-kernel, kernel + 1)).ravel()
     t = np.unique(near[(near >= 0) & (near < n)])
     seg = np.minimum(np.searchsorted(bounds, t, side="right"), len(bounds) - 1)
-    lo = np.maximum(t - back, bounds[seg - 1])
-    hi = np.minimum(t + ahead, bounds[seg])
-    out[t] = (csum[hi] - csum[lo]) / kernel
-    return out
+    lo, hi = bounds[seg - 1], bounds[seg]
+    clipped = np.zeros(len(t))
+    for j in range(kernel):  # the same adds, with the terms outside t's segment zero
+        i = t - back + j
+        clipped += np.where((i >= lo) & (i < hi), s[np.clip(i, 0, n - 1)], 0.0)
+    total[t] = clipped
+    return (total / kernel).astype(np.float32)
 
 
-def iter_peaks(density: np.ndarray, radius: int = QA_KERNEL) -> Iterator[int]:
+def iter_peaks(density: np.ndarray, radius: int = QA_KERNEL, segment_bounds: np.ndarray | None = None
+               ) -> Iterator[int]:
     """Greedy NMS, highest density first: take the highest remaining local maximum, suppress +-radius around it.
 
     Only positive density counts. On a flat top (a box kernel turns an isolated hit into a plateau) the centre is the
     middle of the plateau, so the span grows around the hit and not around the plateau's edge.
+    With `segment_bounds`, a peak's neighbours, flat top and suppression stay inside its segment (document).
     """
+    return (centre for _, centre in ranked_peaks(density, radius, segment_bounds))
+
+
+def ranked_peaks(density: np.ndarray, radius: int = QA_KERNEL, segment_bounds: np.ndarray | None = None
+                 ) -> Iterator[tuple[int, int]]:
+    """`iter_peaks` as (candidate, centre): NMS takes candidates by (density desc, position asc). With segment
+    bounds no peak reaches past its document, so the peaks of disjoint sets of documents (index shards) merge into
+    the whole corpus's stream by that key."""
     d = np.asarray(density)
-    if len(d) == 0:
+    n = len(d)
+    if n == 0:
         return
+    bounds = np.unique(np.clip(np.concatenate(([0], np.asarray(
+        segment_bounds if segment_bounds is not None else [], dtype=np.int64), [n])), 0, n))
     # local maxima, compared in the curve's own dtype (exact); the plateau tests below use float64
     inner = d[1:-1]
     candidates = np.flatnonzero((inner > 0) & (inner >= d[:-2]) & (inner >= d[2:])) + 1
-    first = [0] if d[0] > 0 and (len(d) == 1 or d[0] >= d[1]) else []
-    last = [len(d) - 1] if len(d) > 1 and d[-1] > 0 and d[-1] >= d[-2] else []
+    first = [0] if d[0] > 0 and (n == 1 or d[0] >= d[1]) else []
+    last = [n - 1] if n > 1 and d[-1] > 0 and d[-1] >= d[-2] else []
     candidates = np.concatenate((first, candidates, last)).astype(np.int64)  # still sorted
-    suppressed = np.zeros(len(d), dtype=bool)
+    if len(bounds) > 2:  # a document's first and last positions have no neighbour across its bounds
+        inside = bounds[1:-1]
+        edges = np.unique(np.concatenate((inside - 1, inside)))
+        seg = np.searchsorted(bounds, edges, side="right")
+        lo, hi = bounds[seg - 1], bounds[seg]
+        peak = (d[edges] > 0) & ((edges == lo) | (d[edges] >= d[np.maximum(edges - 1, 0)])) & \
+            ((edges == hi - 1) | (d[edges] >= d[np.minimum(edges + 1, n - 1)]))
+        candidates = np.union1d(candidates[~np.isin(candidates, edges)], edges[peak])
+    suppressed = np.zeros(n, dtype=bool)
     for c in _by_height(candidates, d):
         if suppressed[c]:
             continue
-        # extent of the flat top around c, looked for within +-radius (prefix-sum noise makes plateau values
-        # differ in the last bits, hence the tolerance)
-        w0 = max(c - radius, 0)
-        window, top = d[w0: c + radius + 1].astype(np.float64), float(d[c])
+        seg = int(np.searchsorted(bounds, c, side="right"))
+        seg_lo, seg_hi = int(bounds[seg - 1]), int(bounds[seg])
+        # extent of the flat top around c, looked for within +-radius (float noise can make plateau values differ
+        # in the last bits, hence the tolerance)
+        w0, w1 = max(c - radius, seg_lo), min(c + radius + 1, seg_hi)
+        window, top = d[w0: w1].astype(np.float64), float(d[c])
         uneven = np.flatnonzero(np.abs(window - top) > 1e-6 * top) + w0
         lo = int(uneven[uneven < c].max(initial=w0 - 1)) + 1
-        hi = int(uneven[uneven > c].min(initial=min(c + radius + 1, len(d)))) - 1
+        hi = int(uneven[uneven > c].min(initial=w1)) - 1
         centre = (lo + hi) // 2
-        suppressed[max(centre - radius, 0): centre + radius + 1] = True
+        suppressed[max(centre - radius, seg_lo): min(centre + radius + 1, seg_hi)] = True
         suppressed[lo: hi + 1] = True
-        yield int(centre)
+        yield int(c), int(centre)
 
 
 def _by_height(candidates: np.ndarray, d: np.ndarray, batch: int = 1024) -> Iterator[int]:
@@ -90,8 +118,12 @@ def _by_height(candidates: np.ndarray, d: np.ndarray, batch: int = 1024) -> Iter
     a few dozen peaks, so sorting all local maxima of a 1M-token curve would be wasted work."""
     while len(candidates):
         if len(candidates) > batch:
-            top = np.argpartition(-d[candidates], batch)[:batch]
-            head, candidates = candidates[top], np.delete(candidates, top)
+            # every candidate above the (batch+1)-th height; on a tie across that cut, the leftmost of the tied: the
+            # batches then follow (density desc, position asc) exactly, whatever the curve's length
+            neg = -d[candidates]
+            kth = np.partition(neg, batch)[batch]
+            top = neg < kth if (neg < kth).any() else np.isin(np.arange(len(neg)), np.flatnonzero(neg == kth)[:batch])
+            head, candidates = candidates[top], candidates[~top]
             batch *= 4
         else:
             head, candidates = candidates, candidates[:0]

@@ -147,24 +147,47 @@ def attention_scores(keys: torch.Tensor, queries: torch.Tensor, key_positions: t
     GQA: query head h reads kv head h // (n_heads / n_kv). The softmax runs over the whole context in blocks of
     `block` keys, two passes (logsumexp, then probabilities), so memory is n_heads x Lq x block, not x L.
     """
-    n_kv, length, d = keys.shape
-    n_heads, n_q, _ = queries.shape
-    device = queries.device
-    q = rope(queries.float(), query_positions.to(device)) / math.sqrt(d)
-    q = q.reshape(n_kv, (n_heads // n_kv) * n_q, d)  # heads of one kv group side by side
+    logits = ContextLogits(keys, queries, key_positions, query_positions, rope, block)
+    return logits.probabilities(logits.logsumexp())
 
-    def logits(s: int, e: int) -> torch.Tensor:
-        k = rope(keys[:, s:e].to(device, torch.float32), key_positions[s:e].to(device))
-        return q @ k.transpose(1, 2)  # (n_kv, group x Lq, block)
 
-    lse = torch.full(q.shape[:2], -math.inf, device=device)
-    for s in range(0, length, block):
-        lse = torch.logaddexp(lse, logits(s, min(s + block, length)).logsumexp(-1))
-    out = torch.empty(length)
-    for s in range(0, length, block):
-        e = min(s + block, length)
-        out[s:e] = (logits(s, e) - lse[..., None]).exp().amax(dim=(0, 1)).cpu()
-    return out.numpy()
+@dataclass
+class ContextLogits:
+    """q K^T / sqrt(d) of Eq. 4 over some of the context's keys, a block at a time. Eq. 5's softmax runs over the
+    whole context: keys held in parts (one per GPU) each give `logsumexp()`, the parts' values are combined with
+    torch.logaddexp, and each part's `probabilities(lse)` is then exactly its slice of A^C."""
+
+    keys: torch.Tensor
+    queries: torch.Tensor
+    key_positions: torch.Tensor
+    query_positions: torch.Tensor
+    rope: object
+    block: int = 8192
+
+    def __post_init__(self):
+        n_kv, _, d = self.keys.shape
+        n_heads, n_q, _ = self.queries.shape
+        q = self.rope(self.queries.float(), self.query_positions.to(self.queries.device)) / math.sqrt(d)
+        self.q = q.reshape(n_kv, (n_heads // n_kv) * n_q, d)  # heads of one kv group side by side
+
+    def _blocks(self):
+        device, length = self.q.device, self.keys.shape[1]
+        for s in range(0, length, self.block):
+            e = min(s + self.block, length)
+            k = self.rope(self.keys[:, s:e].to(device, torch.float32), self.key_positions[s:e].to(device))
+            yield s, e, self.q @ k.transpose(1, 2)  # (n_kv, group x Lq, block)
+
+    def logsumexp(self) -> torch.Tensor:
+        lse = torch.full(self.q.shape[:2], -math.inf, device=self.q.device)
+        for *_, logits in self._blocks():
+            lse = torch.logaddexp(lse, logits.logsumexp(-1))
+        return lse
+
+    def probabilities(self, lse: torch.Tensor) -> np.ndarray:
+        out = torch.empty(self.keys.shape[1])
+        for s, e, logits in self._blocks():
+            out[s:e] = (logits - lse.to(logits.device)[..., None]).exp().amax(dim=(0, 1)).cpu()
+        return out.numpy()
 
 
 def dca_key_positions(key_positions: torch.Tensor, chunk_starts: Sequence[int]) -> torch.Tensor:
