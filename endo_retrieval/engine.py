@@ -20,7 +20,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -320,7 +320,8 @@ class EndoIndex:
         scores = scores if scores is not None else self.signal_scores(question, method)
         # BM25 scores are already one value per sentence: smoothing would only blur the peak into a neighbour
         width = {name: 1 if name == "bm25" else kernel for name in scores}
-        streams = {name: iter_peaks(density(s, width[name], bounds), width[name]) for name, s in scores.items()}
+        streams = {name: iter_peaks(density(s, width[name], bounds), width[name], bounds)
+                   for name, s in scores.items()}
         taken: list[tuple[str, int]] = []  # (signal, peak) in the order they were offered to the budget
         kept = np.zeros(self.corpus.n_positions, dtype=bool)
         if method == "s3-hybrid" and lead_tail > 0:  # M_Bias of Eq. 8: the first and last tokens of each document
@@ -331,7 +332,7 @@ class EndoIndex:
             if kept.sum() > budget:
                 raise ValueError(f"lead/tail of {lead_tail} tokens per document exceeds the budget of {budget}.")
         sentences = self.corpus.sentence_starts()
-        peaks = _interleave(streams, taken, s3_share, sentences)
+        peaks = _interleave(streams, taken, s3_share, lambda p: int(np.searchsorted(sentences, p, side="right")))
         spans = spans_from_peaks(peaks, sentences, self.corpus.n_positions, budget, bounds, covered=kept)
         offered: dict[str, list[int]] = {}  # each signal's peaks in the order it offered them (= its ranks)
         for sig, p in taken:
@@ -344,13 +345,8 @@ class EndoIndex:
         sum_s 1 / (RRF_K + rank_s), rank_s being the rank of signal s's best peak inside it: evidence that both
         S3 and BM25 picked ranks above evidence only one of them picked."""
         doc_id, c0, c1, text = self.corpus.span_text(a, b)
-        best: dict[str, int] = {}
-        for sig, peaks in ranked.items():
-            inside = (peaks >= a) & (peaks < b)
-            if inside.any():
-                best[sig] = int(inside.argmax())
-        score = sum(1.0 / (RRF_K + r) for r in best.values())
-        return Span(a, b, c0, c1, text, score, tuple(sorted(best)), doc_id, self.corpus.doc(doc_id).metadata)
+        score, signals = rrf(a, b, ranked)
+        return Span(a, b, c0, c1, text, score, signals, doc_id, self.corpus.doc(doc_id).metadata)
 
     @locked("read")
     def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None) -> list[Span]:
@@ -390,6 +386,8 @@ class EndoIndex:
         def read(open_file):
             with open_file(HEADER) as f:
                 meta = _check_header(f.read(), directory / HEADER)
+            if "segments" in meta:
+                return meta, None, None
             with open_file(f"features/{INDEX_FILE}") as f:
                 index = FeatureIndex.read(f, directory / "features" / INDEX_FILE)
             with open_file("corpus.npz") as f:
@@ -407,6 +405,10 @@ class EndoIndex:
         except IsADirectoryError as err:
             raise IndexCorruptError(f"the index in {directory} is damaged ({err}); delete the folder and rebuild "
                                     "the index.") from None
+        if "segments" in meta:  # a manifest of index segments (`segments.commit`: Ray workers' builds)
+            from endo_retrieval.segments import load_segments
+
+            return load_segments(cls, directory, meta, backbone, saes, int8_queries)
         backbone = backbone or Backbone.default()
         if meta["model_hash"] != backbone.model_hash:
             raise IndexCorruptError(f"The index in {directory} was built with model {meta['model']} "
@@ -439,6 +441,8 @@ def _check_header(raw: bytes, path: Path) -> dict:
         raise IndexVersionError(f"{path.parent} is not a version-{VERSION} endo index (format "
                                 f"{meta.get('format')!r}, version {meta.get('version')!r}); rebuild it with this "
                                 "version: `endo index PATH... --out DIR`.")
+    if "segments" in meta:  # a manifest of segments: its own loader checks the rest
+        return meta
     for key, kind in HEADER_FIELDS.items():
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
             raise IndexCorruptError(damaged.format(f"{key!r} is {meta.get(key)!r}, not a {kind.__name__}"))
@@ -469,7 +473,18 @@ def _check_method(method: str) -> str:
     return method
 
 
-def _interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float, sentence_starts: np.ndarray
+def rrf(a: int, b: int, ranked: dict[str, np.ndarray]) -> tuple[float, tuple[str, ...]]:
+    """Reciprocal-rank fusion of the span [a, b): sum over the signals whose peaks fall inside it of 1 / (RRF_K +
+    rank of the signal's best peak there), and those signals."""
+    best: dict[str, int] = {}
+    for sig, peaks in ranked.items():
+        inside = (peaks >= a) & (peaks < b)
+        if inside.any():
+            best[sig] = int(inside.argmax())
+    return sum(1.0 / (RRF_K + r) for r in best.values()), tuple(sorted(best))
+
+
+def _interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float, sentence_of: Callable[[int], int]
                 ) -> Iterator[int]:
     """Yield the signals' peaks alternately by rank for one shared budget (the union of Eq. 8): S3 gets `s3_share`
     of the turns. A turn must bring a sentence no signal offered yet: a peak inside an offered sentence is only
@@ -485,7 +500,7 @@ def _interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float,
         credit[name] -= 1.0
         for p in live[name]:
             taken.append((name, p))
-            sentence = int(np.searchsorted(sentence_starts, p, side="right"))
+            sentence = sentence_of(p)
             if sentence not in offered:
                 offered.add(sentence)
                 yield p
