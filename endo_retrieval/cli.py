@@ -6,6 +6,8 @@ import importlib
 import json
 import sys
 
+from endo_retrieval.commands import model_argument
+
 # command -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args).
 COMMANDS = {
     "info": ("endo_retrieval.cli", "info_", "the model, device, cache, shipped SAEs and ILRe profile"),
@@ -16,6 +18,7 @@ COMMANDS = {
     "train-sae": ("endo_retrieval.train_sae", "", "train Top-k sparse autoencoders on key projections"),
     "train-phi": ("endo_retrieval.train_phi", "", "distil phi feature maps for completion attention"),
     "calibrate-ilre": ("endo_retrieval.ilre_calibrate", "", "pick ILRe's retrieval layer with a passkey task"),
+    "calibrate-heads": ("endo_retrieval.heads_calibrate", "", "choose the retrieval heads and fit the fused ranking"),
     "bench": ("endo_retrieval.eval.bench", "", "benchmarks: quality | perf | attention"),
     "mcp": ("endo_retrieval.mcp_server", "", "serve an index to agents over the Model Context Protocol (stdio)"),
 }
@@ -23,7 +26,7 @@ COMMANDS = {
 
 def info_add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (the contract in GUIDE.md)")
-    p.add_argument("--model", default=None, help="a local model folder (default: the embedded SmolLM2-135M)")
+    model_argument(p)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
 
 

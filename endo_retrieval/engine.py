@@ -94,15 +94,21 @@ class SentenceBM25:
             windows += [sum(own[max(0, i - window): i + window + 1], []) for i in range(len(own))]
         return cls(bounds, OkapiPostings.build(own_all), OkapiPostings.build(windows), corpus.n_positions)
 
-    def token_scores(self, question: str, context_weight: float = 0.5) -> np.ndarray:
-        """Each sentence's own score plus `context_weight` times its window's, spread over its tokens: the own
-        score puts the peak on the matching sentence; the window lets a neighbour (a title line) lend context."""
-        scores = np.zeros(self.n_positions, dtype=np.float32)
+    def sentence_scores(self, question: str, context_weight: float = 0.5) -> np.ndarray:
+        """Each sentence's own score plus `context_weight` times its window's: the own score puts the peak on the
+        matching sentence; the window lets a neighbour (a title line) lend context."""
         query = words(question)
         if not query:
-            return scores
-        per_sentence = np.maximum(self.sentences.get_scores(query), 0.0) + \
+            return np.zeros(self.sentences.okapi.corpus_size)
+        return np.maximum(self.sentences.get_scores(query), 0.0) + \
             context_weight * np.maximum(self.windows.get_scores(query), 0.0)
+
+    def token_scores(self, question: str, context_weight: float = 0.5) -> np.ndarray:
+        """`sentence_scores` spread over each sentence's tokens."""
+        scores = np.zeros(self.n_positions, dtype=np.float32)
+        if not words(question):
+            return scores
+        per_sentence = self.sentence_scores(question, context_weight)
         i = 0
         for starts in self.bounds:
             n = len(starts) - 1
@@ -122,7 +128,7 @@ class EndoIndex:
                  int8_queries: bool | None = None):
         from endo_retrieval.sae import SAEBank
 
-        self.backbone = backbone or Backbone.default()
+        self.backbone = Backbone.of(backbone)  # None: the default model; a folder or GGUF path: that model
         on_cpu = self.backbone.device.type == "cpu"
         if int8_queries and not on_cpu:
             raise ValueError("int8_queries runs on a CPU backbone only; on a GPU the bf16 question forward is faster")
@@ -409,7 +415,7 @@ class EndoIndex:
             from endo_retrieval.segments import load_segments
 
             return load_segments(cls, directory, meta, backbone, saes, int8_queries)
-        backbone = backbone or Backbone.default()
+        backbone = Backbone.of(backbone)
         if meta["model_hash"] != backbone.model_hash:
             raise IndexCorruptError(f"The index in {directory} was built with model {meta['model']} "
                                     f"({meta['model_hash'][:12]}), not with the loaded {backbone.model_id} "

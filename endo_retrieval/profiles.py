@@ -1,4 +1,4 @@
-"""Shipped per-model artefacts (trained SAEs, the calibrated ILRe layer), found by the model's hash."""
+"""Shipped per-model artefacts (trained SAEs, the calibrated ILRe layer, the retrieval heads), found by the model's hash."""
 from __future__ import annotations
 
 import json
@@ -13,16 +13,52 @@ def model_slug(model_id: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in model_id).lower()
 
 
+# artefact -> the command that makes it for a model, and what it is
+MAKERS = {"sae": ("endo train-sae", "SAEs (for s3 and s3-hybrid)"), "ilre": ("endo calibrate-ilre", "ILRe layer"),
+          "heads": ("endo calibrate-heads", "retrieval-heads profile")}
+
+
+def user_artefacts(backbone) -> Path:
+    """Where a model's artefacts live when the package ships none for it: the cache, under the model's name and
+    hash. `endo train-sae`, `endo calibrate-ilre` and `endo calibrate-heads` write there by default."""
+    from endo_retrieval.backbone import cache_dir
+
+    return cache_dir() / "artefacts" / f"{model_slug(backbone.model_id)}-{backbone.model_hash[:12]}"
+
+
+def _shipped_or_user(backbone, kind: str, name: str) -> Path:
+    """The shipped artefact made for this model, found by the model hash it records (so a model passed by another
+    name or path, e.g. the default GGUF file itself, still finds it; by name where none is recorded), else the
+    cache's."""
+    for path in sorted((ASSETS / kind).glob("*")):
+        card = path / "card.json" if path.is_dir() else path
+        if card.suffix == ".json" and card.exists():
+            recorded = json.loads(card.read_text()).get("model_hash")
+            if recorded == backbone.model_hash or (recorded is None and path.stem == model_slug(backbone.model_id)):
+                return path
+    return user_artefacts(backbone) / name
+
+
+def missing(backbone, kind: str, where: Path) -> str:
+    """The message for a model without one of its artefacts: what, where it was looked for, the command that
+    makes it (which writes it there)."""
+    command, what = MAKERS[kind]
+    source = getattr(backbone, "source", None)
+    model = f" --model {source}" if source else ""
+    return (f"No {what} for model {backbone.model_id} (hash {backbone.model_hash[:12]}) at {where}. Make it once "
+            f"with `{command}{model}`, which writes it there.")
+
+
 def sae_dir(backbone) -> Path:
-    return ASSETS / "sae" / model_slug(backbone.model_id)
+    return _shipped_or_user(backbone, "sae", "sae")
 
 
 def ilre_profile_path(backbone) -> Path:
-    return ASSETS / "ilre" / f"{model_slug(backbone.model_id)}.json"
+    return _shipped_or_user(backbone, "ilre", "ilre.json")
 
 
 def sae_card(backbone) -> dict | None:
-    """The shipped SAE card in the `endo info --json` shape, or None when this model has no shipped SAEs."""
+    """The SAE card (shipped, or made by `endo train-sae`) in the `endo info --json` shape, or None."""
     path = sae_dir(backbone) / "card.json"
     if not path.exists():
         return None
@@ -36,6 +72,19 @@ def sae_card(backbone) -> dict | None:
 def ilre_profile(backbone) -> dict | None:
     """The calibrated ILRe profile ({"layer": l_R, "recall": {...}, ...}) or None."""
     path = ilre_profile_path(backbone)
+    if not path.exists():
+        return None
+    profile = json.loads(path.read_text())
+    return profile if profile.get("model_hash") in (None, backbone.model_hash) else None
+
+
+def heads_profile_path(backbone) -> Path:
+    return _shipped_or_user(backbone, "heads", "heads.json")
+
+
+def heads_profile(backbone) -> dict | None:
+    """The calibrated retrieval-heads profile ({"heads": [[layer, head], ...], "fusion": {...}, ...}) or None."""
+    path = heads_profile_path(backbone)
     if not path.exists():
         return None
     profile = json.loads(path.read_text())

@@ -1,4 +1,4 @@
-"""`endo bench quality|perf|attention`: each benchmark is a module exposing `add_arguments(parser)` and
+"""`endo bench quality|perf|attention|signals`: each benchmark is a module exposing `add_arguments(parser)` and
 `run(args)`; add one by adding a line to BENCHES. A benchmark whose module is absent says so when run."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from endo_retrieval.commands import model_argument
 from endo_retrieval.eval.measure import int_list
 
 # benchmark -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args)
@@ -14,6 +15,7 @@ BENCHES = {
                 "retrieval and answer quality of every method at matched budgets"),
     "perf": ("endo_retrieval.eval.perf", "", "indexing and query speed, memory"),
     "attention": ("endo_retrieval.eval.attention_bench", "", "decode-time sparse attention backends"),
+    "signals": ("endo_retrieval.eval.signals", "", "each ranking signal alone, and what it finds that BM25 misses"),
 }
 
 
@@ -33,7 +35,7 @@ def quality_add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-bad", action="store_true", help="skip malformed data rows (reported) instead of stopping")
     p.add_argument("--no-generate", action="store_true", help="skip greedy generation (no f1/em; faster)")
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="greedy answer length")
-    p.add_argument("--model", default=None, help="a local model folder (default: the embedded SmolLM2-135M)")
+    model_argument(p)
 
 
 def quality_run(args) -> int:

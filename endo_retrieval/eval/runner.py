@@ -38,6 +38,8 @@ METHODS = {
     "s3": REGISTRY["s3"],
     "s3-hybrid": REGISTRY["s3-hybrid"],
     "ilre": REGISTRY["ilre"],
+    "heads": REGISTRY["heads"],
+    "endo": REGISTRY["endo"],
     "bm25": f"{_BASELINES}:BM25Chunks",
     "bm25-sent": REGISTRY["bm25"],
     "dense": f"{_BASELINES}:Dense",

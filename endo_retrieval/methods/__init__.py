@@ -11,6 +11,8 @@ REGISTRY = {
     "s3-hybrid": "endo_retrieval.methods.s3:S3Hybrid",
     "bm25": "endo_retrieval.methods.s3:BM25",
     "ilre": "endo_retrieval.methods.ilre:ILRe",
+    "heads": "endo_retrieval.methods.heads:RetrievalHeads",
+    "endo": "endo_retrieval.methods.endo:Endo",
 }
 
 
@@ -25,7 +27,11 @@ def get_method(name: str, **kwargs) -> Method:
 def compress(context: str, question: str, budget: int = 1024, method: str = "s3-hybrid", backbone=None
              ) -> Compressed:
     """Compress one long context for one question: `.text` holds at most `budget` backbone tokens, in source
-    order, and `.spans` the kept pieces with their character offsets and the signals that chose them."""
+    order, and `.spans` the kept pieces with their character offsets and the signals that chose them.
+    `backbone`: a loaded Backbone, a model folder or GGUF file (loaded once per process), or None (the default)."""
+    from endo_retrieval.backbone import Backbone
+
+    backbone = Backbone.of(backbone) if method in REGISTRY else None  # an unknown name fails before any loading
     return get_method(method, backbone=backbone).compress(context, question, budget)
 
 

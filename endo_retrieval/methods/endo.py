@@ -1,0 +1,168 @@
+"""`endo`: the fused ranking. Per sentence, the signals the model and the text give (BM25 over sentence windows,
+the retrieval heads' calibrated attention, a second hop of the heads, ILRe's attention mass at l_R, the lead/tail
+bias of S3-Hybrid) are standardised within the context and summed with weights fitted on labelled calibration data
+(`endo calibrate-heads`). The fit searches a grid on the simplex that contains every single signal's corner, so on
+the data it was fitted on the fusion is never below its best single signal.
+
+The second hop serves bridge questions, whose second gold sentence often shares no word with the question: the
+model re-reads its best first-hop sentences (ranked by reciprocal-rank fusion of heads and BM25, parameter-free so
+the hop does not depend on the weights it feeds) in front of the question, and the heads score the context again;
+the evidence's own rows are not scored, and the content-free question carries the same evidence (ICR).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from endo_retrieval.methods.base import Compressed
+from endo_retrieval.methods.heads import (HeadsError, Prepared, RetrievalHeads, calibrated_attention,
+                                          calibrated_scores, fit_sentences, sentence_sums)
+from endo_retrieval.profiles import heads_profile, ilre_profile
+
+SIGNALS = ("bm25", "heads", "hop2", "ilre", "lead_tail")
+HOP_SENTENCES = 2  # first-hop sentences the second hop re-reads
+RRF_K = 60  # reciprocal-rank fusion constant (Cormack et al. 2009)
+GRID_STEP = 0.1
+
+
+def standardise(x: np.ndarray) -> np.ndarray:
+    """z-score within one context, so weights fitted on some contexts transfer to others of other lengths."""
+    x = np.asarray(x, dtype=np.float64)
+    sd = x.std()
+    return (x - x.mean()) / sd if sd > 0 else np.zeros_like(x)
+
+
+def rrf(*scores: np.ndarray) -> np.ndarray:
+    """Reciprocal-rank fusion: sum over the rankings of 1 / (RRF_K + rank)."""
+    out = np.zeros(len(scores[0]))
+    for s in scores:
+        rank = np.empty(len(s))
+        rank[np.argsort(-np.asarray(s), kind="stable")] = np.arange(len(s))
+        out += 1.0 / (RRF_K + rank)
+    return out
+
+
+def fuse(signals: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarray:
+    """sum_s w_s z_s: the weighted sum of the standardised signals (signals without a weight count 0)."""
+    n = len(next(iter(signals.values())))
+    return sum((w * standardise(signals[s]) for s, w in weights.items() if w and s in signals), np.zeros(n))
+
+
+def recall_in_budget(scores: np.ndarray, gold: np.ndarray, lengths: np.ndarray, budget: int) -> float:
+    """Share of gold sentences kept when whole sentences are taken in score order into `budget` tokens."""
+    order = np.argsort(-scores, kind="stable")
+    kept = order[np.cumsum(lengths[order]) <= budget]
+    return float(gold[kept].sum() / max(1, gold.sum()))
+
+
+def simplex(names: list[str], step: float = GRID_STEP):
+    """Every weight vector on the simplex grid of `step` (corners included: each signal alone)."""
+    n = round(1 / step)
+    for cut in itertools.combinations(range(n + len(names) - 1), len(names) - 1):
+        parts = np.diff(np.concatenate(([-1], cut, [n + len(names) - 1]))) - 1
+        yield dict(zip(names, (parts * step).round(6).tolist()))
+
+
+def fit_weights(items: list[tuple[dict, np.ndarray, np.ndarray, int]], names: tuple[str, ...] = SIGNALS,
+                step: float = GRID_STEP) -> dict:
+    """Weights maximising the mean gold-sentence recall in budget over `items` = [(signals, gold, lengths,
+    budget)]. Ties go to the weight vector found first (single signals come before mixtures of them)."""
+    items = [it for it in items if it[1].any()]
+    if not items:
+        raise HeadsError("No labelled item has a gold sentence in its haystack: check the calibration data.")
+    names = [s for s in names if all(s in it[0] for it in items)]
+    z = [{s: standardise(sig[s]) for s in names} for sig, *_ in items]
+
+    def score(w: dict) -> float:
+        return float(np.mean([recall_in_budget(sum(w[s] * zi[s] for s in names), gold, lengths, budget)
+                              for zi, (_, gold, lengths, budget) in zip(z, items)]))
+
+    single = {s: score({t: float(t == s) for t in names}) for s in names}
+    best_w, best = None, -1.0
+    for w in sorted(simplex(names, step), key=lambda w: -max(w.values())):  # corners first
+        r = score(w)
+        if r > best + 1e-12:
+            best_w, best = w, r
+    return {"weights": best_w, "recall": round(best, 4), "single": {s: round(r, 4) for s, r in single.items()},
+            "step": step, "n_items": len(items)}
+
+
+@dataclass
+class Endo(RetrievalHeads):
+    """`endo`: sentences ranked by the fitted fusion of BM25, the retrieval heads, their second hop, ILRe's mass
+    and lead/tail; every span names the signals that would have chosen it alone within the same budget."""
+
+    name: ClassVar[str] = "endo"
+
+    weights: dict[str, float] | None = None  # None: the model's fitted weights (heads profile)
+    ilre_layer: int | None = None  # None: the calibrated l_R when ILRe has weight
+    second_hop: bool | None = None  # None: when the fitted weights give hop2 weight
+    _fit: dict = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.weights is None:
+            profile = heads_profile(self.backbone) or {}
+            self.weights = (profile.get("fusion") or {}).get("weights")
+            if self.weights is None:
+                raise HeadsError(f"No fitted fusion weights for model {self.backbone.model_id}: run "
+                                 "`endo calibrate-heads`, or pass weights={'bm25': .., 'heads': .., ...}.")
+        unknown = set(self.weights) - set(SIGNALS)
+        if unknown:
+            raise HeadsError(f"Unknown signal(s) {sorted(unknown)}; the fusion knows {', '.join(SIGNALS)}.")
+        if self.second_hop is None:
+            self.second_hop = bool(self.weights.get("hop2"))
+        if self.ilre_layer is None and self.weights.get("ilre"):
+            profile = ilre_profile(self.backbone)
+            if profile is None:
+                raise HeadsError("The fusion weighs ILRe but the model has no ILRe layer: run `endo calibrate-ilre`.")
+            self.ilre_layer = int(profile["layer"])
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({l for l, _ in self.heads} | ({self.ilre_layer} if self.ilre_layer is not None else set()))
+
+    def signals(self, prepared: Prepared, question: str) -> dict[str, np.ndarray]:
+        return signals(self.backbone, prepared, question, self.heads, self.ilre_layer, self.second_hop)
+
+    def select(self, prepared: Prepared, question: str, budget: int) -> Compressed:
+        from endo_retrieval.methods.heads import _question
+
+        sig = self.signals(prepared, _question(question))
+        score = fuse(sig, self.weights)
+        order = np.argsort(-score, kind="stable")
+        lengths = np.diff(np.append(prepared.sentence_starts, prepared.corpus.n_positions))
+        k = max(1, int(np.searchsorted(np.cumsum(lengths[order]), budget, side="right")))
+        chose: dict[int, list[str]] = {}
+        for s, w in self.weights.items():  # which signals would have chosen the sentence alone, same budget
+            if w and s in sig:
+                for i in np.argsort(-sig[s], kind="stable")[:k]:
+                    chose.setdefault(int(i), []).append(s)
+        return fit_sentences(prepared, order, budget, self.backbone, self.name,
+                             {i: tuple(v) for i, v in chose.items()}, score)
+
+
+def signals(backbone, prepared: Prepared, question: str, heads, ilre_layer: int | None = None,
+            second_hop: bool = True) -> dict[str, np.ndarray]:
+    """Every per-sentence signal of the fusion for one question (see the module docstring). The question is read
+    once for the heads and ILRe; the second hop reads it again behind its evidence."""
+    starts = prepared.sentence_starts
+    calibrated, queries = calibrated_attention(backbone, prepared, heads, question,
+                                               layers=[ilre_layer] if ilre_layer is not None else [])
+    out = {"bm25": prepared.bm25.sentence_scores(question), "heads": sentence_sums(calibrated.sum(0), starts)}
+    lead_tail = np.zeros(len(starts))
+    lead_tail[[0, -1]] = 1.0
+    out["lead_tail"] = lead_tail
+    if ilre_layer is not None:  # ILRe Eq. 4-5 at l_R: max over heads and query positions; a sentence takes its max
+        q, keys = queries[ilre_layer].float(), prepared.reading.keys[ilre_layer].float()
+        keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], 0)
+        mass = (q @ keys.transpose(1, 2) / q.shape[-1] ** 0.5).softmax(-1).amax(dim=(0, 1)).cpu().numpy()
+        out["ilre"] = np.maximum.reduceat(mass, starts)
+    if second_hop:
+        first = np.argsort(-rrf(out["heads"], out["bm25"]), kind="stable")[:HOP_SENTENCES]
+        evidence = " ".join(prepared.sentence_text(int(i)).strip() for i in sorted(first))
+        out["hop2"] = calibrated_scores(backbone, prepared, heads, question, prefix=f"\n\nEvidence: {evidence}")
+    return out

@@ -1,0 +1,299 @@
+"""Query-focused retrieval heads (`heads`): the context's sentences ranked by the attention that a few selected
+heads pay from the question's tokens to each sentence's tokens, calibrated by a content-free question.
+
+QRHead (Zhang et al., "Query-Focused Retrieval Heads Improve Long-Context Reasoning and Re-ranking", EMNLP 2025):
+a document's score is the attention mass from the query tokens to its tokens, summed over a small set of heads
+chosen on labelled data, not over all heads of a layer (a max or sum over all heads drowns the few that retrieve).
+In-Context Re-ranking (Chen et al., ICLR 2025): subtract the same mass under a content-free query ("N/A"), which
+removes what the model attends to whatever the question (the first tokens, punctuation, recent tokens).
+
+The model reads the context once (`read`), then any number of query parts (`ask`): the question, the content-free
+question, a second hop. A context inside the trained window is read in one causal forward whose KV cache the query
+parts continue; a longer one streams in chunks behind S sink + W window tokens (ILRe's prefill, section 3.3) and
+the query part is forwarded behind the same frame, so accelerator memory is bounded by sink + window + chunk plus
+the heads' key cache (a few layers x n_kv x L x d). The heads' layers are the deepest layer that runs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Sequence
+
+import numpy as np
+import torch
+
+from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.engine import SentenceBM25
+from endo_retrieval.methods.base import Compressed, Span
+from endo_retrieval.profiles import heads_profile
+from endo_retrieval.select import spans_from_peaks
+
+QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
+NULL_QUESTION = "N/A"  # In-Context Re-ranking's content-free query
+
+
+class HeadsError(ValueError):
+    """Bad input or a missing retrieval-heads profile; the message says what to do."""
+
+
+# ---------------------------------------------------------------- reading the context, asking a query part
+
+
+@dataclass
+class Reading:
+    """What reading a context leaves for its query parts: RoPE-rotated keys at the heads' layers and the state a
+    query part continues from (a KV cache of the whole context, or the streamed sink + window frame)."""
+
+    n_tokens: int
+    keys: dict[int, torch.Tensor]  # layer -> (n_kv, L, d), rotated at the positions the keys were computed at
+    cache: object | None  # DynamicCache of layers 0..max(layers) (one-forward reading), else None
+    frame_ids: np.ndarray | None  # streamed reading: the sink + window tokens a query part sees
+
+    @property
+    def streamed(self) -> bool:
+        return self.cache is None
+
+
+def read(backbone, ids: np.ndarray, layers: Sequence[int], *, one_forward: int | None = None, sink: int = 4,
+         window: int = 512, chunk_size: int = 2048) -> Reading:
+    """Forward the context up to max(layers) and keep its keys at `layers`.
+
+    Contexts of at most `one_forward` tokens (default: the model's trained window) are read in one causal forward
+    with a KV cache; longer ones stream chunk by chunk behind a sink + window frame (positions framed, as ILRe's
+    default), so that no query-key distance leaves the trained window and memory does not grow with the context
+    beyond the heads' own keys."""
+    ids = np.asarray(ids, dtype=np.int64)
+    layers = sorted({int(l) for l in layers})
+    limit = one_forward if one_forward is not None else (backbone.max_position or 8192)
+    if len(ids) == 0:
+        raise HeadsError("The context is empty; give at least one token of text.")
+    if len(ids) <= limit:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        x = torch.as_tensor(ids, device=backbone.device)[None]
+        with backbone._lock, torch.inference_mode(), backbone._run_to(layers[-1], layers, ("k",)) as store:
+            backbone.model.model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
+                                 use_cache=True)
+        positions = torch.arange(len(ids), device=backbone.device)
+        keys = {l: backbone.apply_rope(store["k"][l], positions) for l in layers}
+        return Reading(len(ids), keys, cache, None)
+    keys = {l: torch.empty(backbone.n_kv_heads, len(ids), backbone.head_dim, device=backbone.device)
+            for l in layers}
+    for ch in backbone.stream(ids, layers, chunk_size=chunk_size, mode="sink_window", sink=sink, window=window,
+                              capture=("k",)):
+        for l in layers:
+            keys[l][:, ch.start:ch.end] = backbone.apply_rope(ch.keys[l], ch.rope_positions)
+    frame = np.concatenate([ids[:sink], ids[max(sink, len(ids) - window):]])
+    return Reading(len(ids), keys, None, frame)
+
+
+def ask(backbone, reading: Reading, query_ids: np.ndarray, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """RoPE-rotated queries of a query part read after the context: layer -> (n_heads, Lq, d). The KV cache is
+    cropped back afterwards, so the reading serves the next query part unchanged."""
+    query_ids = np.asarray(query_ids, dtype=np.int64)
+    layers = sorted({int(l) for l in layers})
+    if reading.streamed:  # the query part behind the frame, as ILRe's prefill forwards it (split at the context)
+        ids = np.concatenate([reading.frame_ids, query_ids])
+        start = len(reading.frame_ids)
+        out = {}
+        for ch in backbone.stream(ids, layers, chunk_size=len(ids), capture=("q",)):
+            positions = torch.arange(start, len(ids), device=backbone.device)
+            out = {l: backbone.apply_rope(q[:, start:], positions) for l, q in ch.queries.items()}
+        return out
+    n = reading.n_tokens
+    x = torch.as_tensor(query_ids, device=backbone.device)[None]
+    positions = torch.arange(n, n + len(query_ids), device=backbone.device)
+    with backbone._lock, torch.inference_mode(), backbone._run_to(layers[-1], layers, ("q",)) as store:
+        try:
+            backbone.model.model(input_ids=x, position_ids=positions[None], past_key_values=reading.cache,
+                                 attention_mask=torch.ones(1, n + len(query_ids), dtype=torch.long,
+                                                           device=backbone.device), use_cache=True)
+        finally:
+            reading.cache.crop(n)
+    return {l: backbone.apply_rope(store["q"][l], positions) for l in layers}
+
+
+def head_attention(reading: Reading, queries: dict[int, torch.Tensor], heads: Sequence[tuple[int, int]],
+                   rows: slice = slice(None)) -> torch.Tensor:
+    """Per head (layer, h): softmax over the context's keys of q K^T / sqrt(d) (ILRe Eq. 4's softmax_C), averaged
+    over the query part's `rows`: (len(heads), L), each row a distribution over the context. GQA: query head h
+    reads kv head h // (n_heads / n_kv)."""
+    out = []
+    for layer, h in heads:
+        keys, q = reading.keys[layer], queries[layer][h, rows]
+        kv = keys[h // (queries[layer].shape[0] // keys.shape[0])]
+        logits = (q.float() @ kv.float().T) / math.sqrt(q.shape[-1])
+        out.append(logits.softmax(-1).mean(0))
+    return torch.stack(out)
+
+
+def sentence_sums(token_scores: np.ndarray, sentence_starts: np.ndarray) -> np.ndarray:
+    """Sum of a token score over each sentence ([starts[i], starts[i+1]) in token positions); QRHead sums a
+    document's tokens, so a sentence counts by all the attention it draws."""
+    return np.add.reduceat(np.asarray(token_scores, dtype=np.float64), np.asarray(sentence_starts), axis=-1)
+
+
+def query_part(backbone, question: str, prefix: str = "") -> tuple[np.ndarray, slice]:
+    """The query part's ids and the rows that are the question (from "Question:" on): a prefix (a second hop's
+    evidence) is read but its own rows are not scored, since they would find their own copies in the context."""
+    head_ids = backbone.encode(prefix).ids if prefix else np.empty(0, np.int64)
+    ids = backbone.encode(prefix + QUESTION_TEMPLATE.format(question=question)).ids
+    return ids, slice(min(len(head_ids), len(ids) - 1), None)
+
+
+# ---------------------------------------------------------------- one context, prepared for questions
+
+
+@dataclass
+class Prepared:
+    """A context read once: its sentences (a one-document corpus map), BM25 over them, and the model's reading."""
+
+    text: str
+    corpus: CorpusMap
+    bm25: SentenceBM25
+    reading: Reading
+    null: dict = field(default_factory=dict)  # the content-free question's attention, per set of heads
+
+    @property
+    def sentence_starts(self) -> np.ndarray:
+        return self.corpus.sentence_starts()
+
+    def sentence_text(self, i: int) -> str:
+        starts = np.append(self.sentence_starts, self.corpus.n_positions)
+        return self.corpus.span_text(int(starts[i]), int(starts[i + 1]))[3]
+
+
+def prepare_context(backbone, context: str, layers: Sequence[int], **read_options) -> Prepared:
+    enc = backbone.encode(context)
+    corpus = CorpusMap()
+    corpus.add_document("context", context, enc.offsets)
+    return Prepared(context, corpus, SentenceBM25.build(corpus), read(backbone, enc.ids, layers, **read_options))
+
+
+def calibrated_attention(backbone, prepared: Prepared, heads: Sequence[tuple[int, int]], question: str,
+                         prefix: str = "", layers: Sequence[int] = ()) -> tuple[np.ndarray, dict]:
+    """Per head, the question's attention over the context minus the content-free question's (ICR): (len(heads),
+    L), and the question's queries at the heads' layers plus `layers`. Without a prefix the content-free
+    attention is the same for every question, so it is computed once per context."""
+    layers = sorted({l for l, _ in heads} | set(layers))
+    ids, rows = query_part(backbone, question, prefix)
+    queries = ask(backbone, prepared.reading, ids, layers)
+    real = head_attention(prepared.reading, queries, heads, rows)
+    key = (prefix, tuple(heads))
+    null = prepared.null.get(key)
+    if null is None:
+        null_ids, null_rows = query_part(backbone, NULL_QUESTION, prefix)
+        null = head_attention(prepared.reading, ask(backbone, prepared.reading, null_ids, layers), heads, null_rows)
+        if not prefix:
+            prepared.null[key] = null
+    return (real - null).cpu().numpy(), queries
+
+
+def calibrated_scores(backbone, prepared: Prepared, heads: Sequence[tuple[int, int]], question: str,
+                      prefix: str = "", weights: np.ndarray | None = None, per_head: bool = False) -> np.ndarray:
+    """Per sentence: the heads' calibrated attention (`calibrated_attention`) summed over the sentence's tokens and
+    over the heads (optionally weighted per head); per_head: one row per head, (len(heads), n_sentences)."""
+    calibrated, _ = calibrated_attention(backbone, prepared, heads, question, prefix)
+    if per_head:
+        return sentence_sums(calibrated, prepared.sentence_starts)
+    w = np.ones(len(heads)) if weights is None else np.asarray(weights, dtype=np.float64)
+    return sentence_sums(w @ calibrated, prepared.sentence_starts)
+
+
+def fit_sentences(prepared: Prepared, order: Sequence[int], budget: int, backbone, name: str,
+                  chose: dict[int, tuple[str, ...]] | None = None, score: np.ndarray | None = None) -> Compressed:
+    """Whole sentences in rank `order` into `budget` tokens (the first that does not fit is trimmed to the rest),
+    returned in source order. Spans cut inside words can re-tokenise longer: the budget shrinks until it fits."""
+    from endo_retrieval.methods.s3 import join_spans
+
+    corpus, starts = prepared.corpus, prepared.sentence_starts
+    n = corpus.n_positions
+    if budget <= 0:
+        raise HeadsError(f"budget must be a positive number of tokens, got {budget}.")
+    sentence_of = lambda p: int(np.searchsorted(starts, p, side="right")) - 1  # noqa: E731
+    target = budget
+    for _ in range(8):
+        peaks = [int(starts[i]) for i in order] if n > target else [0]
+        ranges = spans_from_peaks(peaks, starts, n, min(target, n), corpus.segment_bounds())
+        spans = []
+        for a, b in ranges:
+            doc_id, c0, c1, text = corpus.span_text(a, b)
+            ids = range(sentence_of(a), sentence_of(b - 1) + 1)
+            signals = tuple(sorted({s for i in ids for s in (chose or {}).get(i, ())})) or (name,)
+            best = max((float(score[i]) for i in ids), default=0.0) if score is not None else 0.0
+            spans.append(Span(a, b, c0, c1, text, best, signals, doc_id))
+        out = join_spans(spans, name, budget)
+        out.n_tokens = backbone.count_tokens(out.text)
+        if out.n_tokens <= budget:
+            return out
+        target -= out.n_tokens - budget
+    raise HeadsError(f"could not fit the selection into {budget} tokens")  # pragma: no cover
+
+
+def profile_heads(backbone) -> list[tuple[int, int]]:
+    profile = heads_profile(backbone)
+    if profile is None:
+        raise HeadsError(
+            f"No retrieval-heads profile for model {backbone.model_id} (hash {backbone.model_hash[:12]}). Run "
+            "`endo calibrate-heads` to choose its heads, or pass heads=[(layer, head), ...].")
+    return [tuple(h) for h in profile["heads"]]
+
+
+# ---------------------------------------------------------------- the method
+
+
+@dataclass
+class RetrievalHeads:
+    """`heads`: sentences in the order of their calibrated retrieval-head attention (QRHead + ICR), whole
+    sentences into the budget. heads None takes the model's calibrated heads (`endo calibrate-heads`)."""
+
+    name: ClassVar[str] = "heads"
+    index_kind: ClassVar[str] = "heads"  # `endo` prepares the same reading: the bench reuses it
+
+    backbone: object = None
+    heads: list[tuple[int, int]] | None = None
+    sink: int = 4
+    window: int = 512
+    chunk_size: int = 2048
+    one_forward: int | None = None  # contexts up to this many tokens are read in one forward (None: the window)
+
+    def __post_init__(self):
+        if self.backbone is None:
+            from endo_retrieval.backbone import Backbone
+
+            self.backbone = Backbone.default()
+        self.heads = [tuple(map(int, h)) for h in (self.heads or profile_heads(self.backbone))]
+        bad = [h for h in self.heads if not (0 <= h[0] < self.backbone.n_layers and 0 <= h[1] < self.backbone.n_heads)]
+        if bad or not self.heads:
+            raise HeadsError(f"heads must be (layer, head) pairs of this model ({self.backbone.n_layers} layers, "
+                             f"{self.backbone.n_heads} heads); got {bad or 'none'}.")
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({l for l, _ in self.heads})
+
+    def prepare(self, context: str) -> Prepared:
+        if not isinstance(context, str) or not context.strip():
+            raise HeadsError("The context is empty; give the text to retrieve from.")
+        return prepare_context(self.backbone, context, self.layers, one_forward=self.one_forward, sink=self.sink,
+                               window=self.window, chunk_size=self.chunk_size)
+
+    def sentence_scores(self, prepared: Prepared, question: str) -> np.ndarray:
+        return calibrated_scores(self.backbone, prepared, self.heads, _question(question))
+
+    def select(self, prepared: Prepared, question: str, budget: int) -> Compressed:
+        score = self.sentence_scores(prepared, question)
+        order = np.argsort(-score, kind="stable")
+        return fit_sentences(prepared, order, budget, self.backbone, self.name, score=score)
+
+    def compress(self, context: str, question: str, budget: int = 1024) -> Compressed:
+        if budget <= 0:
+            raise HeadsError(f"budget must be a positive number of tokens, got {budget}.")
+        return self.select(self.prepare(context), question, budget)
+
+
+def _question(question: str) -> str:
+    if not isinstance(question, str) or not question.strip():
+        raise HeadsError("question is empty: the heads rank the context by the question's attention; give one.")
+    return question.strip()
