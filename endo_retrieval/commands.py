@@ -36,6 +36,12 @@ def _read(path: Path) -> str:
         raise ValueError(f"{path} is not UTF-8 text (binary or another encoding); convert it or leave it out.") from None
 
 
+def model_argument(p) -> None:
+    """`--model`, the same on every command that runs a model."""
+    p.add_argument("--model", default=None, metavar="PATH", help="a local model: a Hugging Face folder or a GGUF "
+                   "file of the llama, mistral, qwen2 or qwen3 family (default: the embedded SmolLM2-135M-Instruct)")
+
+
 # ---- endo index --------------------------------------------------------------------------------------------
 def index_add_arguments(p) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="text files or folders (.txt, .md, .rst)")
@@ -47,6 +53,7 @@ def index_add_arguments(p) -> None:
                    help="build with Ray workers (the `ray` extra), one per GPU or CPU slot: join the cluster at "
                    "ADDRESS (e.g. auto, or HEAD:6379 from `ray start --head`), or start a local one without it")
     p.add_argument("--workers", type=int, default=None, help="Ray workers (default: one per GPU, else per CPU)")
+    model_argument(p)
 
 
 def index_run(args) -> int:
@@ -60,13 +67,14 @@ def index_run(args) -> int:
         from endo_retrieval import distributed, segments
 
         distributed.connect(args.ray or None)
-        distributed.RayIndexer(args.workers, method=args.method).build(out, docs, append=args.append)
+        distributed.RayIndexer(args.workers, setup=distributed.ModelRecipe(args.model), method=args.method
+                               ).build(out, docs, append=args.append)
         parts = segments.listed_committed(out)
         print(f"indexed {len(docs)} document(s) on Ray workers -> {out} ({len(parts)} segment(s), "
               f"{sum(p['tokens'] for p in parts)} tokens in all)")
         return 0
     with writer_lock(out):  # from load to save: a second writer gets IndexBusyError, no append is lost
-        idx = EndoIndex.load(out) if args.append else EndoIndex(method=args.method)
+        idx = EndoIndex.load(out, args.model) if args.append else EndoIndex(args.model, method=args.method)
         idx.add_documents(docs, progress=sys.stderr.isatty())
         idx.save(out)
     print(f"indexed {len(docs)} document(s), {idx.corpus.n_tokens} tokens, {idx.index.n_postings} postings "
@@ -82,6 +90,7 @@ def query_add_arguments(p) -> None:
     p.add_argument("--budget", type=int, default=None, help="token budget over all spans (default 128 per span)")
     p.add_argument("--method", default=None, choices=["s3-hybrid", "s3", "bm25"], help="default: the index's own")
     p.add_argument("--json", action="store_true", help="print JSON")
+    model_argument(p)  # the index's own model: an index answers only with the model that built it
 
 
 def span_json(s) -> dict:
@@ -92,7 +101,8 @@ def span_json(s) -> dict:
 def query_run(args) -> int:
     from endo_retrieval.engine import EndoIndex
 
-    hits = EndoIndex.load(args.index).search(args.question, k=args.k, budget=args.budget, method=args.method)
+    index = EndoIndex.load(args.index, args.model)
+    hits = index.search(args.question, k=args.k, budget=args.budget, method=args.method)
     if args.json:
         print(json.dumps([span_json(h) for h in hits], indent=2, ensure_ascii=False))
         return 0
@@ -109,13 +119,14 @@ def compress_add_arguments(p) -> None:
     p.add_argument("--budget", type=int, default=1024, help="at most this many tokens are kept (default 1024)")
     p.add_argument("--method", default="s3-hybrid", help=f"one of: {_method_help()}")
     p.add_argument("--json", action="store_true", help="print JSON with the spans")
+    model_argument(p)
 
 
 def compress_run(args) -> int:
     from endo_retrieval.methods import compress
 
     context = sys.stdin.read() if args.context == "-" else _read(Path(args.context))
-    out = compress(context, args.question, budget=args.budget, method=args.method)
+    out = compress(context, args.question, budget=args.budget, method=args.method, backbone=args.model)
     if args.json:
         print(json.dumps({"method": out.method, "budget": out.budget, "n_tokens": out.n_tokens, "text": out.text,
                           "spans": [span_json(s) for s in out.spans]}, indent=2, ensure_ascii=False))

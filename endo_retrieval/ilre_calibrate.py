@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from endo_retrieval.commands import model_argument
 from endo_retrieval.methods.ilre import (DEFAULT_AVG_KERNELS, DEFAULT_MAX_KERNELS, ILReError, POSITIONS, allocate,
                                          context_scores, prefill)
 from endo_retrieval.profiles import ilre_profile_path
@@ -171,7 +172,7 @@ def plot(profile: dict, path: Path) -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=str(DEFAULT_FILLER), help="folder of .txt filler (default: %(default)s)")
-    parser.add_argument("--model", default=None, help="local model folder (default: the default backbone)")
+    model_argument(parser)
     parser.add_argument("--lengths", default="8192", help="context lengths in tokens, e.g. 8192,32768")
     parser.add_argument("--layers", default="all", help="candidate layers, e.g. all or 0-14 (default: all)")
     parser.add_argument("--key-lengths", default="8,32", help="passkey lengths in digits (default: %(default)s)")
@@ -182,7 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--positions", choices=POSITIONS, default="frame",
                         help="RoPE layout of the prefill: frame (default), dca (Eq. 6-7) or absolute (no DCA); "
                              "other than frame needs --out, so the shipped profile stays as calibrated")
-    parser.add_argument("--out", default=None, help="profile JSON (default: the model's shipped profile)")
+    parser.add_argument("--out", default=None, help="profile JSON (default: where ILRe looks for the model's profile)")
     parser.add_argument("--plot", default=None, help="PNG of recall per layer (default: beside the profile)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 

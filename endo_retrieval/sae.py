@@ -267,14 +267,12 @@ class SAEBank:
 
     @classmethod
     def for_backbone(cls, backbone, device: str | torch.device | None = None) -> "SAEBank":
-        """The shipped SAEs for the backbone's model (checked by model hash)."""
-        from endo_retrieval.profiles import sae_dir
+        """The SAEs of the backbone's model, shipped or made by `endo train-sae` (checked by model hash)."""
+        from endo_retrieval.profiles import missing, sae_dir
 
         folder = sae_dir(backbone)
         if not (folder / CARD_FILE).exists():
-            shipped = sorted(p.name for p in ASSETS.glob("*/")) if ASSETS.exists() else []
-            raise SAEError(f"No shipped SAEs for model {backbone.model_id} (shipped: {shipped or 'none'}). Train "
-                           f"them with `endo train-sae --model PATH --out DIR` and load with SAEBank.load(DIR).")
+            raise SAEError(missing(backbone, "sae", folder) + " Method 'bm25' needs no SAEs.")
         return cls.load(folder, backbone.model_hash, device or backbone.device)
 
     def _sae(self, layer: int) -> TopKSAE:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from endo_retrieval.attention.base import installed
 from endo_retrieval.attention.dense import Dense
 from endo_retrieval.attention.phi import PhiMaps
+from endo_retrieval.commands import model_argument
 from endo_retrieval.train_sae import _progress, read_corpus
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_essays"
@@ -135,7 +136,7 @@ def train_maps(maps: PhiMaps, traces: dict, steps: int, batch: int = 4, lr: floa
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", default="default", help="'default' or a local Hugging Face model folder")
+    model_argument(parser)
     parser.add_argument("--corpus", default=str(DEFAULT_DATA), help="training text file or folder of *.txt")
     parser.add_argument("--out", default=None, help="output folder: card.json + phi.safetensors (default: where "
                         "the model's maps ship, endo_retrieval/assets/phi/<model>/, which phi='default' loads)")

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
+from endo_retrieval.commands import model_argument
 from endo_retrieval.files import atomic_write
+from endo_retrieval.profiles import sae_dir
 from endo_retrieval.sae import AGGREGATION, SAEBank, SAEError, TopKSAE
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2"
@@ -257,12 +259,14 @@ def evaluate(bank: SAEBank, heldout: dict[str, dict[int, torch.Tensor]], device:
 
 # ---- the command ---------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", default="default", help="'default' or a local Hugging Face model folder")
+    model_argument(parser)
     parser.add_argument("--corpus", default=str(DEFAULT_DATA / "valid.txt"), help="training text file or folder")
     parser.add_argument("--heldout", default=str(DEFAULT_DATA / "test.txt"),
                         help="held-out text for FVU and chunk stability (never trained on); 'none' to skip")
-    parser.add_argument("--layers", required=True, help="comma-separated layer indices, e.g. 0,7,15,23,29")
-    parser.add_argument("--out", required=True, help="output folder: card.json, layer_XX/, vectors/, checkpoints/")
+    parser.add_argument("--layers", default="auto", help="comma-separated layer indices, e.g. 0,7,15,23,29 (default "
+                        "auto: the default model's 3, 11, 19 of 30 layers, scaled to the model's depth)")
+    parser.add_argument("--out", default=None, help="output folder: card.json, layer_XX/, vectors/, checkpoints/ "
+                        "(default: where the model's SAEs are looked for, so index and query find them)")
     parser.add_argument("--max-tokens", type=int, default=None, help="cap on training tokens (quick CPU runs)")
     parser.add_argument("--heldout-tokens", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
@@ -282,7 +286,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_layers(text: str) -> list[int]:
+AUTO_DEPTHS = (0.1, 0.37, 0.63)  # the default model's shipped layers 3, 11, 19 of 30, as shares of the depth
+
+
+def _parse_layers(text: str, n_layers: int | None = None) -> list[int]:
+    if text == "auto":
+        return sorted({min(n_layers - 1, round(d * n_layers)) for d in AUTO_DEPTHS})
     try:
         layers = sorted({int(t) for t in text.split(",") if t.strip()})
     except ValueError:
@@ -293,8 +302,6 @@ def _parse_layers(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    out = Path(args.out)
-    layers = _parse_layers(args.layers)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     interactive = sys.stderr.isatty()
     backbone = None
@@ -306,6 +313,10 @@ def run(args: argparse.Namespace) -> dict:
 
             backbone = Backbone(None if args.model == "default" else args.model, device=device, dtype=torch.float32)
         return backbone
+
+    # the default folder and the "auto" layers need the model (its hash, its depth); else it loads only if needed
+    out = Path(args.out) if args.out else sae_dir(bb())
+    layers = _parse_layers(args.layers, bb().n_layers if args.layers == "auto" else None)
 
     def states(name: str, corpus: str, max_tokens, capture) -> tuple[dict, dict]:
         path = out / "vectors" / f"{name}.safetensors"

@@ -44,7 +44,7 @@ class ShapeBackbone:
         return (x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin).to(x.dtype)
 
 
-def make_tiny_model(family: str, folder: Path, layers: int = 4) -> Path:
+def make_tiny_model(family: str, folder: Path, layers: int = 4, head_dim: int = 16) -> Path:
     """A random-weight model of `family` with the default model's tokenizer (for shapes and plumbing only)."""
     import torch
     import transformers
@@ -56,7 +56,8 @@ def make_tiny_model(family: str, folder: Path, layers: int = 4) -> Path:
     tok_source = Backbone.default().folder
     tok = transformers.AutoTokenizer.from_pretrained(tok_source)
     cfg = configs[family](vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                          max_position_embeddings=4096)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(folder)

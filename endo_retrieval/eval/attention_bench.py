@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from endo_retrieval.commands import model_argument
 from endo_retrieval.eval.measure import int_list, length_label, peak_rss_mb
 
 SCHEMA = "endo-bench-attention/1"
@@ -83,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="key counts for the kernel comparison (CUDA only)")
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None, help="a local model folder (default: the embedded SmolLM2-135M)")
+    model_argument(p)
 
 
 def passkey_prompt(backbone, context: str) -> torch.Tensor:

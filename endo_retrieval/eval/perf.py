@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from endo_retrieval.commands import model_argument
 from endo_retrieval.eval.measure import (clock, int_list, length_label, peak_accel_mb, peak_rss_mb, questions_from,
                                          reset_peak, row)
 
@@ -345,7 +346,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=1024, help="context tokens ilre and s3-hybrid keep (default 1024)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per question in e2e (default 64)")
     p.add_argument("--chunk-size", type=int, default=CHUNK, help=f"indexing chunk (default {CHUNK})")
-    p.add_argument("--model", default=None, help="a local model folder (default: the embedded SmolLM2-135M)")
+    model_argument(p)
     p.add_argument("--sae", default=None, help="SAE folder (`endo train-sae --out`; default: the shipped SAEs)")
     p.add_argument("--ilre-layer", type=int, default=None, help="ILRe retrieval layer (default: the calibrated one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated filler text")

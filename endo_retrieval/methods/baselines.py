@@ -39,7 +39,7 @@ class Full:
     name: ClassVar[str] = "full"
 
     def compress(self, context: str, question: str, budget: int = 0) -> Compressed:
-        bb = self.backbone or Backbone.default()
+        bb = Backbone.of(self.backbone)
         n = bb.count_tokens(context)
         return Compressed(context, [Span(0, n, 0, len(context), context, 1.0, ("all",))], n, self.name, budget)
 
@@ -91,7 +91,7 @@ class _ChunkRetriever:
 
     def select(self, prepared, question: str, budget: int) -> Compressed:
         _check_budget(budget)
-        bb = self.backbone or Backbone.default()
+        bb = Backbone.of(self.backbone)
         chunks: Chunks = prepared[0]
         ranked = np.argsort(-self.scores(prepared, question), kind="stable")
         kept, used = [], 0  # (chunk index, span), best first
@@ -128,7 +128,7 @@ class BM25Chunks(_ChunkRetriever):
     def prepare(self, context: str):
         from rank_bm25 import BM25Okapi
 
-        chunks = Chunks.of(self.backbone or Backbone.default(), context, self.chunk_tokens)
+        chunks = Chunks.of(Backbone.of(self.backbone), context, self.chunk_tokens)
         # rank-bm25 rejects empty documents
         return chunks, BM25Okapi([words(t) or ["\0"] for t in chunks.texts]), context
 
@@ -162,7 +162,7 @@ class Dense(_ChunkRetriever):
         return self._encoder
 
     def prepare(self, context: str):
-        chunks = Chunks.of(self.backbone or Backbone.default(), context, self.chunk_tokens)
+        chunks = Chunks.of(Backbone.of(self.backbone), context, self.chunk_tokens)
         return chunks, self.encoder().encode(chunks.texts, normalize_embeddings=True, convert_to_numpy=True), context
 
     def scores(self, prepared, question: str) -> np.ndarray:
@@ -234,7 +234,7 @@ class LongLLMLingua:
         if self._compressor is None:
             from llmlingua import PromptCompressor
 
-            bb = self.backbone or Backbone.default()
+            bb = Backbone.of(self.backbone)
             with _offline_tiktoken(bb.tokenizer):
                 compressor = PromptCompressor(model_name=str(bb.folder), device_map=bb.device.type,
                                               model_config={"trust_remote_code": False})
@@ -246,7 +246,7 @@ class LongLLMLingua:
 
     def compress(self, context: str, question: str, budget: int) -> Compressed:
         _check_budget(budget)
-        bb = self.backbone or Backbone.default()
+        bb = Backbone.of(self.backbone)
         paragraphs = [p for p in context.split("\n\n") if p.strip()]
         # The settings of LongLLMLingua's own multi-document QA recipe (llmlingua README), order kept.
         result = self.compressor().compress_prompt(

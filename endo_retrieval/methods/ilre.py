@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.methods.base import Compressed, Span
-from endo_retrieval.profiles import ilre_profile
+from endo_retrieval.profiles import ilre_profile, ilre_profile_path, missing
 
 DEFAULT_MAX_KERNELS = (2, 4, 8)
 DEFAULT_AVG_KERNELS = tuple(range(1, 17))
@@ -301,16 +301,14 @@ class ILRe:
     positions: str = "frame"
 
     def __post_init__(self):
-        if self.backbone is None:
-            from endo_retrieval.backbone import Backbone
+        from endo_retrieval.backbone import Backbone
 
-            self.backbone = Backbone.default()
+        self.backbone = Backbone.of(self.backbone)  # None: the default model; a path: that model, shared
         if self.layer is None:
             profile = ilre_profile(self.backbone)
             if profile is None:
-                raise ILReError(
-                    f"No ILRe calibration for model {self.backbone.model_id} (hash {self.backbone.model_hash[:12]}). "
-                    "Run `endo calibrate-ilre` to find its retrieval layer, or pass layer=N.")
+                raise ILReError(missing(self.backbone, "ilre", ilre_profile_path(self.backbone))
+                                + " Or pass layer=N.")
             self.layer = int(profile["layer"])
         if not 0 <= self.layer < self.backbone.n_layers:
             raise ILReError(f"layer must lie in 0..{self.backbone.n_layers - 1}, got {self.layer}.")

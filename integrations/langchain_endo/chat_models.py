@@ -66,7 +66,7 @@ class ChatEndo(BaseChatModel):
     _backbone: Backbone = PrivateAttr()
 
     def model_post_init(self, __context: Any) -> None:
-        self._backbone = self.backbone or Backbone.default()
+        self._backbone = Backbone.of(self.backbone)  # a loaded backbone, a model folder or GGUF path, or None
 
     @property
     def _llm_type(self) -> str:

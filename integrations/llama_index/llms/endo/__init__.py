@@ -35,7 +35,7 @@ class EndoLLM(CustomLLM):
     def __init__(self, backbone: Backbone | None = None, max_new_tokens: int = 256, attention: Any = None,
                  **kwargs: Any):
         super().__init__(max_new_tokens=max_new_tokens, attention=attention, **kwargs)
-        self._backbone = backbone or Backbone.default()
+        self._backbone = Backbone.of(backbone)  # a loaded backbone, a model folder or GGUF path, or None
 
     @property
     def backbone(self) -> Backbone:

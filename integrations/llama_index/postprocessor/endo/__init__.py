@@ -28,7 +28,7 @@ class EndoCompressor(BaseNodePostprocessor):
         if method not in COMPRESS_METHODS:
             raise ValueError(f"Unknown compression method {method!r}; use one of {', '.join(COMPRESS_METHODS)}.")
         super().__init__(budget=budget, method=method, **kwargs)
-        self._backbone = backbone or Backbone.default()
+        self._backbone = Backbone.of(backbone)  # a loaded backbone, a model folder or GGUF path, or None
 
     @classmethod
     def class_name(cls) -> str:
