@@ -6,6 +6,7 @@ by `aggregate_heads`. Weights ship under `endo_retrieval/assets/sae/<model-slug>
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -137,6 +138,8 @@ class TopKSAE(nn.Module):
         tensors = {n: p.detach().to("cpu", dtype).contiguous() for n, p in self.named_parameters()}
         self.card = {**self.card, **card, "d_in": self.d_in, "d_latent": self.d_latent, "k": self.k}
         atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"k": str(self.k)}))
+        # safetensors has no checksum: the card's lets a load refuse a flipped bit in the weights
+        self.card["weights_sha256"] = hashlib.sha256((directory / WEIGHTS_FILE).read_bytes()).hexdigest()
         atomic_write(directory / CARD_FILE, lambda p: p.write_text(json.dumps(self.card, indent=1)))
         return directory
 
@@ -146,7 +149,7 @@ class TopKSAE(nn.Module):
         directory = Path(directory)
         card = _read_card(directory / CARD_FILE)
         _check_model(card, expect_model_hash, directory)
-        tensors = _read_weights(directory / WEIGHTS_FILE)
+        tensors = _read_weights(directory / WEIGHTS_FILE, card.get("weights_sha256"))
         shapes = {"W_enc": (card["d_latent"], card["d_in"]), "W_dec": (card["d_latent"], card["d_in"]),
                   "b_enc": (card["d_latent"],), "b_dec": (card["d_in"],)}
         for name, shape in shapes.items():
@@ -166,20 +169,32 @@ def _read_card(path: Path) -> dict:
         card = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SAEError(f"{path} is corrupt ({e}); re-train or re-download the SAE.") from None
+    if not isinstance(card, dict):
+        raise SAEError(f"{path} is corrupt (not a JSON object); re-train or re-download the SAE.")
     missing = [key for key in ("d_in", "d_latent", "k") if key not in card]
     if missing:
         raise SAEError(f"{path} lacks {missing}; re-train or re-download the SAE.")
+    bad = [key for key in ("d_in", "d_latent", "k") if type(card[key]) is not int or not 0 < card[key] < 1 << 24]
+    layers = card.get("layers", [])
+    if bad or not (isinstance(layers, list) and all(type(l) is int and 0 <= l < 1 << 16 for l in layers)) or \
+            not isinstance(card.get("model_hash", ""), (str, type(None))):
+        raise SAEError(f"{path} is corrupt ({', '.join(bad) or 'layers or model_hash'} of the wrong type or range); "
+                       "re-train or re-download the SAE.")
     return card
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+def _read_weights(path: Path, sha256: str | None = None) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     if not path.exists():
         raise SAEError(f"No SAE weights at {path}; re-train or re-download the SAE.")
+    data = path.read_bytes()
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise SAEError(f"{path} is truncated or corrupt (it does not match the checksum in its card.json); "
+                       "re-train or re-download the SAE.")
     try:
-        return load_file(str(path))
+        return load(data)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise SAEError(f"{path} is truncated or corrupt ({e}); re-train or re-download the SAE.") from None
 

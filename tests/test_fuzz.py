@@ -233,3 +233,42 @@ def test_one_5mb_line_without_punctuation_is_indexed_in_bounded_memory():
     print(f"5 MB line: {idx.corpus.n_tokens} tokens, peak RSS grew {grew_mb:.0f} MB")
     assert hits and hits[0].doc_id == "big"
     assert grew_mb < 2000
+
+
+# ---- SAE files ---------------------------------------------------------------------------------------------------
+
+
+def test_damaged_sae_files_are_refused_with_an_sae_error(tmp_path):
+    """Cards and weights of an SAE bank: byte flips (the weights are checked against the card's checksum), truncation,
+    empty or missing files, card fields of the wrong type. Each load is an SAEError or a bank that encodes."""
+    import torch
+
+    from endo_retrieval.sae import SAEBank, SAEError, TopKSAE
+
+    torch.manual_seed(0)
+    SAEBank({l: TopKSAE(16, 64, 4) for l in (0, 1)}, {"d_latent": 64, "k": 4, "model_hash": "h"}).save(tmp_path / "b")
+    rng, outcomes = random.Random(SEED), {"refused": 0, "loaded": 0}
+    for case in range(max(FUZZ_CASES // 5, 200)):
+        work = tmp_path / "w"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(tmp_path / "b", work)
+        path = rng.choice(sorted(p for p in work.rglob("*") if p.is_file()))
+        kind = rng.choice(["flip", "truncate", "empty", "missing", "field"])
+        if kind == "field" and path.suffix == ".json":
+            path.write_text(json.dumps(mutate(json.loads(path.read_text()), rng)))
+        elif kind == "missing":
+            path.unlink()
+        else:
+            data = path.read_bytes()
+            path.write_bytes({"flip": flip(data, rng), "truncate": data[: rng.randrange(len(data))]}.get(kind, b""))
+        try:
+            bank = SAEBank.load(work, "h")
+            bank.encode_keys(bank.layers[0], torch.randn(2, 3, 16))
+            outcomes["loaded"] += 1
+        except SAEError as err:
+            assert any(w in str(err) for w in ("re-train", "Train", "train-sae", "aggregation")), err
+            outcomes["refused"] += 1
+        except Exception as err:  # noqa: BLE001
+            pytest.fail(f"case {case} ({kind} {path.relative_to(work)}): {type(err).__name__}: {err}")
+    print(f"damaged SAE banks: {outcomes}")
+    assert outcomes["refused"] > outcomes["loaded"]

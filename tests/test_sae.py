@@ -1,4 +1,5 @@
 """TopKSAE (Eq. 2-3), head aggregation, files, training and resume: small random data, seconds on CPU."""
+import hashlib
 import json
 import math
 import os
@@ -119,6 +120,7 @@ def test_save_load_roundtrip_and_card(tmp_path):
     x = torch.randn(30, 8)
     assert torch.equal(back.encode(x)[0], sae.encode(x)[0])
     card = json.loads((tmp_path / "s" / "card.json").read_text())
+    assert card.pop("weights_sha256") == hashlib.sha256((tmp_path / "s" / "sae.safetensors").read_bytes()).hexdigest()
     assert card == {"model_hash": "abc", "fvu_k": 0.05, "d_in": 8, "d_latent": 32, "k": 4}
 
 
