@@ -146,3 +146,30 @@ def test_a_killed_worker_fails_the_build_and_the_old_index_stays(tiny, built, tm
     after = EndoIndex.load(folder, bb, saes)
     _same_index(after, before)
     assert [after.search(q) for q in QUESTIONS] == answers
+
+
+def test_bench_scale_section_writes_its_rows(tiny, tmp_path):
+    """`endo bench perf --sections scale` at a tiny size: 1 worker against 2, indexing and ILRe, in one run."""
+    import json
+
+    from endo_retrieval.cli import main
+
+    bb, _, workers, recipe = tiny
+    for w in workers:  # the section starts its own workers on the cluster's 2 CPUs
+        ray.kill(w)
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text("\n\n".join(" ".join(random.Random(i).choice(FILLER) for _ in range(6))
+                                            for i in range(40)))
+    out = tmp_path / "scale.json"
+    assert main(["bench", "perf", "--sections", "scale", "--model", recipe.model, "--sae", recipe.sae,
+                 "--ilre-layer", "2", "--text", str(text), "--scale-tokens", "1024", "--scale-docs", "4",
+                 "--chunk-size", "128", "--budget", "64", "--out", str(out)]) == 0
+    rows = {(r["metric"], r["method"]): r for r in json.loads(out.read_text())["rows"]}
+    for key in [("index_tokens_per_s", "ray-1-worker"), ("index_tokens_per_s", "ray-2-workers"),
+                ("ilre_ms", "ilre-1-worker"), ("ilre_ms", "ilre-2-workers")]:
+        assert rows[key]["value"] > 0 and rows[key]["section"] == "scale"
+    assert rows[("index_speedup", "ray")]["value"] == pytest.approx(
+        rows[("index_tokens_per_s", "ray-2-workers")]["value"] / rows[("index_tokens_per_s", "ray-1-worker")]["value"])
+    assert rows[("ilre_max_abs_diff", "ilre")]["value"] < 1e-5 and rows[("ilre_max_abs_diff", "ilre")]["same_allocation"]
+    assert 0 < rows[("ilre_compute_share", "ilre-1-worker")]["value"] < 1

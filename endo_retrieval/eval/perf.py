@@ -8,6 +8,7 @@ Sections (`--sections`, each measured in one run on the same text):
            corpus size; larger corpora are copies of one indexed text (`tile_index`).
 * e2e    - index or compress, then generate, per question: full / ilre / s3-hybrid (perf_e2e.py).
 * ttft   - time to first token and peak memory, full versus ILRe, optionally on an 8B-shaped random model.
+* scale  - 1 Ray worker against 2 in one run: indexing tokens/s, ILRe over several GPUs (perf_scale.py).
 Rows follow the GUIDE contract (schema endo-bench-perf/1); FILE.md and one PNG per section go beside FILE.json.
 """
 from __future__ import annotations
@@ -28,12 +29,14 @@ from endo_retrieval.eval.measure import (clock, int_list, length_label, peak_acc
                                          reset_peak, row)
 
 SCHEMA = "endo-bench-perf/1"
-SECTIONS = ("index", "memory", "query", "e2e", "ttft")
+DEFAULT_SECTIONS = ("index", "memory", "query", "e2e", "ttft")
+SECTIONS = DEFAULT_SECTIONS + ("scale",)  # scale: Ray workers, asked for by name (perf_scale.py)
 DEFAULT_TEXT = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pg_essays"
 # defaults per device: (index tokens, memory lengths, corpus sizes, e2e lengths, ttft lengths)
 DEFAULTS = {"cuda": (262144, [8192, 65536, 262144, 1048576], [65536, 262144, 1048576, 4194304],
                      [8192, 32768, 131072], [8192, 32768, 131072]),
             "cpu": (16384, [4096, 16384], [16384, 65536], [4096], [2048, 4096, 8192])}
+SCALE_TOKENS = {"cuda": 1048576, "cpu": 16384}  # scale section: tokens indexed, and ILRe's context
 RSS_NOTE = "host RSS is the process maximum so far (lengths run in increasing order)"
 
 
@@ -317,7 +320,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     cuda, cpu = DEFAULTS["cuda"], DEFAULTS["cpu"]
     p.add_argument("--out", required=True, help="FILE.json; FILE.md and FILE.<section>.png go beside it")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated (default all): {', '.join(SECTIONS)}")
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)} "
+                   f"(default all but scale, which needs the ray extra)")
     p.add_argument("--text", default=None, help="folder of .txt files (default ../shared/data/pg_essays, else "
                    "generated filler); repeated back to back when a length needs more")
     p.add_argument("--no-repeat", action="store_true", help="refuse lengths longer than the text instead")
@@ -343,6 +347,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ttft lengths of the 8B-shaped model (default 131072,262144,524288,1048576)")
     p.add_argument("--e2e-lengths-8b", type=int_list, default=[32768, 131072],
                    help="e2e lengths of the 8B-shaped model (default 32768,131072)")
+    p.add_argument("--scale-tokens", type=int, default=None, help=f"scale section: tokens indexed and ILRe's "
+                   f"context (default {SCALE_TOKENS['cuda']} on CUDA, {SCALE_TOKENS['cpu']} on CPU)")
+    p.add_argument("--scale-docs", type=int, default=64, help="scale section: documents the text is cut into (64)")
+    p.add_argument("--scale-workers", type=int, default=2, help="scale section: Ray workers beside one (default 2)")
+    p.add_argument("--ray", default=None, metavar="ADDRESS", help="scale section: the Ray cluster to join "
+                   "(default: a local one, a worker per GPU)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="scale section: the accelerator's dense bf16 "
+                   "peak for ILRe's compute share (default 989, an H100 SXM)")
     p.add_argument("--budget", type=int, default=1024, help="context tokens ilre and s3-hybrid keep (default 1024)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per question in e2e (default 64)")
     p.add_argument("--chunk-size", type=int, default=CHUNK, help=f"indexing chunk (default {CHUNK})")
@@ -364,6 +376,7 @@ def resolve_settings(args, device: str) -> dict:
          "ttft_lengths": args.ttft_lengths or ttft, "ttft_lengths_8b": args.ttft_lengths_8b,
          "e2e_lengths_8b": args.e2e_lengths_8b}
     s["query_base"] = args.query_base or min(s["corpus_sizes"])
+    s["scale_tokens"] = args.scale_tokens or SCALE_TOKENS["cuda" if device == "cuda" else "cpu"]
     for name in ("index_tokens", "query_base", "query_questions", "questions", "budget", "max_new_tokens",
                  "chunk_size"):
         value = s.get(name, getattr(args, name))
@@ -390,7 +403,7 @@ def longest(s: dict, random_8b: bool) -> int:
     """The most text any chosen section takes from the source (the 8B lengths only count when asked for)."""
     need = {"index": [s["index_tokens"]], "memory": s["lengths"], "query": [s["query_base"]],
             "e2e": s["e2e_lengths"] + (s["e2e_lengths_8b"] if random_8b else []),
-            "ttft": s["ttft_lengths"] + (s["ttft_lengths_8b"] if random_8b else [])}
+            "ttft": s["ttft_lengths"] + (s["ttft_lengths_8b"] if random_8b else []), "scale": [s["scale_tokens"]]}
     return max(max(need[name]) for name in s["sections"])
 
 
@@ -526,7 +539,7 @@ def run(args) -> int:
               "ttft_fit": []}
     s, rows = settings, result["rows"]
     steps = {"index": 1, "memory": 2 * len(s["lengths"]), "query": len(s["corpus_sizes"]) * args.query_questions,
-             "e2e": len(s["e2e_lengths"]), "ttft": len(s["ttft_lengths"])}
+             "e2e": len(s["e2e_lengths"]), "ttft": len(s["ttft_lengths"]), "scale": 1}
     bar = tqdm(total=sum(steps[name] for name in s["sections"]), desc="perf", disable=None)
     for section in s["sections"]:
         bar.set_postfix_str(section)
@@ -545,6 +558,11 @@ def run(args) -> int:
                                      args.chunk_size, bar=bar)
             rows += new
             result["ttft_fit"] += perf_e2e.fits(new, backbone.model_id)
+        elif section == "scale":
+            from endo_retrieval.eval.perf_scale import scale_rows
+
+            rows += scale_rows(source, s["scale_tokens"], args, args.scale_workers)
+            bar.update()
         write_outputs(result, out, plots=False)  # after every section: a later failure keeps what was measured
     bar.close()
     if {"e2e", "ttft"} & set(s["sections"]) and args.random_llama_8b:
