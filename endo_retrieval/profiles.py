@@ -19,11 +19,13 @@ MAKERS = {"sae": ("endo train-sae", "SAEs (for s3 and s3-hybrid)"), "ilre": ("en
 
 
 def user_artefacts(backbone) -> Path:
-    """Where a model's artefacts live when the package ships none for it: the cache, under the model's name and
-    hash. `endo train-sae`, `endo calibrate-ilre` and `endo calibrate-heads` write there by default."""
+    """Where a model's artefacts live when the package ships none for it: the cache, in a folder named after the
+    model and its hash, found again by the hash alone (a renamed or moved model keeps its files). `endo
+    train-sae`, `endo calibrate-ilre` and `endo calibrate-heads` write there by default."""
     from endo_retrieval.backbone import cache_dir
 
-    return cache_dir() / "artefacts" / f"{model_slug(backbone.model_id)}-{backbone.model_hash[:12]}"
+    root, tag = cache_dir() / "artefacts", backbone.model_hash[:12]
+    return next(iter(sorted(root.glob(f"*-{tag}"))), root / f"{model_slug(backbone.model_id)}-{tag}")
 
 
 def _shipped_or_user(backbone, kind: str, name: str) -> Path:

@@ -5,6 +5,7 @@ gets an error that says what to do. (Random weights: plumbing, not quality.)"""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,8 @@ def test_train_sae_then_index_from_the_command_line(models, docs_dir, tmp_path, 
     capsys.readouterr()
     assert main(["index", str(docs_dir), "--out", str(tmp_path / "ix"), "--model", str(folder)]) == 0
     assert main(["query", str(tmp_path / "ix"), QUESTION, "--model", str(folder), "--json"]) == 0
+    renamed = shutil.copytree(folder, tmp_path / "renamed")  # the files are found by the weights' hash, not the name
+    assert SAEBank.for_backbone(Backbone.of(str(renamed))).layers == [0, 1, 2]
 
 
 def test_unsupported_family_is_refused_with_the_reason(tmp_path, monkeypatch):
