@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from endo_retrieval.commands import model_argument
 from endo_retrieval.engine import SEARCH_METHODS, Document, EndoIndex
 from endo_retrieval.files import writer_lock
 
@@ -41,9 +42,9 @@ class IndexHolder:
     """The served index: loaded from (or later saved to) `folder`, created on first use. Tools run in worker
     threads, so a search never sees a half-added document."""
 
-    def __init__(self, folder: str | None, method: str):
+    def __init__(self, folder: str | None, method: str, model: str | None = None):
         self.folder = Path(folder) if folder else None
-        self.method = method
+        self.method, self.model = method, model  # model: a folder or GGUF path, None for the default model
         self._index: EndoIndex | None = None
         self._lock = threading.RLock()
 
@@ -51,7 +52,8 @@ class IndexHolder:
         with self._lock:
             if self._index is None:
                 exists = self.folder is not None and (self.folder / "endo-index.json").exists()
-                self._index = EndoIndex.load(self.folder) if exists else EndoIndex(method=self.method)
+                self._index = EndoIndex.load(self.folder, self.model) if exists else \
+                    EndoIndex(self.model, method=self.method)
             return self._index
 
     def search(self, question: str, k: int, budget: int | None) -> list:
@@ -117,13 +119,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--method", default="s3-hybrid", choices=SEARCH_METHODS, help="retrieval method")
     parser.add_argument("--k", type=int, default=4, help="default number of evidence spans per search")
     parser.add_argument("--budget", type=int, default=None, help="default token budget per search")
+    model_argument(parser)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     if args.index and Path(args.index).exists() and not (Path(args.index) / "endo-index.json").exists():
         raise ValueError(f"{args.index} exists but holds no endo index; pass an index folder or a new path.")
-    build_server(IndexHolder(args.index, args.method), args.k, args.budget).run("stdio")
+    build_server(IndexHolder(args.index, args.method, args.model), args.k, args.budget).run("stdio")
     return 0
 
 

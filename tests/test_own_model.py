@@ -99,6 +99,10 @@ def test_index_query_retrieve_and_compress(models, docs_dir, tmp_path, capsys, f
     assert 1 <= len(hits) <= 2
     for h in hits:
         assert DOCS[Path(h["doc_id"]).name][h["char_start"]:h["char_end"]] == h["text"]
+    from endo_retrieval.mcp_server import IndexHolder  # what `endo mcp --index DIR --model PATH` serves
+
+    assert [s.text for s in IndexHolder(str(index), "s3-hybrid", path).search(QUESTION, 2, None)] == \
+        [h["text"] for h in hits]
 
     context = FILLER + DOCS["vault.txt"]
     out = compress(context, QUESTION, budget=48, backbone=path)
