@@ -125,8 +125,8 @@ def scale_rows(source, n: int, args, workers: int = 2) -> list[dict]:
         seconds[w] = time.perf_counter() - t
         rows.append(row("scale", "ilre_ms", f"ilre-{w}-worker{'s' * (w > 1)}", len(context), seconds[w] * 1000, "ms",
                         dev, workers=w, model=label, layer=ilre.layer,
-                        note=f"A^C at l_R over the whole context, chunks split over {w} {per}(s); "
-                             + ("RANDOM weights: timing only" if args.random_llama_8b else "")))
+                        note=f"A^C at l_R over the whole context, chunks split over {w} {per}(s)"
+                             + ("; RANDOM weights: timing only" if args.random_llama_8b else "")))
     rows.append(row("scale", "ilre_speedup", "ilre", len(context), seconds[1] / seconds[workers], "ratio", dev,
                     workers=workers, model=label))
     same = np.array_equal(ilre._allocate(result[1], args.budget), ilre._allocate(result[workers], args.budget))
