@@ -121,6 +121,13 @@ def test_index_query_retrieve_and_compress(models, docs_dir, tmp_path, capsys, f
     assert 1 <= len(nodes) <= 2
     assert all(n.node.text in DOCS[n.node.metadata["doc_id"]] for n in nodes)
 
+    pytest.importorskip("langchain_core")
+    from langchain_endo import EndoRetriever as LCRetriever
+
+    lc = LCRetriever(texts=list(DOCS.values()), backbone=path, k=2)
+    assert lc.index.backbone is bb
+    assert [d.page_content for d in lc.invoke(QUESTION)] == [n.node.text for n in nodes]  # same index, same spans
+
 
 def test_ilre_and_heads_without_their_profile_name_the_command(models):
     from endo_retrieval.methods import REGISTRY, get_method
