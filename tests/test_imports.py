@@ -93,7 +93,7 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-@pytest.mark.parametrize("pattern", UNSAFE_LOADS)
+@pytest.mark.parametrize("pattern", UNSAFE_LOADS, ids=["torch.load", "np.load"])
 def test_no_file_is_loaded_with_pickle(pattern):
     """torch.load and np.load may unpickle, which runs code; everything the project reads is tensors or arrays."""
     hits = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
