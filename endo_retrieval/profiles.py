@@ -71,13 +71,17 @@ def sae_card(backbone) -> dict | None:
     return {k: card.get(k) for k in keys} | {k: v for k, v in card.items() if k not in keys}
 
 
-def ilre_profile(backbone) -> dict | None:
-    """The calibrated ILRe profile ({"layer": l_R, "recall": {...}, ...}) or None."""
-    path = ilre_profile_path(backbone)
+def _read_profile(backbone, path: Path) -> dict | None:
+    """The JSON profile at `path` when it exists and was made for this model (the hash it records), else None."""
     if not path.exists():
         return None
     profile = json.loads(path.read_text())
     return profile if profile.get("model_hash") in (None, backbone.model_hash) else None
+
+
+def ilre_profile(backbone) -> dict | None:
+    """The calibrated ILRe profile ({"layer": l_R, "recall": {...}, ...}) or None."""
+    return _read_profile(backbone, ilre_profile_path(backbone))
 
 
 def heads_profile_path(backbone) -> Path:
@@ -86,8 +90,4 @@ def heads_profile_path(backbone) -> Path:
 
 def heads_profile(backbone) -> dict | None:
     """The calibrated retrieval-heads profile ({"heads": [[layer, head], ...], "fusion": {...}, ...}) or None."""
-    path = heads_profile_path(backbone)
-    if not path.exists():
-        return None
-    profile = json.loads(path.read_text())
-    return profile if profile.get("model_hash") in (None, backbone.model_hash) else None
+    return _read_profile(backbone, heads_profile_path(backbone))
