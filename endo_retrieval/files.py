@@ -170,8 +170,8 @@ def read_folder(directory: str | os.PathLike, read: Callable[[Callable[[str], Bi
         try:
             return read(_opener(folder, fd))
         except FileNotFoundError:
-            if _still(folder, fd):
-                raise  # the folder is unchanged: the file is really missing
+            if folder == directory and _still(folder, fd):
+                raise  # the folder is unchanged: the file is really missing (a set-aside one is always on its way out)
         finally:
             os.close(fd)
     raise IndexBusyError(f"{directory} was replaced {READ_ATTEMPTS} times while it was read; retry when the "
@@ -185,12 +185,13 @@ def _opener(folder: Path, fd: int) -> Callable[[str], BinaryIO]:
 
 
 def _still(folder: Path, fd: int) -> bool:
-    """Whether `folder` still names the folder open as `fd`."""
+    """Whether `folder` still names the folder open as `fd` (a removed folder has no links: its inode number may
+    already name the next one)."""
     try:
         now, pinned = os.stat(folder), os.fstat(fd)
     except FileNotFoundError:
         return False
-    return (now.st_dev, now.st_ino) == (pinned.st_dev, pinned.st_ino)
+    return pinned.st_nlink > 0 and (now.st_dev, now.st_ino) == (pinned.st_dev, pinned.st_ino)
 
 
 # ---- one writer at a time --------------------------------------------------------------------------------------

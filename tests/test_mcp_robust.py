@@ -45,7 +45,8 @@ def test_bad_calls_get_errors_and_the_server_keeps_serving(tmp_path):
             docs = [{"doc_id": k, "text": v} for k, v in DOCS.items()]
             assert (await call(client, "add_documents", {"documents": docs}))[0] is False
             bad = [("no_such_tool", {}), ("search_evidence", {}), ("search_evidence", {"question": 5}),
-                   ("search_evidence", {"question": "q?", "k": "many"}), ("search_evidence", {"question": "q?", "k": -3}),
+                   ("search_evidence", {"question": "q?", "k": "many"}),
+                   ("search_evidence", {"question": "q?", "k": -3}),
                    ("search_evidence", {"question": "x" * (MAX_QUESTION_CHARS + 1)}),
                    ("search_evidence", {"question": "\ud800?"}), ("search_evidence", {"question": "   "}),
                    ("add_documents", {"documents": "not a list"}), ("add_documents", {"documents": [{"text": "t"}]}),
