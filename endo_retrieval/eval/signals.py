@@ -64,7 +64,6 @@ def run(args) -> int:
             sig = endo.signals(prepared, e.question)
             sig["endo"] = fuse(sig, endo.weights)
             sig["rrf(heads,bm25)"] = rrf(sig["heads"], sig["bm25"])
-            sig.pop("lead_tail")
             lengths = np.diff(np.append(prepared.sentence_starts, prepared.corpus.n_positions))
             gold = gold_sentences(prepared, e.supporting)
             golds.append(gold)
