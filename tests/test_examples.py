@@ -12,6 +12,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXPECTED = {  # example -> (a package it needs, the fact its answer must contain)
     "llamaindex_query_engine.py": ("llama_index.core", "lodzite"),
     "llamaindex_vector_compress.py": ("sentence_transformers", "Gdansk"),
+    "vector_store_rerank.py": ("sentence_transformers", "Gdansk"),
     "langchain_lcel.py": ("langchain_classic", "green"),
     "agent_tool.py": ("langchain.agents", "seven"),
 }

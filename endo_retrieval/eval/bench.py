@@ -16,6 +16,7 @@ BENCHES = {
     "perf": ("endo_retrieval.eval.perf", "", "indexing and query speed, memory"),
     "attention": ("endo_retrieval.eval.attention_bench", "", "decode-time sparse attention backends"),
     "signals": ("endo_retrieval.eval.signals", "", "each ranking signal alone, and what it finds that BM25 misses"),
+    "rerank": ("endo_retrieval.eval.rerank", "", "a MiniLM vector store alone and followed by the heads reranker"),
 }
 
 

@@ -4,7 +4,8 @@
 - `open_index`: build, load, or build-and-save an `EndoIndex` with the checks every adapter wants;
 - `provenance`: the metadata an evidence span carries back into a framework (document id, character offsets);
 - `compress_passages`: the S3 paper's compression of one long context, applied to the passages another retriever
-  returned, with each kept piece mapped back to the passage it came from.
+  returned, with each kept piece mapped back to the passage it came from;
+- `rerank_passages`: the retrieval heads' score of each passage another retriever returned, best first.
 """
 from __future__ import annotations
 
@@ -92,3 +93,29 @@ def _join(text: str, spans: list[tuple[int, int]]) -> str:
     for (_, prev_end), (a, b) in zip(spans, spans[1:]):
         out.append(text[a:b] if a == prev_end else "\n" + text[a:b])
     return "".join(out)
+
+
+# The model reads the candidates with the first stage's best last, nearest the question: chosen over the first
+# stage's own order on calib100's gold-only paragraphs (`endo bench rerank --order`: a tie keeping 5 of 20, 230
+# against 226 gold sentences keeping 2; docs/quality/rerank_calib100*.md).
+RERANK_BEST_LAST = True
+
+
+def rerank_passages(passages: Sequence[str], question: str, top_n: int, backbone=None,
+                    best_last: bool = RERANK_BEST_LAST) -> list[tuple[int, float]]:
+    """(passage index, score) of the `top_n` passages with the highest retrieval-heads score
+    (`endo_retrieval.methods.heads.rank_passages`), best first; ties keep the first stage's order. `passages`
+    come in the first stage's order, best first; `best_last` hands them to the model reversed."""
+    from endo_retrieval.backbone import Backbone
+    from endo_retrieval.methods.heads import rank_passages
+
+    if isinstance(top_n, bool) or not isinstance(top_n, (int, np.integer)) or top_n <= 0:
+        raise ValueError(f"top_n must be a positive whole number of passages to keep, got {top_n!r}.")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("Reranking needs the question (the query string): the heads rank passages by its attention.")
+    if not passages:
+        return []
+    order = np.arange(len(passages))[::-1] if best_last else np.arange(len(passages))
+    scores = np.empty(len(passages))
+    scores[order] = rank_passages(Backbone.of(backbone), [passages[i] for i in order], question)
+    return [(int(i), float(scores[i])) for i in np.argsort(-scores, kind="stable")[:top_n]]

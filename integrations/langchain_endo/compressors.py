@@ -2,6 +2,8 @@
 
 The documents any retriever returned are read as one context by the local LM and cut down to the endogenous
 evidence under one token budget (seed 000, Eq. 8; or ILRe, seed 001), keeping their order and metadata.
+EndoReranker re-orders them by the model's query-focused retrieval heads (QRHead, calibrated as in In-Context
+Re-ranking) and keeps the best `top_n`.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
 from pydantic import ConfigDict, Field, field_validator
 
-from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages
+from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages, rerank_passages
 
 
 class EndoDocumentCompressor(BaseDocumentCompressor):
@@ -41,4 +43,19 @@ class EndoDocumentCompressor(BaseDocumentCompressor):
                 for k in kept]
 
 
-__all__ = ["EndoDocumentCompressor"]
+class EndoReranker(BaseDocumentCompressor):
+    """The `top_n` documents the retrieval heads score highest, best first, each with `metadata["endo_score"]`."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    top_n: int = Field(default=5, gt=0, strict=True)
+    backbone: Any = Field(default=None, exclude=True, repr=False)
+
+    def compress_documents(self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
+                           ) -> Sequence[Document]:
+        ranked = rerank_passages([d.page_content for d in documents], query, self.top_n, self.backbone)
+        return [Document(page_content=documents[i].page_content, id=documents[i].id,
+                         metadata={**documents[i].metadata, "endo_score": score}) for i, score in ranked]
+
+
+__all__ = ["EndoDocumentCompressor", "EndoReranker"]

@@ -1,8 +1,11 @@
-"""`llama_index.postprocessor.endo`: the S3 paper's context compression as a LlamaIndex node postprocessor.
+"""`llama_index.postprocessor.endo`: the S3 paper's context compression as a LlamaIndex node postprocessor, and
+the retrieval heads as a reranker.
 
 Whatever retriever ran first (a vector store, BM25, ...), its nodes are read as one context by the local LM and
 cut down to the endogenous evidence under a token budget (seed 000, Eq. 8; or ILRe, seed 001). Nodes keep their
 order and score; each kept node holds only its evidence and links back to the node it was cut from.
+EndoReranker re-orders the nodes by the model's query-focused retrieval heads (QRHead, calibrated as in In-Context
+Re-ranking) and keeps the best `top_n`.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeRelationship, NodeWithScore, QueryBundle, TextNode
 
 from endo_retrieval.backbone import Backbone
-from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages
+from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages, rerank_passages
 
 
 class EndoCompressor(BaseNodePostprocessor):
@@ -64,4 +67,28 @@ class EndoCompressor(BaseNodePostprocessor):
         return NodeWithScore(node=node_text, score=retrieved.score)
 
 
-__all__ = ["EndoCompressor"]
+class EndoReranker(BaseNodePostprocessor):
+    """The `top_n` nodes the retrieval heads score highest, best first; each node's score becomes the heads'."""
+
+    top_n: int = Field(default=5, gt=0, strict=True, description="how many nodes to keep")
+    _backbone: Backbone = PrivateAttr()
+
+    def __init__(self, top_n: int = 5, backbone: Backbone | None = None, **kwargs: Any):
+        super().__init__(top_n=top_n, **kwargs)
+        self._backbone = Backbone.of(backbone)  # a loaded backbone, a model folder or GGUF path, or None
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "EndoReranker"
+
+    def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+                           ) -> list[NodeWithScore]:
+        if query_bundle is None:
+            raise ValueError("EndoReranker needs the query: call postprocess_nodes(nodes, query_str=...) or use it "
+                             "inside a query engine.")
+        passages = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in nodes]
+        ranked = rerank_passages(passages, query_bundle.query_str, self.top_n, self._backbone)
+        return [NodeWithScore(node=nodes[i].node, score=score) for i, score in ranked]
+
+
+__all__ = ["EndoCompressor", "EndoReranker"]
