@@ -76,7 +76,8 @@ def test_llamaindex_query_engine_puts_the_answer_first(question, llama_retriever
     expected = heads_scores(backbone, CASES[question], question)
     order = np.argsort(-expected, kind="stable")[:2]
     assert [h.node.node_id for h in hits] == [f"p{i}" for i in order]
-    assert [h.score for h in hits] == pytest.approx(expected[order].tolist())  # the heads' scores replace the first stage's
+    assert [h.score for h in hits] == pytest.approx(expected[order].tolist())  # the heads' scores, not the first's
+    assert EndoReranker()._backbone is backbone  # backbone=None: the shared default model
 
 
 def test_llamaindex_errors():
