@@ -91,7 +91,7 @@ def _show(text: str, gold: list[str], color: bool) -> str:
 
 
 def run(args) -> int:
-    from endo_retrieval import Backbone, EndoIndex
+    from endo_retrieval import Backbone, EndoIndex, compress
     from endo_retrieval.methods.s3 import join_spans
 
     color = sys.stdout.isatty()
@@ -116,7 +116,15 @@ def run(args) -> int:
         for s in sorted(spans, key=lambda s: s.start):
             print(f"  [{s.doc_id} {'+'.join(s.signals)}] {_show(s.text, gold, color)}")
         print()
-    for method in ("s3-hybrid", "bm25"):
+    t = time.perf_counter()  # endo reads the notes as one context: the retrieval heads and BM25, fused
+    out = compress("\n\n".join(d.text for d in docs), QUESTION, args.budget, method="endo", backbone=bb)
+    evidence["endo"] = out.text
+    print(f"--- endo: {sum(g in out.text for g in gold)}/{len(gold)} gold sentences, answer "
+          f"{'found' if ANSWER in out.text else 'missing'} ({time.perf_counter() - t:.2f}s)")
+    for s in out.spans:
+        print(f"  [{'+'.join(s.signals)}] {_show(s.text, gold, color)}")
+    print()
+    for method in ("endo", "s3-hybrid", "bm25"):
         prompt = (f"Use the notes to answer.\nNotes:\n{evidence[method]}\n\nQuestion: {QUESTION}\n"
                   "Answer with the town name only.")
         answer = bb.generate(prompt, max_new_tokens=16)

@@ -160,7 +160,7 @@ def run(args) -> dict:
     from endo_retrieval.eval.data import PARAGRAPH_SEPARATOR, load_examples
     from endo_retrieval.profiles import ilre_profile
 
-    bb = Backbone(args.model, device=args.device)
+    bb = Backbone.of(args.model, device=args.device)
     specs = args.data or [str(DEFAULT_DATA)]
     budgets = args.budgets or [L // 8 for L in args.context_tokens]
     if len(budgets) != len(args.context_tokens):

@@ -182,7 +182,7 @@ def test_resume_computes_nothing_already_done(tmp_path, tiny, toy_methods, monke
 
 
 def test_unknown_method_lists_the_known_ones(capsys):
-    with pytest.raises(ValueError, match="known methods: full, s3, s3-hybrid, ilre, bm25, bm25-sent, dense"):
+    with pytest.raises(ValueError, match="known methods: full, s3, s3-hybrid, ilre, heads, endo, bm25, bm25-sent, dense"):
         runner.parse_methods("s3,nope")
     from endo_retrieval.cli import main
 

@@ -158,10 +158,12 @@ def signals(backbone, prepared: Prepared, question: str, heads, ilre_layer: int 
                                                layers=[ilre_layer] if ilre_layer is not None else [])
     out = {"bm25": prepared.bm25.sentence_scores(question), "heads": sentence_max(calibrated, starts).sum(0)}
     if ilre_layer is not None:  # ILRe Eq. 4-5 at l_R: max over heads and query positions; a sentence takes its max
-        q, keys = queries[ilre_layer].float(), prepared.reading.keys[ilre_layer].float()
-        keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], 0)
-        mass = (q @ keys.transpose(1, 2) / q.shape[-1] ** 0.5).softmax(-1).amax(dim=(0, 1)).cpu().numpy()
-        out["ilre"] = np.maximum.reduceat(mass, starts)
+        mass = []
+        for segment, q in zip(prepared.reading.segments, queries):
+            q, keys = q[ilre_layer].float(), segment.keys[ilre_layer].to(q[ilre_layer].device).float()
+            keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], 0)
+            mass.append((q @ keys.transpose(1, 2) / q.shape[-1] ** 0.5).softmax(-1).amax(dim=(0, 1)).cpu().numpy())
+        out["ilre"] = np.maximum.reduceat(np.concatenate(mass), starts)
     if second_hop:
         first = np.argsort(-rrf(out["heads"], out["bm25"]), kind="stable")[:HOP_SENTENCES]
         evidence = " ".join(prepared.sentence_text(int(i)).strip() for i in sorted(first))

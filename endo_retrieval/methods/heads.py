@@ -9,10 +9,12 @@ In-Context Re-ranking (Chen et al., ICLR 2025): subtract the same mass under a c
 removes what the model attends to whatever the question (the first tokens, punctuation, recent tokens).
 
 The model reads the context once (`read`), then any number of query parts (`ask`): the question, the content-free
-question, a second hop. A context inside the trained window is read in one causal forward whose KV cache the query
-parts continue; a longer one streams in chunks behind S sink + W window tokens (ILRe's prefill, section 3.3) and
-the query part is forwarded behind the same frame, so accelerator memory is bounded by sink + window + chunk plus
-the heads' key cache (a few layers x n_kv x L x d). The heads' layers are the deepest layer that runs.
+question, a second hop. It reads in segments (default: the model's trained window) cut at sentence starts, one
+causal forward each with its own KV cache, and a query part is read after every segment: within a segment the
+question sees every token at every layer, as in one forward. Long contexts keep the segments' caches in host
+memory, so the accelerator holds one segment at a time. `stream=True` reads with ILRe's streaming prefill instead
+(section 3.3: chunks behind S sink + W window tokens), bounded without segments, but the question then sees only
+the frame at the lower layers and the heads rank worse (docs/papers.md has both measurements).
 """
 from __future__ import annotations
 
@@ -40,93 +42,145 @@ class HeadsError(ValueError):
 # ---------------------------------------------------------------- reading the context, asking a query part
 
 
+HOST_CACHES_FROM = 32768  # contexts at least this long keep their segments' caches in host memory between questions
+
+
+@dataclass
+class Segment:
+    """One piece of a read context: its first token, its keys at the heads' layers (RoPE-rotated at the positions
+    they were computed at) and what a query part continues from: the segment's KV cache (layers 0..max(layers)),
+    or for a streamed reading the sink + window frame."""
+
+    start: int
+    keys: dict[int, torch.Tensor]  # layer -> (n_kv, T, d)
+    cache: object | None = None
+    frame_ids: np.ndarray | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return next(iter(self.keys.values())).shape[1]
+
+
 @dataclass
 class Reading:
-    """What reading a context leaves for its query parts: RoPE-rotated keys at the heads' layers and the state a
-    query part continues from (a KV cache of the whole context, or the streamed sink + window frame)."""
-
     n_tokens: int
-    keys: dict[int, torch.Tensor]  # layer -> (n_kv, L, d), rotated at the positions the keys were computed at
-    cache: object | None  # DynamicCache of layers 0..max(layers) (one-forward reading), else None
-    frame_ids: np.ndarray | None  # streamed reading: the sink + window tokens a query part sees
+    segments: list[Segment]
+    on_host: bool = False  # the segments' caches and keys wait in host memory; each comes over when asked
 
     @property
     def streamed(self) -> bool:
-        return self.cache is None
+        return self.segments[0].cache is None
 
 
-def read(backbone, ids: np.ndarray, layers: Sequence[int], *, one_forward: int | None = None, sink: int = 4,
-         window: int = 512, chunk_size: int = 2048) -> Reading:
-    """Forward the context up to max(layers) and keep its keys at `layers`.
+def segment_cuts(sentence_starts: np.ndarray, n_tokens: int, segment: int) -> list[int]:
+    """Segment bounds [0, ..., n_tokens]: each segment as long as possible up to `segment` tokens, cut at a
+    sentence start (a sentence longer than a segment is cut inside)."""
+    starts, cuts = np.asarray(sentence_starts), [0]
+    while n_tokens - cuts[-1] > segment:
+        fits = starts[(starts > cuts[-1]) & (starts <= cuts[-1] + segment)]
+        cuts.append(int(fits[-1]) if len(fits) else cuts[-1] + segment)
+    return cuts + [n_tokens]
 
-    Contexts of at most `one_forward` tokens (default: the model's trained window) are read in one causal forward
-    with a KV cache; longer ones stream chunk by chunk behind a sink + window frame (positions framed, as ILRe's
-    default), so that no query-key distance leaves the trained window and memory does not grow with the context
-    beyond the heads' own keys."""
+
+def read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[int] | None = None,
+         stream: bool = False, sink: int = 4, window: int = 512, chunk_size: int = 2048) -> Reading:
+    """Forward the context up to max(layers) and keep what its query parts need.
+
+    Default: one causal forward per segment (`cuts`, default one segment), each with its own KV cache, so a query
+    part read after a segment sees all of it at every layer; contexts past HOST_CACHES_FROM tokens keep the caches
+    in host memory, and accelerator memory holds one segment at a time. stream=True: ILRe's streaming prefill
+    instead (chunks behind S sink + W window tokens, positions framed), whose query part sees only the frame at
+    the lower layers: memory is bounded without segments, but the heads rank worse (docs/papers.md)."""
     ids = np.asarray(ids, dtype=np.int64)
     layers = sorted({int(l) for l in layers})
-    limit = one_forward if one_forward is not None else (backbone.max_position or 8192)
     if len(ids) == 0:
         raise HeadsError("The context is empty; give at least one token of text.")
-    if len(ids) <= limit:
-        from transformers import DynamicCache
+    if stream:
+        keys = {l: torch.empty(backbone.n_kv_heads, len(ids), backbone.head_dim, device=backbone.device,
+                               dtype=backbone.dtype) for l in layers}  # bf16 on a GPU: 2 bytes per key element
+        for ch in backbone.stream(ids, layers, chunk_size=chunk_size, mode="sink_window", sink=sink, window=window,
+                                  capture=("k",)):
+            for l in layers:
+                keys[l][:, ch.start:ch.end] = backbone.apply_rope(ch.keys[l], ch.rope_positions)
+        frame = np.concatenate([ids[:sink], ids[max(sink, len(ids) - window):]])
+        return Reading(len(ids), [Segment(0, keys, None, frame)])
+    from transformers import DynamicCache
 
+    cuts = list(cuts) if cuts is not None else [0, len(ids)]
+    on_host = len(ids) >= HOST_CACHES_FROM and backbone.device.type != "cpu"
+    segments = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
         cache = DynamicCache()
-        x = torch.as_tensor(ids, device=backbone.device)[None]
+        x = torch.as_tensor(ids[a:b], device=backbone.device)[None]
         with backbone._lock, torch.inference_mode(), backbone._run_to(layers[-1], layers, ("k",)) as store:
             backbone.model.model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
                                  use_cache=True)
-        positions = torch.arange(len(ids), device=backbone.device)
+        positions = torch.arange(b - a, device=backbone.device)
         keys = {l: backbone.apply_rope(store["k"][l], positions).to(backbone.dtype) for l in layers}
-        return Reading(len(ids), keys, cache, None)
-    keys = {l: torch.empty(backbone.n_kv_heads, len(ids), backbone.head_dim, device=backbone.device,
-                           dtype=backbone.dtype) for l in layers}  # bf16 on a GPU: 2 bytes per key element
-    for ch in backbone.stream(ids, layers, chunk_size=chunk_size, mode="sink_window", sink=sink, window=window,
-                              capture=("k",)):
-        for l in layers:
-            keys[l][:, ch.start:ch.end] = backbone.apply_rope(ch.keys[l], ch.rope_positions)
-    frame = np.concatenate([ids[:sink], ids[max(sink, len(ids) - window):]])
-    return Reading(len(ids), keys, None, frame)
+        if on_host:
+            _move_cache(cache, "cpu")
+            keys = {l: _to(k, "cpu") for l, k in keys.items()}
+        segments.append(Segment(a, keys, cache))
+    return Reading(len(ids), segments, on_host)
 
 
-def ask(backbone, reading: Reading, query_ids: np.ndarray, layers: Sequence[int]) -> dict[int, torch.Tensor]:
-    """RoPE-rotated queries of a query part read after the context: layer -> (n_heads, Lq, d). The KV cache is
-    cropped back afterwards, so the reading serves the next query part unchanged."""
+def _move_cache(cache, device) -> None:
+    """Move a KV cache's tensors to `device` in place (pinned in host memory, so they come back quickly)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = (_to(t, device) for t in (layer.keys, layer.values))
+
+
+def _to(t: torch.Tensor, device) -> torch.Tensor:
+    return t.cpu().pin_memory() if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
+
+
+def ask(backbone, reading: Reading, query_ids: np.ndarray, layers: Sequence[int]) -> list[dict[int, torch.Tensor]]:
+    """A query part read after each segment: per segment, its RoPE-rotated queries, layer -> (n_heads, Lq, d).
+    Each cache is cropped back afterwards, so the reading serves the next query part unchanged."""
     query_ids = np.asarray(query_ids, dtype=np.int64)
     layers = sorted({int(l) for l in layers})
     if reading.streamed:  # the query part behind the frame, as ILRe's prefill forwards it (split at the context)
-        ids = np.concatenate([reading.frame_ids, query_ids])
-        start = len(reading.frame_ids)
-        out = {}
+        ids = np.concatenate([reading.segments[0].frame_ids, query_ids])
+        start = len(reading.segments[0].frame_ids)
+        positions = torch.arange(start, len(ids), device=backbone.device)
         for ch in backbone.stream(ids, layers, chunk_size=len(ids), capture=("q",)):
-            positions = torch.arange(start, len(ids), device=backbone.device)
-            out = {l: backbone.apply_rope(q[:, start:], positions) for l, q in ch.queries.items()}
-        return out
-    n = reading.n_tokens
-    x = torch.as_tensor(query_ids, device=backbone.device)[None]
-    positions = torch.arange(n, n + len(query_ids), device=backbone.device)
-    with backbone._lock, torch.inference_mode(), backbone._run_to(layers[-1], layers, ("q",)) as store:
-        try:
-            backbone.model.model(input_ids=x, position_ids=positions[None], past_key_values=reading.cache,
-                                 attention_mask=torch.ones(1, n + len(query_ids), dtype=torch.long,
-                                                           device=backbone.device), use_cache=True)
-        finally:
-            reading.cache.crop(n)
-    return {l: backbone.apply_rope(store["q"][l], positions) for l in layers}
-
-
-def head_attention(reading: Reading, queries: dict[int, torch.Tensor], heads: Sequence[tuple[int, int]],
-                   rows: slice = slice(None)) -> torch.Tensor:
-    """Per head (layer, h): softmax over the context's keys of q K^T / sqrt(d) (ILRe Eq. 4's softmax_C), averaged
-    over the query part's `rows`: (len(heads), L), each row a distribution over the context. GQA: query head h
-    reads kv head h // (n_heads / n_kv)."""
+            return [{l: backbone.apply_rope(q[:, start:], positions) for l, q in ch.queries.items()}]
     out = []
-    for layer, h in heads:
-        keys, q = reading.keys[layer], queries[layer][h, rows]
-        kv = keys[h // (queries[layer].shape[0] // keys.shape[0])]
-        logits = (q.float() @ kv.float().T) / math.sqrt(q.shape[-1])
-        out.append(logits.softmax(-1).mean(0))
-    return torch.stack(out)
+    x = torch.as_tensor(query_ids, device=backbone.device)[None]
+    for segment in reading.segments:
+        cache = segment.cache
+        if reading.on_host:
+            _move_cache(cache, backbone.device)
+        n = segment.n_tokens
+        positions = torch.arange(n, n + len(query_ids), device=backbone.device)
+        with backbone._lock, torch.inference_mode(), backbone._run_to(layers[-1], layers, ("q",)) as store:
+            try:
+                backbone.model.model(input_ids=x, position_ids=positions[None], past_key_values=cache,
+                                     attention_mask=torch.ones(1, n + len(query_ids), dtype=torch.long,
+                                                               device=backbone.device), use_cache=True)
+            finally:
+                cache.crop(n)
+                if reading.on_host:
+                    _move_cache(cache, "cpu")
+        out.append({l: backbone.apply_rope(store["q"][l], positions) for l in layers})
+    return out
+
+
+def head_attention(reading: Reading, queries: list[dict[int, torch.Tensor]], heads: Sequence[tuple[int, int]],
+                   rows: slice = slice(None)) -> torch.Tensor:
+    """Per head (layer, h): softmax over a segment's keys of q K^T / sqrt(d) (ILRe Eq. 4's softmax_C), averaged
+    over the query part's `rows`, segment after segment: (len(heads), L); each segment's part of a row is a
+    distribution over that segment. GQA: query head h reads kv head h // (n_heads / n_kv)."""
+    out = []
+    for segment, q_by_layer in zip(reading.segments, queries):
+        rows_of_segment = []
+        for layer, h in heads:
+            keys, q = segment.keys[layer], q_by_layer[layer][h, rows]
+            kv = keys[h // (q_by_layer[layer].shape[0] // keys.shape[0])].to(q.device)
+            logits = (q.float() @ kv.float().T) / math.sqrt(q.shape[-1])
+            rows_of_segment.append(logits.softmax(-1).mean(0))
+        out.append(torch.stack(rows_of_segment))
+    return torch.cat(out, dim=1)
 
 
 def sentence_max(token_scores: np.ndarray, sentence_starts: np.ndarray) -> np.ndarray:
@@ -167,11 +221,17 @@ class Prepared:
         return self.corpus.span_text(int(starts[i]), int(starts[i + 1]))[3]
 
 
-def prepare_context(backbone, context: str, layers: Sequence[int], **read_options) -> Prepared:
+def prepare_context(backbone, context: str, layers: Sequence[int], segment: int | None = None, **read_options
+                    ) -> Prepared:
+    """The context's sentences, BM25 over them, and the model's reading in segments of at most `segment` tokens
+    (default: the model's trained window) cut at sentence starts."""
+    segment = segment or backbone.max_position or 8192
     enc = backbone.encode(context)
     corpus = CorpusMap()
     corpus.add_document("context", context, enc.offsets)
-    return Prepared(context, corpus, SentenceBM25.build(corpus), read(backbone, enc.ids, layers, **read_options))
+    cuts = segment_cuts(corpus.sentence_starts(), len(enc), segment)
+    return Prepared(context, corpus, SentenceBM25.build(corpus),
+                    read(backbone, enc.ids, layers, cuts=cuts, **read_options))
 
 
 def calibrated_attention(backbone, prepared: Prepared, heads: Sequence[tuple[int, int]], question: str,
@@ -258,7 +318,8 @@ class RetrievalHeads:
     sink: int = 4
     window: int = 512
     chunk_size: int = 2048
-    one_forward: int | None = None  # contexts up to this many tokens are read in one forward (None: the window)
+    segment: int | None = None  # one forward per segment of at most this many tokens (None: the trained window)
+    stream: bool = False  # read with ILRe's sink + window streaming instead (bounded memory, worse ranking)
 
     def __post_init__(self):
         from endo_retrieval.backbone import Backbone
@@ -277,8 +338,8 @@ class RetrievalHeads:
     def prepare(self, context: str) -> Prepared:
         if not isinstance(context, str) or not context.strip():
             raise HeadsError("The context is empty; give the text to retrieve from.")
-        return prepare_context(self.backbone, context, self.layers, one_forward=self.one_forward, sink=self.sink,
-                               window=self.window, chunk_size=self.chunk_size)
+        return prepare_context(self.backbone, context, self.layers, segment=self.segment, stream=self.stream,
+                               sink=self.sink, window=self.window, chunk_size=self.chunk_size)
 
     def sentence_scores(self, prepared: Prepared, question: str) -> np.ndarray:
         return calibrated_scores(self.backbone, prepared, self.heads, _question(question))
@@ -298,3 +359,31 @@ def _question(question: str) -> str:
     if not isinstance(question, str) or not question.strip():
         raise HeadsError("question is empty: the heads rank the context by the question's attention; give one.")
     return question.strip()
+
+
+# ---------------------------------------------------------------- the same signal as a reranker
+
+
+PASSAGE_SEPARATOR = "\n\n"
+
+
+def rank_passages(backbone, passages: Sequence[str], question: str, heads: Sequence[tuple[int, int]] | None = None
+                  ) -> np.ndarray:
+    """One score per passage, higher is better: the model reads the passages (in the given order, as one context)
+    and then the question; a passage scores each head's calibrated attention at its most attended token, summed
+    over the heads (as a sentence does in `heads`). For pipelines that already have a first stage."""
+    if not passages:
+        return np.zeros(0)
+    if any(not isinstance(p, str) for p in passages):
+        raise HeadsError("passages must be strings")
+    heads = [tuple(map(int, h)) for h in (heads or profile_heads(backbone))]
+    question = _question(question)
+    text, starts = "", []
+    for p in passages:
+        starts.append(len(text))
+        text += (p.strip() or "-") + PASSAGE_SEPARATOR
+    enc = backbone.encode(text)
+    token_of = np.searchsorted(np.maximum.accumulate(enc.offsets[:, 1]), np.asarray(starts), side="right")
+    prepared = prepare_context(backbone, text, sorted({l for l, _ in heads}))
+    calibrated, _ = calibrated_attention(backbone, prepared, heads, question)
+    return sentence_max(calibrated, np.minimum(token_of, len(enc) - 1)).sum(0)
