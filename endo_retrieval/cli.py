@@ -10,7 +10,7 @@ from endo_retrieval.commands import model_argument
 
 # command -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args).
 COMMANDS = {
-    "info": ("endo_retrieval.cli", "info_", "the model, device, cache, shipped SAEs and ILRe profile"),
+    "info": ("endo_retrieval.cli", "info_", "the model, device, cache, SAEs, ILRe layer and retrieval heads"),
     "demo": ("endo_retrieval.demo", "", "the main job on the default model and a built-in task (no network)"),
     "index": ("endo_retrieval.commands", "index_", "build an endogenous index over text files"),
     "query": ("endo_retrieval.commands", "query_", "retrieve evidence for a question from an index"),
@@ -32,10 +32,14 @@ def info_add_arguments(p: argparse.ArgumentParser) -> None:
 
 def info_run(args) -> int:
     from endo_retrieval.backbone import SUPPORTED_FAMILIES, Backbone
-    from endo_retrieval.profiles import ilre_profile, sae_card
+    from endo_retrieval.profiles import heads_profile, ilre_profile, sae_card
 
     bb = Backbone(args.model, device=args.device)
-    data = {**bb.info(), "families": list(SUPPORTED_FAMILIES), "sae": sae_card(bb), "ilre": ilre_profile(bb)}
+    heads = heads_profile(bb)
+    if heads:  # the chosen heads and the fused weights; the per-head scores stay in the profile (and its plot)
+        heads = {k: heads[k] for k in ("heads", "fusion", "recall_by_count", "context_tokens", "budgets") if k in heads}
+    data = {**bb.info(), "families": list(SUPPORTED_FAMILIES), "sae": sae_card(bb), "ilre": ilre_profile(bb),
+            "heads": heads}
     if args.json:
         print(json.dumps(data, indent=2))
     else:
