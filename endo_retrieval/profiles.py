@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
@@ -71,17 +72,46 @@ def sae_card(backbone) -> dict | None:
     return {k: card.get(k) for k in keys} | {k: v for k, v in card.items() if k not in keys}
 
 
-def _read_profile(backbone, path: Path) -> dict | None:
-    """The JSON profile at `path` when it exists and was made for this model (the hash it records), else None."""
+class ProfileError(ValueError):
+    """A per-model profile (ILRe layer, retrieval heads) that cannot be used; the message names the file and the
+    command that makes it again."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _valid(kind: str, profile: dict) -> bool:
+    if kind == "ilre":
+        return _is_int(profile.get("layer")) and profile["layer"] >= 0
+    heads, fusion = profile.get("heads"), profile.get("fusion", {})
+    weights = fusion.get("weights", {}) if isinstance(fusion, dict) else None
+    return (isinstance(heads, list) and bool(heads)
+            and all(isinstance(h, list) and len(h) == 2 and all(_is_int(v) and v >= 0 for v in h) for h in heads)
+            and isinstance(weights, dict) and all(isinstance(k, str) and isinstance(w, (int, float))
+                                                  and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+                                                  for k, w in weights.items()))
+
+
+def _read_profile(backbone, path: Path, kind: str) -> dict | None:
+    """The JSON profile at `path` when it exists and was made for this model (the hash it records), else None; a
+    damaged one is a ProfileError that says how to make it again."""
     if not path.exists():
         return None
-    profile = json.loads(path.read_text())
+    command = MAKERS[kind][0]
+    try:
+        profile = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProfileError(f"{path} cannot be read ({type(e).__name__}); make it again with `{command}`.") from None
+    if not isinstance(profile, dict) or not _valid(kind, profile):
+        raise ProfileError(f"{path} is damaged (a field is missing or of the wrong type); make it again with "
+                           f"`{command}`.")
     return profile if profile.get("model_hash") in (None, backbone.model_hash) else None
 
 
 def ilre_profile(backbone) -> dict | None:
     """The calibrated ILRe profile ({"layer": l_R, "recall": {...}, ...}) or None."""
-    return _read_profile(backbone, ilre_profile_path(backbone))
+    return _read_profile(backbone, ilre_profile_path(backbone), "ilre")
 
 
 def heads_profile_path(backbone) -> Path:
@@ -90,4 +120,4 @@ def heads_profile_path(backbone) -> Path:
 
 def heads_profile(backbone) -> dict | None:
     """The calibrated retrieval-heads profile ({"heads": [[layer, head], ...], "fusion": {...}, ...}) or None."""
-    return _read_profile(backbone, heads_profile_path(backbone))
+    return _read_profile(backbone, heads_profile_path(backbone), "heads")

@@ -272,3 +272,44 @@ def test_damaged_sae_files_are_refused_with_an_sae_error(tmp_path):
             pytest.fail(f"case {case} ({kind} {path.relative_to(work)}): {type(err).__name__}: {err}")
     print(f"damaged SAE banks: {outcomes}")
     assert outcomes["refused"] > outcomes["loaded"]
+
+
+def test_damaged_profiles_are_one_clean_error(tmp_path):
+    """ILRe and heads profiles, damaged (byte flips, truncation, other JSON, fields of the wrong type): each is read
+    as before or refused with a ProfileError that names the command to make it again; nothing else escapes."""
+    from types import SimpleNamespace
+
+    from endo_retrieval.profiles import ASSETS, ProfileError, _read_profile
+
+    rng = random.Random(7)
+    sources = {"heads": (ASSETS / "heads" / "smollm2-135m-instruct.json").read_bytes(),
+               "ilre": (ASSETS / "ilre" / "smollm2-135m-instruct.json").read_bytes()}
+    odd = [None, True, -1, 1.5, "3", [], {}, [[1]], [["a", 2]], float("nan"), 10 ** 30]
+    bb = SimpleNamespace(model_hash=json.loads(sources["heads"])["model_hash"])
+    refused = read = 0
+    for i in range(400):
+        kind = rng.choice(sorted(sources))
+        data = bytearray(sources[kind])
+        how = rng.randrange(4)
+        if how == 0:
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        elif how == 1:
+            data = data[: rng.randrange(len(data))]
+        elif how == 2:
+            data = bytearray(json.dumps(rng.choice(odd)).encode())
+        else:
+            profile = json.loads(data)
+            key = rng.choice(["layer", "heads", "fusion", "model_hash"] if kind == "heads" else ["layer", "model_hash"])
+            profile[key] = rng.choice(odd) if key != "fusion" else {"weights": {"bm25": rng.choice(odd)}}
+            data = bytearray(json.dumps(profile).encode())
+        path = tmp_path / f"{i}.json"
+        path.write_bytes(bytes(data))
+        try:
+            out = _read_profile(bb, path, kind)
+            assert out is None or isinstance(out, dict)
+            read += 1
+        except ProfileError as e:
+            assert ("calibrate-heads" if kind == "heads" else "calibrate-ilre") in str(e)
+            refused += 1
+    assert refused > 100 and read + refused == 400
