@@ -105,7 +105,9 @@ def test_index_query_retrieve_and_compress(models, docs_dir, tmp_path, capsys, f
         [h["text"] for h in hits]
 
     context = FILLER + DOCS["vault.txt"]
-    out = compress(context, QUESTION, budget=48, backbone=path)
+    with pytest.raises(ValueError, match="endo calibrate-heads --model"):  # the default method needs the heads
+        compress(context, QUESTION, budget=48, backbone=path)
+    out = compress(context, QUESTION, budget=48, method="s3-hybrid", backbone=path)
     assert 0 < bb.count_tokens(out.text) <= 48
     assert all(context[s.char_start:s.char_end] == s.text for s in out.spans)
     assert "4417" in out.text  # s3-hybrid's lexical half always finds the needle's sentence
