@@ -31,21 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model_argument(p)
 
 
-def kept(scores: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
-    """bool per sentence: taken when whole sentences go in score order into `budget` tokens."""
-    order = np.argsort(-scores, kind="stable")
-    out = np.zeros(len(scores), dtype=bool)
-    out[order[np.cumsum(lengths[order]) <= budget]] = True
-    return out
-
-
 def run(args) -> int:
     from tqdm import tqdm
 
     from endo_retrieval.backbone import Backbone
     from endo_retrieval.eval.data import load_examples
     from endo_retrieval.heads_calibrate import gold_sentences
-    from endo_retrieval.methods.endo import Endo, fuse, rrf
+    from endo_retrieval.methods.endo import Endo, fuse, kept_in_budget, rrf
     from endo_retrieval.profiles import ilre_profile
 
     bb = Backbone(args.model) if args.model else Backbone.default()
@@ -68,7 +60,7 @@ def run(args) -> int:
             gold = gold_sentences(prepared, e.supporting)
             golds.append(gold)
             for name, s in sig.items():
-                found.setdefault(name, []).append(kept(s, lengths, budget) & gold)
+                found.setdefault(name, []).append(kept_in_budget(s, lengths, budget) & gold)
         n_gold = int(sum(g.sum() for g in golds))
         bm25 = found["bm25"]
         for name, hits in found.items():

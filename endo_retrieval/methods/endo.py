@@ -55,11 +55,17 @@ def fuse(signals: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarra
     return sum((w * standardise(signals[s]) for s, w in weights.items() if w and s in signals), np.zeros(n))
 
 
+def kept_in_budget(scores: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
+    """bool per sentence: taken when whole sentences go in score order into `budget` tokens."""
+    order = np.argsort(-scores, kind="stable")
+    kept = np.zeros(len(scores), dtype=bool)
+    kept[order[np.cumsum(lengths[order]) <= budget]] = True
+    return kept
+
+
 def recall_in_budget(scores: np.ndarray, gold: np.ndarray, lengths: np.ndarray, budget: int) -> float:
     """Share of gold sentences kept when whole sentences are taken in score order into `budget` tokens."""
-    order = np.argsort(-scores, kind="stable")
-    kept = order[np.cumsum(lengths[order]) <= budget]
-    return float(gold[kept].sum() / max(1, gold.sum()))
+    return float((gold & kept_in_budget(scores, lengths, budget)).sum() / max(1, gold.sum()))
 
 
 def simplex(names: list[str], step: float = GRID_STEP):
