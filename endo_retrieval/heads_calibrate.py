@@ -36,7 +36,6 @@ class Item:
     table: np.ndarray  # (n_layers * n_heads, n_sentences), head index = layer * n_heads + head
     gold: np.ndarray  # bool (n_sentences,)
     lengths: np.ndarray  # tokens per sentence
-    signals: dict | None = None  # the fusion's signals with the chosen heads (second pass)
 
 
 def gold_sentences(prepared: Prepared, supporting: list[str]) -> np.ndarray:
@@ -197,8 +196,7 @@ def run(args) -> dict:
     for budget, examples, items in cells:
         for e, it in zip(tqdm(examples, desc="fusion signals", disable=None), items):
             prepared = prepare_context(bb, e.context, layers)
-            it.signals = signals(bb, prepared, e.question, chosen, ilre_layer)
-            fit_items.append((it.signals, it.gold, it.lengths, budget))
+            fit_items.append((signals(bb, prepared, e.question, chosen, ilre_layer), it.gold, it.lengths, budget))
     fit = fit_weights(fit_items, SIGNALS)
     profile = {
         "model": bb.model_id, "model_hash": bb.model_hash, "heads": [list(h) for h in chosen],

@@ -382,8 +382,8 @@ def rank_passages(backbone, passages: Sequence[str], question: str, heads: Seque
     for p in passages:
         starts.append(len(text))
         text += (p.strip() or "-") + PASSAGE_SEPARATOR
-    enc = backbone.encode(text)
-    token_of = np.searchsorted(np.maximum.accumulate(enc.offsets[:, 1]), np.asarray(starts), side="right")
     prepared = prepare_context(backbone, text, sorted({l for l, _ in heads}))
+    offsets = prepared.corpus.doc("context").offsets  # the tokens the model read: each passage's first one
+    token_of = np.searchsorted(np.maximum.accumulate(offsets[:, 1]), np.asarray(starts), side="right")
     calibrated, _ = calibrated_attention(backbone, prepared, heads, question)
-    return sentence_max(calibrated, np.minimum(token_of, len(enc) - 1)).sum(0)
+    return sentence_max(calibrated, np.minimum(token_of, len(offsets) - 1)).sum(0)
