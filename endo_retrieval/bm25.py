@@ -1,4 +1,5 @@
-"""rank-bm25's Okapi scores over term postings.
+"""BM25: one tokenizer rule (`words`), rank-bm25's Okapi scores over term postings, and BM25 over a corpus's
+sentences and sentence windows (the lexical signal of S3-Hybrid [S3 Eq. 8] and of `endo`).
 
 `BM25Okapi.get_scores` walks every document once per query term in Python, which costs ~0.3 s per query over the
 sentences of 1M tokens. `OkapiPostings` keeps rank-bm25 as the source of the model (its idf with the epsilon floor,
@@ -6,9 +7,22 @@ k1, b, document lengths) and only changes how the sum is taken: per query term, 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
+
+from endo_retrieval.corpus import CorpusMap
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+_STOP = frozenset("a an and are as at be by did do does for from had has have he her his how i in is it its of on "
+                  "or she that the their them they this to was were what when where which who whom whose why will "
+                  "with you".split())
+
+
+def words(text: str) -> list[str]:
+    """The one tokenizer rule of every BM25 here: lowercased Unicode word characters, stop words dropped."""
+    return [w for w in _WORD.findall(text.lower()) if w not in _STOP]
 
 
 @dataclass
@@ -49,3 +63,46 @@ class OkapiPostings:
             docs, tf = self.docs[a:b], self.tf[a:b]
             score[docs] += self.okapi.idf[q] * (tf * (self.okapi.k1 + 1) / (tf + self.norm[docs]))
         return score
+
+
+@dataclass
+class SentenceBM25:
+    """BM25 (rank-bm25 Okapi) over a corpus's sentences and sentence windows, built once per corpus state."""
+
+    bounds: list[np.ndarray]  # per document: sentence start positions + its end
+    sentences: OkapiPostings  # rank-bm25 Okapi over single sentences
+    windows: OkapiPostings  # ... over each sentence with `window` neighbours each side
+    n_positions: int
+
+    @classmethod
+    def build(cls, corpus: CorpusMap, window: int = 1) -> "SentenceBM25":
+        bounds, own_all, windows = [], [], []
+        for doc in corpus.documents():
+            starts = np.append(doc.sentence_starts, doc.end)
+            own = [words(corpus.span_text(a, b)[3]) for a, b in zip(starts[:-1], starts[1:])]
+            bounds.append(starts)
+            own_all += own
+            windows += [sum(own[max(0, i - window): i + window + 1], []) for i in range(len(own))]
+        return cls(bounds, OkapiPostings.build(own_all), OkapiPostings.build(windows), corpus.n_positions)
+
+    def sentence_scores(self, question: str, context_weight: float = 0.5) -> np.ndarray:
+        """Each sentence's own score plus `context_weight` times its window's: the own score puts the peak on the
+        matching sentence; the window lets a neighbour (a title line) lend context."""
+        query = words(question)
+        if not query:
+            return np.zeros(self.sentences.okapi.corpus_size)
+        return np.maximum(self.sentences.get_scores(query), 0.0) + \
+            context_weight * np.maximum(self.windows.get_scores(query), 0.0)
+
+    def token_scores(self, question: str, context_weight: float = 0.5) -> np.ndarray:
+        """`sentence_scores` spread over each sentence's tokens."""
+        scores = np.zeros(self.n_positions, dtype=np.float32)
+        if not words(question):
+            return scores
+        per_sentence = self.sentence_scores(question, context_weight)
+        i = 0
+        for starts in self.bounds:
+            n = len(starts) - 1
+            scores[starts[0]: starts[-1]] = np.repeat(per_sentence[i: i + n], np.diff(starts))
+            i += n
+        return scores

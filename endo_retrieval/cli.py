@@ -19,6 +19,8 @@ COMMANDS = {
     "train-phi": ("endo_retrieval.train_phi", "", "distil phi feature maps for completion attention"),
     "calibrate-ilre": ("endo_retrieval.ilre_calibrate", "", "pick ILRe's retrieval layer with a passkey task"),
     "calibrate-heads": ("endo_retrieval.heads_calibrate", "", "choose the retrieval heads and fit the fused ranking"),
+    "calibrate-pipeline": ("endo_retrieval.pipeline_calibrate", "", "fit the endo pipeline's depth, reading and "
+                           "fusion on labelled questions"),
     "bench": ("endo_retrieval.eval.bench", "", "benchmarks: quality | perf | attention"),
     "mcp": ("endo_retrieval.mcp_server", "", "serve an index to agents over the Model Context Protocol (stdio)"),
 }

@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
+
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 
 
@@ -47,8 +49,9 @@ def index_add_arguments(p) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="text files or folders (.txt, .md, .rst)")
     p.add_argument("--out", required=True, metavar="DIR", help="index folder (written atomically)")
     p.add_argument("--append", action="store_true", help="add to the index already in DIR instead of replacing it")
-    p.add_argument("--method", default="s3-hybrid", choices=["s3-hybrid", "s3", "bm25"],
-                   help="default search method stored with the index")
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=SEARCH_METHODS,
+                   help=f"default search method stored with the index (default {DEFAULT_METHOD}; s3 and s3-hybrid "
+                   "need the slower SAE pass, and an index built for them serves every method)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="build with Ray workers (the `ray` extra), one per GPU or CPU slot: join the cluster at "
                    "ADDRESS (e.g. auto, or HEAD:6379 from `ray start --head`), or start a local one without it")
@@ -88,7 +91,7 @@ def query_add_arguments(p) -> None:
     p.add_argument("question")
     p.add_argument("--k", type=int, default=4, help="number of evidence spans (default 4)")
     p.add_argument("--budget", type=int, default=None, help="token budget over all spans (default 128 per span)")
-    p.add_argument("--method", default=None, choices=["s3-hybrid", "s3", "bm25"], help="default: the index's own")
+    p.add_argument("--method", default=None, choices=SEARCH_METHODS, help="default: the index's own")
     p.add_argument("--json", action="store_true", help="print JSON")
     model_argument(p)  # the index's own model: an index answers only with the model that built it
 

@@ -67,7 +67,7 @@ def build_task(seed: int = 7):
 def two_hop(index, question: str, budget: int, method: str):
     """Two rounds of retrieval, half the budget each: the first round's evidence joins the question of the second,
     so the second hop (the founder's birthplace) can be found by the name the first hop revealed."""
-    from endo_retrieval.methods.s3 import join_spans
+    from endo_retrieval.methods.base import join_spans
 
     first = index.select(question, budget // 2, method)
     follow_up = f"{question} {join_spans(first, method, budget).text}"
@@ -92,14 +92,14 @@ def _show(text: str, gold: list[str], color: bool) -> str:
 
 def run(args) -> int:
     from endo_retrieval import Backbone, EndoIndex, compress
-    from endo_retrieval.methods.s3 import join_spans
+    from endo_retrieval.methods.base import join_spans
 
     color = sys.stdout.isatty()
     bb = Backbone.default(device=args.device)
     docs, gold = build_task()
     print(f"endo demo: {bb.model_id} ({bb.n_layers} layers) on {bb.device.type}")
     t = time.perf_counter()
-    idx = EndoIndex(bb)
+    idx = EndoIndex(bb, "s3-hybrid")  # also serves the S3 methods the demo compares
     idx.add_documents(docs, progress=sys.stderr.isatty())
     print(f"indexed {len(docs)} documents, {idx.corpus.n_tokens} tokens, {idx.index.n_postings} postings "
           f"at SAE layers {idx.saes.layers} in {time.perf_counter() - t:.1f}s\n")

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from endo_retrieval import segments
-from endo_retrieval.engine import CHUNK, Document, EndoIndex, _check_method, _interleave, rrf
+from endo_retrieval.engine import CHUNK, Document, EndoIndex, _check_method, _interleave, span_rrf
 from endo_retrieval.files import writer_lock
 from endo_retrieval.index import FeatureIndex
 from endo_retrieval.methods.base import Span
@@ -258,7 +258,7 @@ class Shard:
 
     @property
     def bm25(self):
-        from endo_retrieval.engine import SentenceBM25
+        from endo_retrieval.bm25 import SentenceBM25
 
         if self._bm25 is None:
             self._bm25 = SentenceBM25.build(self.corpus)
@@ -372,7 +372,7 @@ class ShardedIndex:
         texts = ray.get([self.shards[self._owner(records, a)].span.remote(a, b) for a, b in spans])
         out = []
         for (a, b), (doc_id, c0, c1, text, metadata) in zip(spans, texts):
-            score, sigs = rrf(a, b, ranked)
+            score, sigs = span_rrf(a, b, ranked)
             out.append(Span(a, b, c0, c1, text, score, sigs, doc_id, metadata))
         return out
 

@@ -13,10 +13,10 @@ context and one question (the paper's setting), which indexes the context as a o
 from __future__ import annotations
 
 import contextlib
+import sys
 import json
 import os
 import queue
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,12 +26,14 @@ import numpy as np
 import torch
 
 from endo_retrieval.backbone import PIECES_PER_BATCH, Backbone, Encoding, as_text
-from endo_retrieval.bm25 import OkapiPostings
+from endo_retrieval.bm25 import SentenceBM25
 from endo_retrieval.chunk_graph import MIN_REPLAYS, side_stream
+from endo_retrieval.fusion import RRF_K
 from endo_retrieval.corpus import CorpusMap, split_sentences
 from endo_retrieval.files import atomic_write, read_folder, replacing_folder, writer_lock
 from endo_retrieval.index import INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError, IndexVersionError, \
     sorted_postings
+from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
 from endo_retrieval.methods.base import Span
 from endo_retrieval.rwlock import ReadWriteLock, locked
 from endo_retrieval.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
@@ -42,7 +44,7 @@ VERSION = 1
 HEADER = "endo-index.json"
 HEADER_FIELDS = {"format": str, "version": int, "model": str, "model_hash": str, "method": str, "chunk_size": int,
                  "sae_layers": list}  # and "prune": a share in (0, 1] or null
-SEARCH_METHODS = ("s3-hybrid", "s3", "bm25")
+S3_METHODS = ("s3-hybrid", "s3")  # the methods that need the SAE feature postings
 CHUNK = 2048  # Table 6: streaming chunk size
 GROUP_CHUNKS = MIN_REPLAYS  # whole chunks per stream call while the text arrives: a call replays these shapes
 HANDOFF_TOKENS = SEGMENT_TOKENS  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers,
@@ -51,7 +53,6 @@ HANDOFF_TOKENS = SEGMENT_TOKENS  # features kept on the accelerator before one c
 AHEAD_PIECES = 2 * PIECES_PER_BATCH  # pieces tokenised ahead of the stream: the next batch while one is streamed
 SCORE_ON_ACCELERATOR = 1 << 18  # indexed positions from which a CUDA backbone sums Eq. 9 on the accelerator: p50
 # 2.5 vs 3.4 ms at 256k, 5.3 vs 10.3 at 1M, 10.8 vs 40.3 at 4M; 1.4 vs 1.3 at 64k (H100, perf_h100_query_s8)
-RRF_K = 60  # reciprocal-rank fusion constant (Cormack et al. 2009)
 
 
 @dataclass
@@ -63,67 +64,15 @@ class Document:
     metadata: dict = field(default_factory=dict)
 
 
-# ---- BM25 over sentence windows (the lexical signal of Eq. 8) --------------------------------------------------
-_WORD = re.compile(r"\w+", re.UNICODE)
-_STOP = frozenset("a an and are as at be by did do does for from had has have he her his how i in is it its of on "
-                  "or she that the their them they this to was were what when where which who whom whose why will "
-                  "with you".split())
-
-
-def words(text: str) -> list[str]:
-    return [w for w in _WORD.findall(text.lower()) if w not in _STOP]
-
-
-@dataclass
-class SentenceBM25:
-    """BM25 (rank-bm25 Okapi) over a corpus's sentences and sentence windows, built once per corpus state."""
-
-    bounds: list[np.ndarray]  # per document: sentence start positions + its end
-    sentences: OkapiPostings  # rank-bm25 Okapi over single sentences
-    windows: OkapiPostings  # ... over each sentence with `window` neighbours each side
-    n_positions: int
-
-    @classmethod
-    def build(cls, corpus: CorpusMap, window: int = 1) -> "SentenceBM25":
-        bounds, own_all, windows = [], [], []
-        for doc in corpus.documents():
-            starts = np.append(doc.sentence_starts, doc.end)
-            own = [words(corpus.span_text(a, b)[3]) for a, b in zip(starts[:-1], starts[1:])]
-            bounds.append(starts)
-            own_all += own
-            windows += [sum(own[max(0, i - window): i + window + 1], []) for i in range(len(own))]
-        return cls(bounds, OkapiPostings.build(own_all), OkapiPostings.build(windows), corpus.n_positions)
-
-    def sentence_scores(self, question: str, context_weight: float = 0.5) -> np.ndarray:
-        """Each sentence's own score plus `context_weight` times its window's: the own score puts the peak on the
-        matching sentence; the window lets a neighbour (a title line) lend context."""
-        query = words(question)
-        if not query:
-            return np.zeros(self.sentences.okapi.corpus_size)
-        return np.maximum(self.sentences.get_scores(query), 0.0) + \
-            context_weight * np.maximum(self.windows.get_scores(query), 0.0)
-
-    def token_scores(self, question: str, context_weight: float = 0.5) -> np.ndarray:
-        """`sentence_scores` spread over each sentence's tokens."""
-        scores = np.zeros(self.n_positions, dtype=np.float32)
-        if not words(question):
-            return scores
-        per_sentence = self.sentence_scores(question, context_weight)
-        i = 0
-        for starts in self.bounds:
-            n = len(starts) - 1
-            scores[starts[0]: starts[-1]] = np.repeat(per_sentence[i: i + n], np.diff(starts))
-            i += n
-        return scores
-
-
 class EndoIndex:
-    """A persistent endogenous index over documents: S3 feature postings, the corpus map, and BM25 sentences.
-    `method="bm25"` builds no feature postings (BM25 needs only the corpus map), so it cannot search with S3.
+    """A persistent endogenous index over documents: the corpus map, BM25 over its passages and sentences, and
+    for S3 the feature postings. `method`: how `search` ranks by default. `endo` (the default pipeline:
+    pipeline.py) and `bm25` need only the corpus map, so an index built for them holds no feature postings
+    and cannot search with S3; one built for `s3` or `s3-hybrid` serves every method.
     `int8_queries`: forward questions through int8-quantized linear maps (None: on a CPU backbone, where it halves
     the question's forward at unchanged S3-Hybrid recall on dev30, README 'Performance'); documents stay fp32/bf16."""
 
-    def __init__(self, backbone: Backbone | None = None, method: str = "s3-hybrid", saes=None,
+    def __init__(self, backbone: Backbone | None = None, method: str = DEFAULT_METHOD, saes=None,
                  chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None,
                  int8_queries: bool | None = None):
         from endo_retrieval.sae import SAEBank
@@ -144,8 +93,9 @@ class EndoIndex:
 
     # ---- phase 1: streaming semantic indexing (Eq. 4-5) ------------------------------------------------------
     @locked("write")
-    def add_documents(self, docs: Iterable[Document | str], progress: bool = False) -> list[str]:
-        """Index documents one after another; returns their ids. A bad document raises before anything is added."""
+    def add_documents(self, docs: Iterable[Document | str], progress: bool | None = None) -> list[str]:
+        """Index documents one after another; returns their ids. A bad document raises before anything is added.
+        `progress`: a progress bar (None: when standard error is a terminal)."""
         docs = [d if isinstance(d, Document) else Document(f"doc-{len(self.corpus) + i}", d)
                 for i, d in enumerate(docs)]
         if not docs:
@@ -169,7 +119,8 @@ class EndoIndex:
             except TypeError as e:
                 raise ValueError(f"Document {d.doc_id!r}: metadata must be JSON-serialisable ({e}).") from None
             checked.append((d, text))
-        bar = _progress(sum(len(text) for _, text in checked), "indexing", progress)
+        bar = _progress(sum(len(text) for _, text in checked), "indexing",
+                        sys.stderr.isatty() if progress is None else progress)
         for d, text in checked:
             start, pieces, sentences = self.corpus.n_positions, [], []
 
@@ -185,7 +136,7 @@ class EndoIndex:
 
             stream = tokenised()
             try:
-                if self.method == "bm25":  # BM25 reads only the corpus map: no SAE pass, no feature postings
+                if self.method not in S3_METHODS:  # BM25 and endo read only the corpus map: no SAE pass
                     list(stream)
                 else:
                     self._index_tokens(stream, start)
@@ -285,9 +236,9 @@ class EndoIndex:
     @locked("read")
     def s3_scores(self, question: str) -> np.ndarray:
         """S[t] = sum_l sum_f w_{q,f} IDF(f) 1[t in I_l[f]] (Eq. 7/9), vectorised over postings."""
-        if self.method == "bm25":
-            raise ValueError("This index was built with method='bm25' and holds no S3 feature postings; build it "
-                             "with method='s3' or 's3-hybrid' to search with S3.")
+        if self.method not in S3_METHODS:
+            raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings; "
+                             "build it with method='s3' or 's3-hybrid' to search with S3.")
         n, device = self.corpus.n_positions, self.backbone.device
         return self.index.score(self.query_features(question), n_positions=n, prune=self.prune,
                                 device=device if device.type == "cuda" and n >= SCORE_ON_ACCELERATOR else None)
@@ -321,7 +272,10 @@ class EndoIndex:
             raise ValueError("The index is empty; add documents first.")
         if budget <= 0:
             raise ValueError(f"budget must be a positive number of tokens, got {budget}.")
-        method = _check_method(method or self.method)
+        method = self.check_method(method)
+        if method == "endo":
+            raise ValueError("select() fills a budget with sentences by s3-hybrid, s3 or bm25; the endo pipeline "
+                             "ranks passages: use search().")
         bounds = self.corpus.segment_bounds()
         scores = scores if scores is not None else self.signal_scores(question, method)
         # BM25 scores are already one value per sentence: smoothing would only blur the peak into a neighbour
@@ -351,16 +305,59 @@ class EndoIndex:
         sum_s 1 / (RRF_K + rank_s), rank_s being the rank of signal s's best peak inside it: evidence that both
         S3 and BM25 picked ranks above evidence only one of them picked."""
         doc_id, c0, c1, text = self.corpus.span_text(a, b)
-        score, signals = rrf(a, b, ranked)
+        score, signals = span_rrf(a, b, ranked)
         return Span(a, b, c0, c1, text, score, signals, doc_id, self.corpus.doc(doc_id).metadata)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods this index can search with: all of them where it holds S3 feature postings."""
+        return SEARCH_METHODS if self.method in S3_METHODS else tuple(m for m in SEARCH_METHODS if m not in S3_METHODS)
+
+    def check_method(self, method: str | None) -> str:
+        """`method` (None: the index's own) when this index can search with it, else a ValueError naming those it can."""
+        method = _check_method(method or self.method)
+        if method not in self.methods:
+            raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings, so "
+                             f"it cannot search with {method!r}; it searches with {', '.join(self.methods)}. Build "
+                             "it with method='s3-hybrid' to search with every method.")
+        if method == "endo":
+            self.pipeline()  # a model without retrieval heads fails here, with the command that makes them
+        return method
 
     @locked("read")
     def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None) -> list[Span]:
-        """The k best evidence spans, best first, under `budget` tokens (default 128 per span)."""
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}.")
+        """The k best evidence spans, best first (by score, higher is better). `endo` returns whole passages
+        (under `budget` tokens in all when given, each cut to its best part); the other methods sentence spans
+        under `budget` tokens (default 128 per span)."""
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
+        method = self.check_method(method)
+        if method == "endo":
+            if not len(self.corpus):
+                raise ValueError("The index is empty; add documents first.")
+            if budget is not None and budget <= 0:
+                raise ValueError(f"budget must be a positive number of tokens, got {budget}.")
+            return self.pipeline().search(self.corpus, self.passages(), _unicode(as_text(question)), k, budget)
         spans = self.select(question, budget or 128 * k, method)
         return sorted(spans, key=lambda s: -s.score)[:k]
+
+    def pipeline(self):
+        """The `endo` pipeline over this index's model (its settings from the model's profile), made once."""
+        if getattr(self, "_pipeline", None) is None:
+            from endo_retrieval.pipeline import EndoPipeline
+
+            self._pipeline = EndoPipeline(self.backbone)
+        return self._pipeline
+
+    @locked("read")
+    def passages(self):
+        """The corpus's candidate passages with BM25 over them (pipeline.py), built once per corpus state."""
+        from endo_retrieval.pipeline import Passages
+
+        key = (self.corpus.n_positions, len(self.corpus))  # changes with every add or remove
+        if getattr(self, "_passages", None) is None or self._passages[0] != key:
+            self._passages = (key, Passages.build(self.corpus))
+        return self._passages[1]
 
     # ---- persistence ---------------------------------------------------------------------------------------
     @locked("read")
@@ -479,7 +476,7 @@ def _check_method(method: str) -> str:
     return method
 
 
-def rrf(a: int, b: int, ranked: dict[str, np.ndarray]) -> tuple[float, tuple[str, ...]]:
+def span_rrf(a: int, b: int, ranked: dict[str, np.ndarray]) -> tuple[float, tuple[str, ...]]:
     """Reciprocal-rank fusion of the span [a, b): sum over the signals whose peaks fall inside it of 1 / (RRF_K +
     rank of the signal's best peak there), and those signals."""
     best: dict[str, int] = {}

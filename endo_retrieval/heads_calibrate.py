@@ -84,7 +84,7 @@ def hard_haystacks(examples, pool: list[str], count_tokens, context_tokens: int,
     import random
 
     from endo_retrieval.bm25 import OkapiPostings
-    from endo_retrieval.engine import words
+    from endo_retrieval.bm25 import words
     from endo_retrieval.eval.data import PARAGRAPH_SEPARATOR, Example
 
     bm25 = OkapiPostings.build([words(p) for p in pool])

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from endo_retrieval.commands import model_argument
 from endo_retrieval.engine import SEARCH_METHODS, Document, EndoIndex
+from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.files import writer_lock
 
 
@@ -28,7 +29,7 @@ class Evidence(BaseModel):
     char_start: int = Field(description="offset of the span in its document's text")
     char_end: int
     score: float
-    signals: list[str] = Field(description="the signals that chose the span: s3, bm25, lead, tail")
+    signals: list[str] = Field(description="the signals that chose the span: bm25, heads, hop2, s3, lead, tail")
     metadata: dict[str, Any]
 
 
@@ -116,7 +117,8 @@ def build_server(holder: IndexHolder, k: int = 4, budget: int | None = None):
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--index", default=None, help="index folder to serve (from `endo index`); created there by "
                         "add_documents when absent. Without it the index lives in memory only")
-    parser.add_argument("--method", default="s3-hybrid", choices=SEARCH_METHODS, help="retrieval method")
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=SEARCH_METHODS,
+                        help=f"retrieval method (default {DEFAULT_METHOD})")
     parser.add_argument("--k", type=int, default=4, help="default number of evidence spans per search")
     parser.add_argument("--budget", type=int, default=None, help="default token budget per search")
     model_argument(parser)

@@ -154,10 +154,38 @@ def test_json_follows_the_schema_and_outputs_lie_beside_it(tmp_path, tiny, toy_m
                 "compression", "latency_ms", "peak_rss_mb"} <= row.keys()
         assert set(row["latency_ms"]) == {"index", "query", "generate"} and row["peak_rss_mb"] > 0
         assert row["f1"] is None and row["em"] is None  # --no-generate
+        assert {"sp_recall_ci", "answer_recall_ci"} <= row.keys() and "diff_to_bm25" not in row  # no bm25 row
     table = cfg.out.with_suffix(".md").read_text()
-    assert "| 160 | 64 | oracle | 2 | 0.500 | 1.000 |" in table
+    assert "| 160 | 64 | oracle | 2 | 0.500 [0.500, 0.500] | 1.000 [1.000, 1.000] | – | – |" in table
     for plot in ("recall", "kl", "latency"):
         assert (tmp_path / f"q-{plot}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rows_carry_bootstrap_intervals_and_the_paired_difference_to_bm25(tmp_path):
+    cfg = runner.QualityConfig(data="toy.json", out=tmp_path / "q.json", context_tokens=[160], budgets=[64],
+                               methods=["bm25", "s3", "ilre"])
+
+    def record(example, method, sp, ans, **extra):
+        return {"example": example, "method": method, "budget": 64, "context_tokens": 160, "sp_recall": sp,
+                "answer_recall": ans, **dict.fromkeys(("kl", "nll", "f1", "em", "compression")),
+                "latency_ms": {"index": 1.0, "query": 1.0, "generate": 1.0}, "peak_rss_mb": 1.0, **extra}
+
+    records = [record("e1", "bm25", 0.5, 1.0), record("e2", "bm25", 1.0, None), record("e3", "bm25", 0.0, 0.0),
+               record("e1", "s3", 1.0, 1.0), record("e2", "s3", 1.0, 1.0), record("e3", "s3", 0.5, None),
+               record("e4", "s3", 0.0, 0.0, error="boom")]  # failed: left out of means and pairs alike
+    rows = {r["method"]: r for r in runner.aggregate(records, cfg, {"ilre": "cannot run here: test"})}
+    s3, bm25 = rows["s3"], rows["bm25"]
+    assert s3["sp_recall_ci"][0] <= s3["sp_recall"] <= s3["sp_recall_ci"][1]
+    assert bm25["answer_recall_ci"] == [0.0, 1.0]  # two examples, 1 and 0: resampled means 0, 0.5 or 1
+    # sp_recall pairs e1, e2, e3: differences 0.5, 0, 0.5; answer_recall pairs only e1 (e2, e3 have a None)
+    assert s3["diff_to_bm25"]["sp_recall"]["value"] == pytest.approx(1 / 3)
+    assert s3["diff_to_bm25"]["sp_recall"]["lo"] == 0.0 and s3["diff_to_bm25"]["sp_recall"]["hi"] == 0.5
+    assert s3["diff_to_bm25"]["answer_recall"] == {"value": 0.0, "lo": 0.0, "hi": 0.0}
+    assert all(d == {"value": 0.0, "lo": 0.0, "hi": 0.0} for d in bm25["diff_to_bm25"].values())
+    assert rows["ilre"]["sp_recall_ci"] is None and "diff_to_bm25" not in rows["ilre"]
+    table = runner.markdown_table({"config": {"model": "m", "data": "d", "seed": 0, "n_examples": {}, "generate": False,
+                                              "wall_s": 0, "notes": []}, "rows": list(rows.values())})
+    assert "| 160 | 64 | s3 | 3 | 0.833 [" in table and "| +0.333 [+0.000, +0.500] | +0.000 [+0.000, +0.000] |" in table
 
 
 def test_resume_computes_nothing_already_done(tmp_path, tiny, toy_methods, monkeypatch):
@@ -182,7 +210,7 @@ def test_resume_computes_nothing_already_done(tmp_path, tiny, toy_methods, monke
 
 
 def test_unknown_method_lists_the_known_ones(capsys):
-    with pytest.raises(ValueError, match="known methods: full, s3, s3-hybrid, ilre, heads, endo, bm25, bm25-sent, dense"):
+    with pytest.raises(ValueError, match="known methods: full, s3, s3-hybrid, ilre, heads, endo, endo-context, endo-2stage, bm25, bm25-sent, dense"):
         runner.parse_methods("s3,nope")
     from endo_retrieval.cli import main
 

@@ -77,7 +77,7 @@ def _same_index(a: EndoIndex, b: EndoIndex) -> None:
 def test_workers_build_the_postings_of_one_process(tiny, built):
     bb, saes, *_ = tiny
     folder, docs = built
-    one = EndoIndex(bb, saes=saes, chunk_size=128)
+    one = EndoIndex(bb, "s3-hybrid", saes=saes, chunk_size=128)
     one.add_documents(docs)
     parts = segments.listed_committed(folder)
     assert len(parts) == 4 and [d for p in parts for d in p["documents"]] == [d.doc_id for d in docs]

@@ -34,7 +34,7 @@ def test_index_scores_match_a_naive_rebuild(tiny, handoff, monkeypatch):
     bb, bank = tiny
     if handoff:
         monkeypatch.setattr("endo_retrieval.engine.HANDOFF_TOKENS", handoff)
-    idx = EndoIndex(bb, saes=bank, chunk_size=64)
+    idx = EndoIndex(bb, "s3-hybrid", saes=bank, chunk_size=64)
     idx.add_documents([Document("a", FILLER), Document("b", NEEDLE + FILLER[:300])])
     got = idx.s3_scores(QUESTION)
     # naive Eq. 7: feature sets per position from a fresh pass, IDF over those sets, loops in Python
@@ -94,7 +94,7 @@ def test_budget_smaller_than_a_sentence_trims_around_the_peak(tiny):
 
 def test_remove_document_and_persistence(tiny, tmp_path):
     bb, bank = tiny
-    idx = EndoIndex(bb, saes=bank, chunk_size=64)
+    idx = EndoIndex(bb, "s3-hybrid", saes=bank, chunk_size=64)
     idx.add_documents([Document("a", FILLER, {"src": "farm"}), Document("b", NEEDLE + FILLER[:200])])
     before = idx.index.n_postings
     hits = idx.search(QUESTION, k=2)
@@ -117,7 +117,7 @@ def test_nan_keys_leave_the_index_as_it_was(tiny, handoff, piece_chars, monkeypa
         monkeypatch.setattr("endo_retrieval.engine.HANDOFF_TOKENS", handoff)
     if piece_chars:
         monkeypatch.setattr("endo_retrieval.backbone.PIECE_CHARS", piece_chars)
-    idx = EndoIndex(bb, saes=bank, chunk_size=64)
+    idx = EndoIndex(bb, "s3-hybrid", saes=bank, chunk_size=64)
     idx.add_documents([Document("a", FILLER)])
     before = idx.s3_scores(QUESTION)
     stream, calls = bb.stream, []
@@ -142,7 +142,7 @@ def test_nan_keys_leave_the_index_as_it_was(tiny, handoff, piece_chars, monkeypa
 
 def test_bad_input(tiny, tmp_path):
     bb, bank = tiny
-    idx = EndoIndex(bb, saes=bank)
+    idx = EndoIndex(bb, "s3-hybrid", saes=bank)
     with pytest.raises(ValueError, match="empty"):
         idx.search(QUESTION)
     with pytest.raises(ValueError, match="No documents"):
@@ -166,7 +166,7 @@ def test_bad_input(tiny, tmp_path):
 
 def test_query_without_active_features_scores_zero(tiny):
     bb, bank = tiny
-    idx = EndoIndex(bb, saes=bank, chunk_size=64)
+    idx = EndoIndex(bb, "s3-hybrid", saes=bank, chunk_size=64)
     idx.add_documents([Document("a", FILLER)])
     empty = {l: (np.zeros(0, np.int64), np.zeros(0, np.float32)) for l in bank.layers}
     assert not idx.index.score(empty, n_positions=idx.corpus.n_positions).any()
@@ -177,7 +177,7 @@ def test_query_without_active_features_scores_zero(tiny):
 
 def test_corrupt_index_is_refused_and_old_one_survives(tiny, tmp_path):
     bb, bank = tiny
-    idx = EndoIndex(bb, saes=bank, chunk_size=64)
+    idx = EndoIndex(bb, "s3-hybrid", saes=bank, chunk_size=64)
     idx.add_documents([Document("a", FILLER)])
     idx.save(tmp_path / "ix")
     blob = tmp_path / "ix" / "features" / "feature_index.bin"
@@ -199,7 +199,7 @@ def test_a_document_indexed_piece_by_piece_is_indexed_as_in_one_piece(tiny, monk
     def build(piece_chars):
         monkeypatch.setattr("endo_retrieval.backbone.PIECE_CHARS", piece_chars)
         monkeypatch.setattr("endo_retrieval.backbone.PIECES_PER_BATCH", 2)
-        idx = EndoIndex(bb, saes=bank, chunk_size=64)
+        idx = EndoIndex(bb, "s3-hybrid", saes=bank, chunk_size=64)
         idx.add_documents([Document("d", text)])
         return idx
 
@@ -251,7 +251,7 @@ def test_index_work_beside_the_forward_gives_the_same_postings(backbone, monkeyp
     text = " ".join(f"Item {i}: {FILLER[(37 * i) % 500:][:120]}" for i in range(400))
 
     def build() -> EndoIndex:
-        idx = EndoIndex(backbone, chunk_size=512)
+        idx = EndoIndex(backbone, "s3-hybrid", chunk_size=512)
         idx.add_documents([Document("d", text)])
         return idx
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from endo_retrieval.methods.endo import Endo, fit_weights, fuse, recall_in_budget, rrf, simplex, standardise
+from endo_retrieval.fusion import fuse, rrf, standardise
+from endo_retrieval.methods.endo import Endo, fit_weights, recall_in_budget, simplex
 from endo_retrieval.methods.heads import (NULL_QUESTION, HeadsError, RetrievalHeads, calibrated_attention,
                                           calibrated_scores, head_attention, prepare_context, rank_passages, read,
                                           segment_cuts, sentence_max)

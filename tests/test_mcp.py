@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from endo_retrieval.methods import DEFAULT_METHOD
+
 pytest.importorskip("mcp")
 from mcp import Client, StdioServerParameters  # noqa: E402
 
@@ -31,7 +33,7 @@ def test_parser_and_bad_folder(tmp_path):
     from endo_retrieval import mcp_server
 
     args = mcp_server.add_arguments(argparse.ArgumentParser()).parse_args(["--index", str(tmp_path), "--k", "2"])
-    assert (args.index, args.k, args.method) == (str(tmp_path), 2, "s3-hybrid")
+    assert (args.index, args.k, args.method) == (str(tmp_path), 2, DEFAULT_METHOD)
     with pytest.raises(ValueError, match="holds no endo index"):
         mcp_server.run(args)  # an existing folder that is not an index is refused before serving
 

@@ -92,7 +92,7 @@ def test_index_query_retrieve_and_compress(models, docs_dir, tmp_path, capsys, f
         give_random_saes(bb)
     assert sae_dir(bb).is_relative_to(cache_dir())  # a model's own artefacts live in the cache, not the package
 
-    assert main(["index", str(docs_dir), "--out", str(index), "--model", path]) == 0
+    assert main(["index", str(docs_dir), "--out", str(index), "--model", path, "--method", "s3-hybrid"]) == 0
     capsys.readouterr()
     assert main(["query", str(index), QUESTION, "--model", path, "--k", "2", "--json"]) == 0
     hits = json.loads(capsys.readouterr().out)
@@ -116,8 +116,11 @@ def test_index_query_retrieve_and_compress(models, docs_dir, tmp_path, capsys, f
     from llama_index.core import Document
     from llama_index.retrievers.endo import EndoRetriever
 
-    retriever = EndoRetriever.from_defaults(documents=[Document(id_=k, text=v) for k, v in DOCS.items()],
-                                            backbone=path, similarity_top_k=2)
+    documents = [Document(id_=k, text=v) for k, v in DOCS.items()]
+    with pytest.raises(ValueError, match="endo calibrate-heads --model"):  # the default pipeline needs the heads
+        EndoRetriever.from_defaults(documents=documents, backbone=path)
+    retriever = EndoRetriever.from_defaults(documents=documents, backbone=path, similarity_top_k=2,
+                                            method="s3-hybrid")
     assert retriever.index.backbone is bb  # the path names the model; the loaded copy is shared
     nodes = retriever.retrieve(QUESTION)
     assert 1 <= len(nodes) <= 2
@@ -126,7 +129,7 @@ def test_index_query_retrieve_and_compress(models, docs_dir, tmp_path, capsys, f
     pytest.importorskip("langchain_core")
     from langchain_endo import EndoRetriever as LCRetriever
 
-    lc = LCRetriever(texts=list(DOCS.values()), backbone=path, k=2)
+    lc = LCRetriever(texts=list(DOCS.values()), backbone=path, k=2, method="s3-hybrid")
     assert lc.index.backbone is bb
     assert [d.page_content for d in lc.invoke(QUESTION)] == [n.node.text for n in nodes]  # same index, same spans
 
@@ -162,7 +165,8 @@ def test_train_sae_then_index_from_the_command_line(models, docs_dir, tmp_path, 
     bank = SAEBank.for_backbone(Backbone.of(str(folder)))
     assert bank.layers == [0, 1, 2] and bank.card["d_latent"] == 4 * 16  # auto layers: 10%, 37%, 63% of depth
     capsys.readouterr()
-    assert main(["index", str(docs_dir), "--out", str(tmp_path / "ix"), "--model", str(folder)]) == 0
+    assert main(["index", str(docs_dir), "--out", str(tmp_path / "ix"), "--model", str(folder),
+                 "--method", "s3-hybrid"]) == 0
     assert main(["query", str(tmp_path / "ix"), QUESTION, "--model", str(folder), "--json"]) == 0
     renamed = shutil.copytree(folder, tmp_path / "renamed")  # the files are found by the weights' hash, not the name
     assert SAEBank.for_backbone(Backbone.of(str(renamed))).layers == [0, 1, 2]

@@ -88,10 +88,10 @@ def test_tiled_index_equals_indexing_the_copies(tiny):
 
     bb, bank, _ = tiny
     text = perf.generated_filler(sentences=24)
-    base = EndoIndex(bb, saes=bank, chunk_size=64)
+    base = EndoIndex(bb, "s3-hybrid", saes=bank, chunk_size=64)
     base.add_documents([Document("d", text)])
     tiled = perf.tile_index(base, 3)
-    real = EndoIndex(bb, saes=bank, chunk_size=64)
+    real = EndoIndex(bb, "s3-hybrid", saes=bank, chunk_size=64)
     real.add_documents([Document(f"d#{c}", text) for c in range(3)])
     assert tiled.corpus.n_positions == real.corpus.n_positions == 3 * base.corpus.n_positions
     assert tiled.doc_ids == real.doc_ids

@@ -1,5 +1,6 @@
-"""`endo bench quality|perf|attention|signals`: each benchmark is a module exposing `add_arguments(parser)` and
-`run(args)`; add one by adding a line to BENCHES. A benchmark whose module is absent says so when run."""
+"""`endo bench quality|perf|attention|signals|rerank|corpus`: each benchmark is a module exposing
+`add_arguments(parser)` and `run(args)`; add one by adding a line to BENCHES. A benchmark whose module is absent
+says so when run."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,8 @@ BENCHES = {
     "attention": ("endo_retrieval.eval.attention_bench", "", "decode-time sparse attention backends"),
     "signals": ("endo_retrieval.eval.signals", "", "each ranking signal alone, and what it finds that BM25 misses"),
     "rerank": ("endo_retrieval.eval.rerank", "", "a MiniLM vector store alone and followed by the heads reranker"),
+    "corpus": ("endo_retrieval.eval.corpus_bench", "",
+               "corpus retrieval through LlamaIndex retrievers: paragraph recall@k, all-gold@k, MRR, intervals"),
 }
 
 

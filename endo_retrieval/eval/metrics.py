@@ -10,6 +10,7 @@ import re
 import string
 from collections import Counter
 
+import numpy as np
 import torch
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -116,3 +117,35 @@ def compression(n_context_tokens: int, n_selected_tokens: int) -> float | None:
     if n_context_tokens < 0 or n_selected_tokens < 0:
         raise ValueError(f"token counts must be >= 0, got {n_context_tokens} and {n_selected_tokens}")
     return None if n_selected_tokens == 0 else n_context_tokens / n_selected_tokens
+
+
+# ---------------------------------------------------------------- bootstrap intervals over questions
+
+BOOTSTRAP_LEVEL = 0.95
+
+
+def bootstrap_ci(values, seed: int, n: int = 1000) -> tuple[float | None, float | None, float | None]:
+    """(mean, lo, hi): the mean of per-question values and its 95% percentile bootstrap interval, the questions
+    resampled with replacement `n` times (one row of indices per resample). (None, None, None) for no values."""
+    x = np.asarray(values, dtype=np.float64).reshape(-1)
+    if x.size == 0:
+        return None, None, None
+    if not np.isfinite(x).all():
+        raise ValueError("bootstrap values must be finite numbers; leave undefined items out first")
+    means = x[np.random.default_rng(seed).integers(0, x.size, size=(n, x.size))].mean(axis=1)
+    tail = 100 * (1 - BOOTSTRAP_LEVEL) / 2
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    mean = float(x.mean())
+    # the resampled means are summed in another order than the mean itself: keep rounding from putting the
+    # point a hair outside its own interval
+    return mean, min(float(lo), mean), max(float(hi), mean)
+
+
+def paired_diff_ci(a, b, seed: int, n: int = 1000) -> tuple[float | None, float | None, float | None]:
+    """(mean(a - b), lo, hi) for two systems scored on the same questions: each resample draws the same questions
+    for both, so the interval of the difference is that of the per-question differences. Questions that differ
+    little between the two systems then narrow the interval, as they should."""
+    a, b = np.asarray(a, dtype=np.float64).reshape(-1), np.asarray(b, dtype=np.float64).reshape(-1)
+    if a.shape != b.shape:
+        raise ValueError(f"paired values must cover the same questions, got {a.size} and {b.size}")
+    return bootstrap_ci(a - b, seed, n)

@@ -131,7 +131,7 @@ def build_index(backbone, saes, text: str, chunk_size: int):
     of small segments) is done here."""
     from endo_retrieval.engine import Document, EndoIndex
 
-    index = EndoIndex(backbone, saes=saes, chunk_size=chunk_size)
+    index = EndoIndex(backbone, "s3-hybrid", saes=saes, chunk_size=chunk_size)
     index.add_documents([Document("perf", text)])
     for layer in index.index.layers:
         index.index.freq(layer)

@@ -40,6 +40,8 @@ METHODS = {
     "ilre": REGISTRY["ilre"],
     "heads": REGISTRY["heads"],
     "endo": REGISTRY["endo"],
+    "endo-context": "endo_retrieval.methods.endo:Endo",  # endo reading the whole context (one forward per window)
+    "endo-2stage": "endo_retrieval.methods.endo:TwoStageEndo",  # endo reading only BM25's candidate windows
     "bm25": f"{_BASELINES}:BM25Chunks",
     "bm25-sent": REGISTRY["bm25"],
     "dense": f"{_BASELINES}:Dense",
@@ -51,6 +53,7 @@ METHODS = {
 USER_TEMPLATE = "Answer the question from the context in a few words.\n\nContext:\n{context}\n\nQuestion: {question}"
 MAX_NEW_TOKENS = 32
 METRIC_KEYS = ("sp_recall", "answer_recall", "kl", "nll", "f1", "em", "compression")
+CI_KEYS = ("sp_recall", "answer_recall")  # given a bootstrap interval and a paired difference to bm25
 RETAINED = ("sp_recall", "answer_recall", "f1", "em")
 _PLACEHOLDER = "\x00CONTENT\x00"
 
@@ -464,7 +467,10 @@ def _notes(bb, evaluator: Evaluator, methods: dict) -> list[str]:
              "S3-Hybrid share the context's index; each row's latency_ms.index is the time it took to build",
              "peak_rss_mb: the process's peak resident memory (ru_maxrss) when the row's last record finished; "
              "it never goes down during a run",
-             "full ignores the budget: computed once per example and repeated under each budget"]
+             "full ignores the budget: computed once per example and repeated under each budget",
+             "sp_recall_ci/answer_recall_ci: 95% percentile bootstrap of the mean over examples (1000 resamples, "
+             "the run's seed); diff_to_bm25: the row minus bm25 at the same context length and budget, the same "
+             "resampled examples for both"]
     if evaluator.longest_prompt > (bb.max_position or float("inf")):
         notes.append(f"the longest prompt ({evaluator.longest_prompt} tokens) exceeds the model's "
                      f"{bb.max_position}-token window: it ran as is and RoPE extrapolates past the trained length")
@@ -474,19 +480,23 @@ def _notes(bb, evaluator: Evaluator, methods: dict) -> list[str]:
 def aggregate(records: list[dict], config: QualityConfig, unavailable: dict[str, str],
               method_notes: dict[str, str] | None = None) -> list[dict]:
     """One row per (context length, budget, method): means over examples (None-valued metrics left out);
-    retention = row mean / full's mean at the same context length."""
+    retention = row mean / full's mean at the same context length; bootstrap intervals over the examples and,
+    where bm25 ran, the paired difference to it (`_intervals`)."""
     method_notes = method_notes or {}
     rows = []
     for L in config.context_tokens:
         full_means = _means([r for r in records if r["method"] == "full" and r["context_tokens"] == L
                              and "error" not in r])
         for budget in config.budgets:
+            bm25 = [r for r in records if r["method"] == "bm25" and r["context_tokens"] == L
+                    and r["budget"] == budget and "error" not in r] if "bm25" not in unavailable else []
             for name in config.methods:
                 if name in unavailable:
                     rows.append({"method": name, "n": 0, "budget": budget, "context_tokens": L,
                                  **dict.fromkeys(METRIC_KEYS),
                                  "latency_ms": dict.fromkeys(("index", "query", "generate")),
-                                 "peak_rss_mb": None, "retention": dict.fromkeys(RETAINED), "note": unavailable[name]})
+                                 "peak_rss_mb": None, "retention": dict.fromkeys(RETAINED),
+                                 **{f"{k}_ci": None for k in CI_KEYS}, "note": unavailable[name]})
                     continue
                 mine = [r for r in records if r["method"] == name and r["context_tokens"] == L
                         and r["budget"] == (None if name == "full" else budget)]
@@ -497,7 +507,8 @@ def aggregate(records: list[dict], config: QualityConfig, unavailable: dict[str,
                        "latency_ms": {stage: _mean([r["latency_ms"][stage] for r in good])
                                       for stage in ("index", "query", "generate")},
                        "peak_rss_mb": max((r["peak_rss_mb"] for r in good), default=None),
-                       "retention": {k: metrics.retention(means.get(k), full_means.get(k)) for k in RETAINED}}
+                       "retention": {k: metrics.retention(means.get(k), full_means.get(k)) for k in RETAINED},
+                       **_intervals(good, bm25, config.seed)}
                 failed = [r for r in mine if "error" in r]
                 notes = [method_notes.get(name)] + [
                     f"{len(failed)} of {len(mine)} examples failed, e.g. {failed[0]['error']}" if failed else None]
@@ -505,6 +516,29 @@ def aggregate(records: list[dict], config: QualityConfig, unavailable: dict[str,
                     row["note"] = "; ".join(filter(None, notes))
                 rows.append(row)
     return rows
+
+
+def _intervals(good: list[dict], bm25: list[dict], seed: int) -> dict:
+    """`<metric>_ci`: the 95% bootstrap interval of the row's mean over its examples; given bm25's records at the
+    same context length and budget, `diff_to_bm25`: the row minus bm25, paired over the examples both scored
+    (None-valued items left out, as in the means)."""
+    out = {}
+    for k in CI_KEYS:
+        _, lo, hi = metrics.bootstrap_ci([r[k] for r in good if r.get(k) is not None], seed)
+        out[f"{k}_ci"] = None if lo is None else [lo, hi]
+    if bm25:
+        theirs = {r["example"]: r for r in bm25}
+        out["diff_to_bm25"] = {k: _paired(good, theirs, k, seed) for k in CI_KEYS}
+    return out
+
+
+def _paired(good: list[dict], theirs: dict[str, dict], key: str, seed: int) -> dict | None:
+    pairs = [(r[key], theirs[r["example"]][key]) for r in good
+             if r.get(key) is not None and theirs.get(r["example"], {}).get(key) is not None]
+    if not pairs:
+        return None
+    mine, reference = zip(*pairs)
+    return dict(zip(("value", "lo", "hi"), metrics.paired_diff_ci(mine, reference, seed)))
 
 
 def _mean(values) -> float | None:
@@ -533,20 +567,33 @@ def _fmt(value, digits: int = 3) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def _with_ci(row: dict, key: str) -> str:
+    ci = row.get(f"{key}_ci")
+    return _fmt(row[key]) if row[key] is None or ci is None else f"{_fmt(row[key])} [{_fmt(ci[0])}, {_fmt(ci[1])}]"
+
+
+def _diff(row: dict, key: str) -> str:
+    d = (row.get("diff_to_bm25") or {}).get(key)
+    return "–" if d is None else f"{d['value']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
+
+
 def markdown_table(result: dict) -> str:
     cfg = result["config"]
     lines = [f"Model {cfg['model']}, data `{cfg['data']}`, seed {cfg['seed']}, examples {cfg['n_examples']}, "
              f"generation {'on' if cfg['generate'] else 'off'}; wall time {cfg['wall_s']} s. "
-             "ret. = retention vs `full` at the same context length.", ""]
-    head = ("| context | budget | method | n | sp_recall | answer_recall | KL | NLL | F1 | EM | compression "
-            "| ret. ans. | ret. F1 | index ms | query ms | generate ms | peak RSS MB |")
+             "ret. = retention vs `full` at the same context length; recall cells: mean [95% bootstrap interval "
+             "over examples]; Δ: the row minus bm25, paired bootstrap over the examples both scored.", ""]
+    head = ("| context | budget | method | n | sp_recall | answer_recall | Δ sp_recall vs bm25 | Δ answer_recall "
+            "vs bm25 | KL | NLL | F1 | EM | compression | ret. ans. | ret. F1 | index ms | query ms | generate ms "
+            "| peak RSS MB |")
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     notes = []
     for row in result["rows"]:
         lat, ret = row["latency_ms"], row["retention"]
         lines.append(
             f"| {row['context_tokens']} | {row['budget'] if row['method'] != 'full' else 'all'} | {row['method']} "
-            f"| {row['n']} | {_fmt(row['sp_recall'])} | {_fmt(row['answer_recall'])} | {_fmt(row['kl'])} "
+            f"| {row['n']} | {_with_ci(row, 'sp_recall')} | {_with_ci(row, 'answer_recall')} "
+            f"| {_diff(row, 'sp_recall')} | {_diff(row, 'answer_recall')} | {_fmt(row['kl'])} "
             f"| {_fmt(row['nll'])} | {_fmt(row['f1'])} | {_fmt(row['em'])} | {_fmt(row['compression'], 1)} "
             f"| {_fmt(ret['answer_recall'], 2)} | {_fmt(ret['f1'], 2)} | {_fmt(lat['index'], 0)} "
             f"| {_fmt(lat['query'], 0)} | {_fmt(lat['generate'], 0)} | {_fmt(row['peak_rss_mb'], 0)} |")

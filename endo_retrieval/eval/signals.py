@@ -37,7 +37,8 @@ def run(args) -> int:
     from endo_retrieval.backbone import Backbone
     from endo_retrieval.eval.data import load_examples
     from endo_retrieval.heads_calibrate import gold_sentences
-    from endo_retrieval.methods.endo import Endo, fuse, kept_in_budget, rrf
+    from endo_retrieval.fusion import fuse, rrf
+    from endo_retrieval.methods.endo import Endo, kept_in_budget
     from endo_retrieval.profiles import ilre_profile
 
     bb = Backbone(args.model) if args.model else Backbone.default()

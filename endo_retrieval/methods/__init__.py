@@ -24,9 +24,11 @@ def get_method(name: str, **kwargs) -> Method:
     return getattr(importlib.import_module(module), cls)(**kwargs)
 
 
-# the best method measured: on HotpotQA haystacks (dev30, 4096/512 and 8192/1024) `endo` keeps more gold sentences
-# and answers than BM25 over sentences, which in turn beats s3-hybrid (docs/results.md)
+# The one default of every entry point (compress, EndoIndex, both retrievers, both compressors, MCP, the CLI): the
+# best pipeline measured on dev300 (docs/results.md): BM25 candidates, the model reads them, its heads rank them.
 DEFAULT_METHOD = "endo"
+# the methods an index of a corpus searches with (`EndoIndex.search`); s3 and s3-hybrid need its feature postings
+SEARCH_METHODS = ("endo", "s3-hybrid", "s3", "bm25")
 
 
 def compress(context: str, question: str, budget: int = 1024, method: str = DEFAULT_METHOD, backbone=None
@@ -40,4 +42,4 @@ def compress(context: str, question: str, budget: int = 1024, method: str = DEFA
     return get_method(method, backbone=backbone).compress(context, question, budget)
 
 
-__all__ = ["Compressed", "Method", "Span", "REGISTRY", "DEFAULT_METHOD", "get_method", "compress"]
+__all__ = ["Compressed", "Method", "Span", "REGISTRY", "DEFAULT_METHOD", "SEARCH_METHODS", "get_method", "compress"]

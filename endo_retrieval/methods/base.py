@@ -21,7 +21,9 @@ class Span:
     score: float = 0.0
     signals: tuple[str, ...] = ()  # which signals chose it: "s3", "bm25", "lead", "tail", "ilre", ...
     doc_id: str | None = None
-    metadata: dict = field(default_factory=dict, compare=False, hash=False)
+    metadata: dict = field(default_factory=dict, compare=False, hash=False)  # the document's own
+    stage_scores: dict = field(default_factory=dict, compare=False, hash=False)  # a pipeline's score per stage
+    stage_ms: dict = field(default_factory=dict, compare=False, hash=False)  # the search's time per stage
 
     @property
     def n_tokens(self) -> int:
@@ -46,3 +48,14 @@ class Method(Protocol):
     name: ClassVar[str]
 
     def compress(self, context: str, question: str, budget: int) -> Compressed: ...
+
+
+def join_spans(spans: list[Span], method: str, budget: int) -> Compressed:
+    """Spans in source order; adjacent spans join as the source text, others with a newline between."""
+    spans = sorted(spans, key=lambda s: s.start)
+    parts = []
+    for i, s in enumerate(spans):
+        if i and s.start != spans[i - 1].end:
+            parts.append("\n")
+        parts.append(s.text)
+    return Compressed("".join(parts), spans, sum(s.n_tokens for s in spans), method, budget)

@@ -19,7 +19,7 @@ import numpy as np
 
 from endo_retrieval.backbone import Backbone
 from endo_retrieval.methods.base import Compressed, Span
-from endo_retrieval.methods.s3 import join_spans
+from endo_retrieval.methods.base import join_spans
 
 CHUNK_TOKENS = 256  # the RAG baselines' chunk size (seed 000, section 4.3)
 PEERS_HINT = "pip install 'endo-retrieval[peers]'"

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from endo_retrieval.fusion import fuse, rrf, standardise
 from endo_retrieval.methods.base import Compressed
 from endo_retrieval.methods.heads import (HeadsError, Prepared, RetrievalHeads, calibrated_attention,
                                           calibrated_scores, fit_sentences, sentence_max)
@@ -28,31 +29,7 @@ from endo_retrieval.profiles import heads_profile, ilre_profile
 
 SIGNALS = ("bm25", "heads", "hop2", "ilre")
 HOP_SENTENCES = 2  # first-hop sentences the second hop re-reads
-RRF_K = 60  # reciprocal-rank fusion constant (Cormack et al. 2009)
 GRID_STEP = 0.05
-
-
-def standardise(x: np.ndarray) -> np.ndarray:
-    """z-score within one context, so weights fitted on some contexts transfer to others of other lengths."""
-    x = np.asarray(x, dtype=np.float64)
-    sd = x.std()
-    return (x - x.mean()) / sd if sd > 0 else np.zeros_like(x)
-
-
-def rrf(*scores: np.ndarray) -> np.ndarray:
-    """Reciprocal-rank fusion: sum over the rankings of 1 / (RRF_K + rank)."""
-    out = np.zeros(len(scores[0]))
-    for s in scores:
-        rank = np.empty(len(s))
-        rank[np.argsort(-np.asarray(s), kind="stable")] = np.arange(len(s))
-        out += 1.0 / (RRF_K + rank)
-    return out
-
-
-def fuse(signals: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarray:
-    """sum_s w_s z_s: the weighted sum of the standardised signals (signals without a weight count 0)."""
-    n = len(next(iter(signals.values())))
-    return sum((w * standardise(signals[s]) for s, w in weights.items() if w and s in signals), np.zeros(n))
 
 
 def kept_in_budget(scores: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
@@ -175,3 +152,58 @@ def signals(backbone, prepared: Prepared, question: str, heads, ilre_layer: int 
         evidence = " ".join(prepared.sentence_text(int(i)).strip() for i in sorted(first))
         out["hop2"] = calibrated_scores(backbone, prepared, heads, question, prefix=f"\n\nEvidence: {evidence}")
     return out
+
+
+@dataclass
+class TwoStageEndo:
+    """`endo` over one context read in two stages, as over a corpus (pipeline.py): the context's runs of whole
+    sentences of at most `window_tokens` are the candidates; BM25 keeps the best, the model reads them and the
+    question, and the fused stage scores rank them. The budget takes whole sentences of the candidates in that
+    order, then of the other windows in BM25's order. The model reads a fixed number of tokens whatever the
+    context's length, so time and memory do not grow with it beyond BM25's."""
+
+    name: ClassVar[str] = "endo"
+
+    backbone: object = None
+    window_tokens: int = 96
+    pipeline: object = None  # an EndoPipeline (None: the model's fitted one)
+
+    def __post_init__(self):
+        from endo_retrieval.backbone import Backbone
+        from endo_retrieval.pipeline import EndoPipeline
+
+        self.backbone = Backbone.of(self.backbone)
+        self.pipeline = self.pipeline or EndoPipeline(self.backbone)
+
+    def compress(self, context: str, question: str, budget: int = 1024) -> Compressed:
+        from types import SimpleNamespace
+
+        from endo_retrieval.bm25 import words
+        from endo_retrieval.corpus import CorpusMap
+        from endo_retrieval.methods.heads import _question
+        from endo_retrieval.pipeline import Passages
+
+        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget <= 0:
+            raise HeadsError(f"budget must be a positive number of tokens, got {budget!r}.")
+        if not isinstance(context, str) or not context.strip():
+            raise HeadsError("The context is empty; give the text to retrieve from.")
+        question = _question(question)
+        corpus = CorpusMap()
+        corpus.add_document("context", context, self.backbone.encode(context).offsets)
+        passages = Passages.build(corpus, self.window_tokens)
+        top, stage, _ = self.pipeline.stage_scores(corpus, passages, question)
+        fused = fuse(stage, self.pipeline.weights)
+        ranked = top[np.lexsort((np.arange(len(top)), -fused))]
+        rest = np.argsort(-passages.bm25.get_scores(words(question)), kind="stable")
+        order = np.concatenate([ranked, rest[~np.isin(rest, ranked)]])
+        starts = corpus.sentence_starts()
+        first = np.searchsorted(starts, passages.starts)  # each window's first and last sentence
+        last = np.searchsorted(starts, passages.ends)
+        sentences = [i for p in order for i in range(first[p], last[p])]
+        score = np.full(len(starts), -np.inf)
+        for p, s in zip(top, fused):
+            score[first[p]:last[p]] = s
+        chose = {i: tuple(sorted(w for w, v in self.pipeline.weights.items() if v))
+                 for p in top for i in range(first[p], last[p])}
+        return fit_sentences(SimpleNamespace(corpus=corpus, sentence_starts=starts), sentences, budget,
+                             self.backbone, self.name, chose, np.where(np.isfinite(score), score, 0.0))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.corpus import CorpusMap
-from endo_retrieval.engine import SentenceBM25
+from endo_retrieval.bm25 import SentenceBM25
 from endo_retrieval.methods.base import Compressed, Span
 from endo_retrieval.profiles import heads_profile
 from endo_retrieval.select import spans_from_peaks
@@ -66,6 +66,7 @@ class Reading:
     n_tokens: int
     segments: list[Segment]
     on_host: bool = False  # the segments' caches and keys wait in host memory; each comes over when asked
+    int8: bool = False  # read through the int8 copy of the layers (CPU): its query parts must be too
 
     @property
     def streamed(self) -> bool:
@@ -83,19 +84,23 @@ def segment_cuts(sentence_starts: np.ndarray, n_tokens: int, segment: int) -> li
 
 
 def read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[int] | None = None,
-         stream: bool = False, sink: int = 4, window: int = 512, chunk_size: int = 2048) -> Reading:
+         stream: bool = False, sink: int = 4, window: int = 512, chunk_size: int = 2048, int8: bool = False
+         ) -> Reading:
     """Forward the context up to max(layers) and keep what its query parts need.
 
     Default: one causal forward per segment (`cuts`, default one segment), each with its own KV cache, so a query
     part read after a segment sees all of it at every layer; contexts past HOST_CACHES_FROM tokens keep the caches
     in host memory, and accelerator memory holds one segment at a time. stream=True: ILRe's streaming prefill
     instead (chunks behind S sink + W window tokens, positions framed), whose query part sees only the frame at
-    the lower layers: memory is bounded without segments, but the heads rank worse (docs/papers.md)."""
+    the lower layers: memory is bounded without segments, but the heads rank worse (docs/papers.md).
+    int8 (CPU): through dynamically int8-quantized linear maps, about twice as fast."""
     ids = np.asarray(ids, dtype=np.int64)
     layers = sorted({int(l) for l in layers})
     if len(ids) == 0:
         raise HeadsError("The context is empty; give at least one token of text.")
     if stream:
+        if int8:
+            raise HeadsError("int8 reads segments only; pass stream=False")
         keys = {l: torch.empty(backbone.n_kv_heads, len(ids), backbone.head_dim, device=backbone.device,
                                dtype=backbone.dtype) for l in layers}  # bf16 on a GPU: 2 bytes per key element
         for ch in backbone.stream(ids, layers, chunk_size=chunk_size, mode="sink_window", sink=sink, window=window,
@@ -112,7 +117,7 @@ def read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[int
     for a, b in zip(cuts[:-1], cuts[1:]):
         cache = DynamicCache()
         x = torch.as_tensor(ids[a:b], device=backbone.device)[None]
-        with backbone._lock, torch.inference_mode(), backbone._run_to(layers[-1], layers, ("k",)) as store:
+        with backbone._lock, torch.inference_mode(), backbone._run_to(layers[-1], layers, ("k",), int8) as store:
             backbone.model.model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
                                  use_cache=True)
         positions = torch.arange(b - a, device=backbone.device)
@@ -121,7 +126,7 @@ def read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[int
             _move_cache(cache, "cpu")
             keys = {l: _to(k, "cpu") for l, k in keys.items()}
         segments.append(Segment(a, keys, cache))
-    return Reading(len(ids), segments, on_host)
+    return Reading(len(ids), segments, on_host, int8)
 
 
 def _move_cache(cache, device) -> None:
@@ -153,7 +158,8 @@ def ask(backbone, reading: Reading, query_ids: np.ndarray, layers: Sequence[int]
             _move_cache(cache, backbone.device)
         n = segment.n_tokens
         positions = torch.arange(n, n + len(query_ids), device=backbone.device)
-        with backbone._lock, torch.inference_mode(), backbone._run_to(layers[-1], layers, ("q",)) as store:
+        with backbone._lock, torch.inference_mode(), \
+                backbone._run_to(layers[-1], layers, ("q",), reading.int8) as store:
             try:
                 backbone.model.model(input_ids=x, position_ids=positions[None], past_key_values=cache,
                                      attention_mask=torch.ones(1, n + len(query_ids), dtype=torch.long,
@@ -266,7 +272,7 @@ def fit_sentences(prepared: Prepared, order: Sequence[int], budget: int, backbon
                   chose: dict[int, tuple[str, ...]] | None = None, score: np.ndarray | None = None) -> Compressed:
     """Whole sentences in rank `order` into `budget` tokens (the first that does not fit is trimmed to the rest),
     returned in source order. Spans cut inside words can re-tokenise longer: the budget shrinks until it fits."""
-    from endo_retrieval.methods.s3 import join_spans
+    from endo_retrieval.methods.base import join_spans
 
     corpus, starts = prepared.corpus, prepared.sentence_starts
     n = corpus.n_positions
@@ -372,8 +378,23 @@ def rank_passages(backbone, passages: Sequence[str], question: str, heads: Seque
     """One score per passage, higher is better: the model reads the passages (in the given order, as one context)
     and then the question; a passage scores each head's calibrated attention at its most attended token, summed
     over the heads (as a sentence does in `heads`). For pipelines that already have a first stage."""
+    return passage_signals(backbone, passages, question, heads)["heads"] if passages else np.zeros(0)
+
+
+HOP_PASSAGES = 2  # first-hop passages the second hop re-reads
+
+
+def passage_signals(backbone, passages: Sequence[str], question: str, heads: Sequence[tuple[int, int]] | None = None,
+                    second_hop: bool = False, int8: bool = False, first_stage: np.ndarray | None = None
+                    ) -> dict[str, np.ndarray]:
+    """Per passage: "heads", `rank_passages`'s score; with second_hop, "hop2": the same heads when the question
+    comes behind the HOP_PASSAGES best first-hop passages (by reciprocal-rank fusion of the heads and
+    `first_stage`'s scores when given), which a bridge question needs to find a passage that shares no word with
+    it. int8 (CPU): the model reads through int8 linear maps."""
+    from endo_retrieval.fusion import rrf
+
     if not passages:
-        return np.zeros(0)
+        return {"heads": np.zeros(0)} | ({"hop2": np.zeros(0)} if second_hop else {})
     if any(not isinstance(p, str) for p in passages):
         raise HeadsError("passages must be strings")
     heads = [tuple(map(int, h)) for h in (heads or profile_heads(backbone))]
@@ -382,8 +403,16 @@ def rank_passages(backbone, passages: Sequence[str], question: str, heads: Seque
     for p in passages:
         starts.append(len(text))
         text += (p.strip() or "-") + PASSAGE_SEPARATOR
-    prepared = prepare_context(backbone, text, sorted({l for l, _ in heads}))
+    prepared = prepare_context(backbone, text, sorted({l for l, _ in heads}), int8=int8)
     offsets = prepared.corpus.doc("context").offsets  # the tokens the model read: each passage's first one
-    token_of = np.searchsorted(np.maximum.accumulate(offsets[:, 1]), np.asarray(starts), side="right")
+    token_of = np.minimum(np.searchsorted(np.maximum.accumulate(offsets[:, 1]), np.asarray(starts), side="right"),
+                          len(offsets) - 1)
     calibrated, _ = calibrated_attention(backbone, prepared, heads, question)
-    return sentence_max(calibrated, np.minimum(token_of, len(offsets) - 1)).sum(0)
+    out = {"heads": sentence_max(calibrated, token_of).sum(0)}
+    if second_hop:
+        ranks = rrf(out["heads"], first_stage) if first_stage is not None else out["heads"]
+        first = sorted(np.argsort(-ranks, kind="stable")[:HOP_PASSAGES].tolist())
+        evidence = " ".join(passages[i].strip() for i in first)
+        calibrated, _ = calibrated_attention(backbone, prepared, heads, question, prefix=f"\n\nEvidence: {evidence}")
+        out["hop2"] = sentence_max(calibrated, token_of).sum(0)
+    return out

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from endo_retrieval.backbone import Backbone
-from endo_retrieval.methods.base import Compressed, Span
+from endo_retrieval.methods.base import Compressed, Span, join_spans
 from endo_retrieval.select import QA_KERNEL
 
 
@@ -84,14 +84,3 @@ class S3Hybrid(_EngineMethod):
 
     name = "s3-hybrid"
     lead_tail = 32
-
-
-def join_spans(spans: list[Span], method: str, budget: int) -> Compressed:
-    """Spans in source order; adjacent spans join as the source text, others with a newline between."""
-    spans = sorted(spans, key=lambda s: s.start)
-    parts = []
-    for i, s in enumerate(spans):
-        if i and s.start != spans[i - 1].end:
-            parts.append("\n")
-        parts.append(s.text)
-    return Compressed("".join(parts), spans, sum(s.n_tokens for s in spans), method, budget)

@@ -17,11 +17,11 @@ from typing import Sequence
 import numpy as np
 
 from endo_retrieval.engine import Document, EndoIndex
-from endo_retrieval.methods import compress
+from endo_retrieval.methods import DEFAULT_METHOD, compress
 from endo_retrieval.methods.base import Span
 
-PROVENANCE_KEYS = ("doc_id", "char_start", "char_end", "endo_score", "signals")
-COMPRESS_METHODS = ("s3-hybrid", "s3", "ilre")
+PROVENANCE_KEYS = ("doc_id", "char_start", "char_end", "endo_score", "signals", "endo_stage_scores", "endo_stage_ms")
+COMPRESS_METHODS = ("endo", "s3-hybrid", "s3", "ilre", "heads", "bm25")  # compress() over the passages as one context
 PASSAGE_SEPARATOR = "\n\n"
 
 
@@ -40,7 +40,7 @@ def open_index(documents: Sequence[Document] | None, index_dir: str | os.PathLik
         raise ValueError(f"{index_dir} already holds an index; load it by passing only the folder, or choose an "
                          "empty folder to save the new one.")
     index = EndoIndex(backbone, method=method)
-    index.add_documents(list(documents))
+    index.add_documents(list(documents))  # a progress bar on a terminal
     if index_dir is not None:
         index.save(index_dir)
     return index
@@ -48,8 +48,11 @@ def open_index(documents: Sequence[Document] | None, index_dir: str | os.PathLik
 
 def provenance(span: Span) -> dict:
     """The document's own metadata plus where the span lies in that document's text."""
-    return {**span.metadata, "doc_id": span.doc_id, "char_start": span.char_start, "char_end": span.char_end,
-            "endo_score": float(span.score), "signals": list(span.signals)}
+    out = {**span.metadata, "doc_id": span.doc_id, "char_start": span.char_start, "char_end": span.char_end,
+           "endo_score": float(span.score), "signals": list(span.signals)}
+    if span.stage_scores:  # a pipeline's own score per stage, and the search's time per stage
+        out |= {"endo_stage_scores": dict(span.stage_scores), "endo_stage_ms": dict(span.stage_ms)}
+    return out
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class Kept:
     char_spans: tuple[tuple[int, int], ...]
 
 
-def compress_passages(passages: Sequence[str], question: str, budget: int, method: str = "s3-hybrid",
+def compress_passages(passages: Sequence[str], question: str, budget: int, method: str = DEFAULT_METHOD,
                       backbone=None) -> list[Kept]:
     """Compress the passages as one context (joined in the given order) under `budget` tokens and return, in
     passage order, the passages that kept anything with their kept text (pieces joined as `compress` joins

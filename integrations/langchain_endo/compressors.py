@@ -14,6 +14,7 @@ from langchain_core.documents import BaseDocumentCompressor, Document
 from pydantic import ConfigDict, Field, field_validator
 
 from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages, rerank_passages
+from endo_retrieval.methods import DEFAULT_METHOD
 
 
 class EndoDocumentCompressor(BaseDocumentCompressor):
@@ -23,7 +24,7 @@ class EndoDocumentCompressor(BaseDocumentCompressor):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     budget: int = Field(default=1024, gt=0)
-    method: str = "s3-hybrid"
+    method: str = DEFAULT_METHOD
     backbone: Any = Field(default=None, exclude=True, repr=False)
 
     @field_validator("method")

@@ -1,5 +1,6 @@
-"""A LangChain retriever over an `EndoIndex`: the backbone's own query projections find the evidence spans
-(seed 000, Algorithm 1); each is returned as a `Document` with its source document's id and character offsets."""
+"""A LangChain retriever over an `EndoIndex`: by default the `endo` pipeline (BM25 candidates, the local model reads
+them, its retrieval heads rank them); each hit is returned as a `Document` with its source document's id, character
+offsets, the fused score and each stage's score."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from endo_retrieval.engine import Document, EndoIndex
 from endo_retrieval.integrations import open_index, provenance
+from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span
 
 
@@ -31,7 +33,8 @@ def span_document(span: Span) -> LCDocument:
 
 
 class EndoRetriever(BaseRetriever):
-    """Evidence spans ranked by the backbone's attention signals (`s3-hybrid` by default, or `s3`, `bm25`).
+    """Evidence ranked by the backbone's attention signals (the `endo` pipeline by default, or `s3-hybrid`, `s3`,
+    `bm25`; a method the index cannot serve is refused on construction).
 
     `texts`/`documents` are indexed on construction; `index_dir` alone loads a saved index, and with texts or
     documents receives the new one (it must not hold an index yet). `invoke(query, k=...)` overrides `k`.
@@ -44,13 +47,14 @@ class EndoRetriever(BaseRetriever):
     index_dir: str | os.PathLike | None = None
     k: int = Field(default=4, ge=1)
     budget: int | None = Field(default=None, gt=0)
-    method: str = "s3-hybrid"
+    method: str = DEFAULT_METHOD
     backbone: Any = Field(default=None, exclude=True, repr=False)
     _index: EndoIndex = PrivateAttr()
 
     def model_post_init(self, __context: Any) -> None:
         self._index = open_index(to_documents(self.texts, self.documents), self.index_dir, self.method,
                                  self.backbone)
+        self._index.check_method(self.method)
         self.texts = self.documents = None  # the index holds them now; don't keep a second copy
 
     @property

@@ -17,16 +17,17 @@ from llama_index.core.schema import MetadataMode, NodeRelationship, NodeWithScor
 
 from endo_retrieval.backbone import Backbone
 from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages, rerank_passages
+from endo_retrieval.methods import DEFAULT_METHOD
 
 
 class EndoCompressor(BaseNodePostprocessor):
     """Keep only the evidence of the retrieved nodes, at most `budget` backbone tokens in all."""
 
     budget: int = Field(default=1024, gt=0, description="token budget for all kept evidence together")
-    method: str = Field(default="s3-hybrid", description=f"one of {', '.join(COMPRESS_METHODS)}")
+    method: str = Field(default=DEFAULT_METHOD, description=f"one of {', '.join(COMPRESS_METHODS)}")
     _backbone: Backbone = PrivateAttr()
 
-    def __init__(self, budget: int = 1024, method: str = "s3-hybrid", backbone: Backbone | None = None,
+    def __init__(self, budget: int = 1024, method: str = DEFAULT_METHOD, backbone: Backbone | None = None,
                  **kwargs: Any):
         if method not in COMPRESS_METHODS:
             raise ValueError(f"Unknown compression method {method!r}; use one of {', '.join(COMPRESS_METHODS)}.")

@@ -1,7 +1,9 @@
-"""`llama_index.retrievers.endo`: endogenous retrieval (S3-Attention) as a LlamaIndex retriever.
+"""`llama_index.retrievers.endo`: endogenous retrieval as a LlamaIndex retriever.
 
-The local LM reads the documents once; a question's own query projections find the evidence (seed 000, Alg. 1).
-Each hit is a sentence-level evidence span, returned as a `TextNode` linked to its source node.
+By default the `endo` pipeline: BM25 finds candidate passages, the local model reads them, and its retrieval heads
+rank them; each hit is a passage of a source node (the whole node when it is short), returned as a `TextNode`
+linked to that node, its score the fused one (higher is better) and each stage's score in its metadata. The S3
+methods (`s3-hybrid`, `s3`) and `bm25` return sentence-level evidence spans.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from llama_index.core.tools import RetrieverTool
 
 from endo_retrieval.engine import Document, EndoIndex
 from endo_retrieval.integrations import PROVENANCE_KEYS, open_index, provenance
+from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span
 
 SETTINGS_FILE = "llama_index_retriever.json"
@@ -46,12 +49,14 @@ def span_node(span: Span) -> NodeWithScore:
 
 
 class EndoRetriever(BaseRetriever):
-    """Evidence spans found by the backbone's own attention signals (`s3-hybrid` by default, or `s3`, `bm25`)."""
+    """Evidence found by the backbone's own attention signals: `method` is the `endo` pipeline by default, or
+    `s3-hybrid`, `s3`, `bm25` (an index built for `endo` or `bm25` holds no S3 postings: refused here)."""
 
     def __init__(self, index: EndoIndex, similarity_top_k: int = 4, budget: int | None = None,
-                 method: str = "s3-hybrid", callback_manager: CallbackManager | None = None, verbose: bool = False):
-        if similarity_top_k < 1:
-            raise ValueError(f"similarity_top_k must be >= 1, got {similarity_top_k}.")
+                 method: str = DEFAULT_METHOD, callback_manager: CallbackManager | None = None, verbose: bool = False):
+        if isinstance(similarity_top_k, bool) or not isinstance(similarity_top_k, int) or similarity_top_k < 1:
+            raise ValueError(f"similarity_top_k must be a whole number >= 1, got {similarity_top_k!r}.")
+        index.check_method(method)  # a method the index cannot serve fails here, not at the first query
         self.index = index
         self.similarity_top_k = similarity_top_k
         self.budget = budget
@@ -61,7 +66,7 @@ class EndoRetriever(BaseRetriever):
     @classmethod
     def from_defaults(cls, nodes: Sequence[BaseNode] | None = None, documents: Sequence[BaseNode] | None = None,
                       persist_dir: str | os.PathLike | None = None, similarity_top_k: int = 4,
-                      budget: int | None = None, method: str = "s3-hybrid", backbone=None,
+                      budget: int | None = None, method: str = DEFAULT_METHOD, backbone=None,
                       **kwargs) -> "EndoRetriever":
         """Index `nodes` or `documents` (whole documents are fine: evidence is cut to sentences at query time),
         or load `persist_dir` when given alone. With both, the new index is saved to the (empty) persist_dir."""
@@ -86,7 +91,7 @@ class EndoRetriever(BaseRetriever):
     @classmethod
     def from_persist_dir(cls, persist_dir: str | os.PathLike, backbone=None, **overrides) -> "EndoRetriever":
         """Reload a persisted retriever; keyword arguments override the saved settings."""
-        index = open_index(None, persist_dir, "s3-hybrid", backbone)
+        index = open_index(None, persist_dir, None, backbone)
         saved = Path(persist_dir) / SETTINGS_FILE
         try:
             settings = json.loads(saved.read_text()) if saved.exists() else {}

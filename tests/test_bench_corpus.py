@@ -1,0 +1,220 @@
+"""`endo bench corpus` and the bootstrap intervals every bench figure carries: the intervals on inputs whose answer
+is known, the corpus metrics on rankings scored by hand, and the command end to end on a made-up HotpotQA file."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from endo_retrieval.eval.corpus_bench import METRICS, distinct, paragraph_id, question_metrics, score_ranking
+from endo_retrieval.eval.metrics import bootstrap_ci, paired_diff_ci
+
+# ---------------------------------------------------------------- bootstrap intervals
+
+
+def test_a_constant_vectors_interval_is_the_point():
+    mean, lo, hi = bootstrap_ci([0.4] * 17, seed=3)
+    assert mean == pytest.approx(0.4, abs=1e-15) and lo == pytest.approx(mean, abs=1e-15) \
+        and hi == pytest.approx(mean, abs=1e-15)
+
+
+def test_paired_difference_of_identical_vectors_is_exactly_zero():
+    x = np.random.default_rng(1).random(50)
+    assert paired_diff_ci(x, x.copy(), seed=0) == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("values", [
+    np.random.default_rng(2).integers(0, 2, 40),       # hits
+    np.random.default_rng(3).random(25),               # recalls
+    [1.0, 0.0, 0.0, 0.0],                              # skewed and tiny
+])
+def test_interval_contains_the_mean(values):
+    mean, lo, hi = bootstrap_ci(values, seed=7)
+    assert mean == pytest.approx(np.mean(values)) and lo <= mean <= hi and lo < hi
+
+
+def test_interval_has_95_percent_width():
+    # 400 fair coin flips: the mean's standard error is 0.025, so a 95% interval is about 0.098 wide
+    flips = np.random.default_rng(4).integers(0, 2, 400)
+    _, lo, hi = bootstrap_ci(flips, seed=0)
+    assert 0.085 < hi - lo < 0.11
+
+
+def test_seed_reproduces_and_another_seed_resamples_otherwise():
+    values = np.random.default_rng(5).random(60)
+    assert bootstrap_ci(values, seed=11) == bootstrap_ci(values, seed=11)
+    assert bootstrap_ci(values, seed=11) != bootstrap_ci(values, seed=12)
+    assert paired_diff_ci(values, values[::-1], seed=11) == paired_diff_ci(values, values[::-1], seed=11)
+
+
+def test_pairing_resamples_the_same_questions_for_both_systems():
+    """Two systems that differ by a small constant on every question: the paired difference is that constant
+    with a tight interval, though each system's own interval is wide."""
+    a = np.random.default_rng(6).random(80)
+    b = a - 0.05
+    value, lo, hi = paired_diff_ci(a, b, seed=0)
+    assert value == pytest.approx(0.05) and lo == pytest.approx(0.05) and hi == pytest.approx(0.05)
+    _, a_lo, a_hi = bootstrap_ci(a, seed=0)
+    assert a_hi - a_lo > 0.05
+    c = np.random.default_rng(7).random(80)  # unrelated: the paired value is the difference of the means
+    assert paired_diff_ci(a, c, seed=0)[0] == pytest.approx(a.mean() - c.mean())
+
+
+def test_bootstrap_bad_input():
+    assert bootstrap_ci([], seed=0) == (None, None, None)
+    with pytest.raises(ValueError, match="same questions"):
+        paired_diff_ci([1.0, 0.0], [1.0], seed=0)
+    with pytest.raises(ValueError, match="finite"):
+        bootstrap_ci([1.0, float("nan")], seed=0)
+
+
+# ---------------------------------------------------------------- corpus metrics, worked out by hand
+
+
+def test_distinct_keeps_first_appearance():
+    assert distinct(["a", "a", "b", "c", "b", "d"], top=3) == ["a", "b", "c"]
+
+
+def test_rankings_scored_by_hand():
+    ranking = ["x1", "A", "x2", "x3", "B", "x4", "x5", "x6", "x7", "x8", "C"]  # C is 11th: past the top 10
+    assert score_ranking(ranking, {"A", "B"}) == {"hits@2": 1, "hits@5": 2, "hits@10": 2, "first_gold_rank": 2}
+    assert score_ranking(ranking, {"C"}) == {"hits@2": 0, "hits@5": 0, "hits@10": 0, "first_gold_rank": None}
+    assert score_ranking(ranking, {"x1", "x6", "Z"}) == {"hits@2": 1, "hits@5": 1, "hits@10": 2,
+                                                         "first_gold_rank": 1}
+
+
+def test_question_metrics_by_hand():
+    # three questions: golds 2, 1, 3; hits as scored above
+    per_question = {"hits@2": [1, 0, 1], "hits@5": [2, 0, 1], "hits@10": [2, 0, 2], "first_gold_rank": [2, None, 1]}
+    got = question_metrics(per_question, [2, 1, 3])
+    expected = {"recall@2": [0.5, 0, 1 / 3], "recall@5": [1, 0, 1 / 3], "recall@10": [1, 0, 2 / 3],
+                "all@2": [0, 0, 0], "all@5": [1, 0, 0], "all@10": [1, 0, 0], "mrr": [0.5, 0, 1]}
+    assert set(got) == set(METRICS)
+    for name, values in expected.items():
+        np.testing.assert_allclose(got[name], values, err_msg=name)
+
+
+# ---------------------------------------------------------------- the command end to end
+
+SIGNED_CELL = r"[+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]"
+
+
+TOPICS = [  # (question, gold paragraphs, a distractor of the same item)
+    ("Which river flows through Zanthor?",
+     [("Zanthor", ["Zanthor is a city on the Velna river.", "It has a market."]),
+      ("Velna", ["The Velna river rises in the Kesh hills."])], ("Kesh cheese", ["Kesh cheese is sold in Lund."])),
+    ("Who founded the Orrin Guild of weavers?",
+     [("Orrin Guild", ["The Orrin Guild of weavers was founded by Mara Tesk."]),
+      ("Mara Tesk", ["Mara Tesk led the Orrin Guild.", "She lived in Lund."])], ("Lund", ["Lund is a quiet town."])),
+    ("What colour is the Zephyr bridge?",
+     [("Zephyr bridge", ["The Zephyr bridge is painted green."])], ("Ferry", ["A ferry crossed before 1932."])),
+    ("Which ship has its home port in Gdansk?",
+     [("Albatross", ["The research ship Albatross carries twelve scientists."]),
+      ("Gdansk port", ["Gdansk is the home port of the Albatross ship."])], ("Pierogi", ["The cook makes pierogi."])),
+]
+
+
+def made_up_hotpotqa(path, topics=TOPICS):
+    items = []
+    for i, (question, gold, distractor) in enumerate(topics):
+        filler = [(f"Weather {i}", [f"Report {i} says it rained in the hills all week."])]
+        context = [*gold, distractor, *filler]
+        items.append({"_id": f"toy{i}", "question": question, "answer": "x", "type": "bridge", "level": "hard",
+                      "supporting_facts": [[title, 0] for title, _ in gold],
+                      "context": [[title, sentences] for title, sentences in context]})
+    path.write_text(json.dumps(items))
+    return path  # 4 questions, 15 paragraphs, golds of 2, 2, 1, 2 titles
+
+
+def check_report(out, systems, reference):
+    result = json.loads(out.read_text())
+    assert result["schema"] == "endo-bench-corpus/1"
+    cfg = result["config"]
+    assert cfg["corpus_paragraphs"] == 15 and cfg["n_questions"] == 4 and cfg["reference"] == reference
+    assert cfg["gold_per_question"] == [2, 2, 1, 2] and cfg["question_ids"] == [f"toy{i}" for i in range(4)]
+    rows = {r["system"]: r for r in result["rows"]}
+    assert list(rows) == systems
+    for name, row in rows.items():
+        assert "skipped" not in row, row.get("skipped")
+        assert row["n"] == 4 and row["index_s"] > 0
+        assert {"p50", "p95"} == set(row["latency_ms"]["query"]) and row["latency_ms"]["query"]["p50"] > 0
+        for m in METRICS:
+            cell = row[m]
+            assert 0 <= cell["lo"] <= cell["value"] <= cell["hi"] <= 1, (name, m, cell)
+        for k in (2, 5, 10):  # the row's figures come from its stored per-question hits
+            recall = np.mean(np.array(row["per_question"][f"hits@{k}"]) / cfg["gold_per_question"])
+            assert row[f"recall@{k}"]["value"] == pytest.approx(recall, abs=1e-4)
+        assert set(row["diff"]) == set(METRICS)
+        assert all(d["lo"] <= d["value"] <= d["hi"] for d in row["diff"].values())
+    assert all(d == {"value": 0.0, "lo": 0.0, "hi": 0.0} for d in rows[reference]["diff"].values())
+    return result
+
+
+def test_llamaindex_bm25_row_end_to_end(tmp_path, capsys):
+    """LlamaIndex's BM25Retriever alone: no model is loaded, so this runs in the fast suite."""
+    pytest.importorskip("llama_index.retrievers.bm25")
+    from endo_retrieval.cli import main
+
+    out = tmp_path / "corpus.json"
+    assert main(["bench", "corpus", "--data", str(made_up_hotpotqa(tmp_path / "toy.json")), "--out", str(out),
+                 "--systems", "llamaindex-bm25"]) == 0
+    result = check_report(out, ["llamaindex-bm25"], "llamaindex-bm25")
+    assert result["config"]["model"] is None
+    row = result["rows"][0]
+    # every question shares rare words with its gold paragraphs and with no other: all of them in the top 5
+    assert row["all@5"]["value"] == 1.0 and row["mrr"]["value"] == 1.0
+    table = out.with_suffix(".md").read_text()
+    assert "| llamaindex-bm25 | 4 | " in table and "1.000 [1.000, 1.000]" in table
+    assert "Difference to `llamaindex-bm25`" in table
+    assert capsys.readouterr().out.startswith("Corpus retrieval: 15 paragraphs")
+
+
+def test_missing_llamaindex_bm25_is_a_skipped_row_not_a_crash(tmp_path, monkeypatch):
+    from endo_retrieval.cli import main
+
+    monkeypatch.setitem(sys.modules, "llama_index.retrievers.bm25", None)  # import fails
+    out = tmp_path / "corpus.json"
+    assert main(["bench", "corpus", "--data", str(made_up_hotpotqa(tmp_path / "toy.json")), "--out", str(out),
+                 "--systems", "llamaindex-bm25"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["n"] == 0 and "llama-index-retrievers-bm25 is not installed" in row["skipped"]
+    assert "- skipped llamaindex-bm25: " in out.with_suffix(".md").read_text()
+
+
+def test_bad_options_are_one_line_errors(tmp_path, capsys):
+    from endo_retrieval.cli import main
+
+    data = str(made_up_hotpotqa(tmp_path / "toy.json"))
+    assert main(["bench", "corpus", "--data", data, "--out", str(tmp_path / "c.json"), "--systems", "nope"]) == 2
+    assert "known systems: endo, bm25" in capsys.readouterr().err
+    assert main(["bench", "corpus", "--data", data, "--out", str(tmp_path / "c.json"), "--candidates", "5"]) == 2
+    assert main(["bench", "corpus", "--data", data, "--out", str(tmp_path / "c.txt")]) == 2
+
+
+def test_paragraph_ids_are_stable_per_title():
+    assert paragraph_id("Zanthor") == paragraph_id("Zanthor") != paragraph_id("Velna")
+
+
+@pytest.mark.slow
+def test_bench_corpus_end_to_end(tmp_path, backbone):
+    """The engine's BM25 through EndoRetriever beside LlamaIndex's BM25Retriever (loads the default model)."""
+    pytest.importorskip("llama_index.retrievers.bm25")
+    from endo_retrieval.cli import main
+
+    out = tmp_path / "corpus.json"
+    assert main(["bench", "corpus", "--data", str(made_up_hotpotqa(tmp_path / "toy.json")), "--out", str(out),
+                 "--systems", "bm25,llamaindex-bm25", "--seed", "3"]) == 0
+    result = check_report(out, ["bm25", "llamaindex-bm25"], "llamaindex-bm25")
+    assert result["config"]["model"] == backbone.model_id and result["config"]["seed"] == 3
+    bm25 = result["rows"][0]
+    assert bm25["recall@10"]["value"] == 1.0  # 15 paragraphs, gold words shared with nothing else
+    table = out.with_suffix(".md").read_text().splitlines()
+    assert table[2].startswith("| system | n | recall@2 | recall@5 | recall@10 | all@2 |")
+    assert any(line.startswith("| bm25 | 4 | ") for line in table)
+    diff_table = table[table.index(next(line for line in table if line.startswith("Difference to"))):]
+    (bm25_diff,) = [line for line in diff_table if line.startswith("| bm25 | ")]
+    cells = bm25_diff.strip("| ").split(" | ")[1:]
+    assert len(cells) == len(METRICS) and all(re.fullmatch(SIGNED_CELL, c) for c in cells), bm25_diff
