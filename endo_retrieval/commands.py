@@ -120,7 +120,8 @@ def compress_add_arguments(p) -> None:
     p.add_argument("--context", required=True, metavar="FILE", help="the long context (UTF-8 text file, - for stdin)")
     p.add_argument("--question", required=True)
     p.add_argument("--budget", type=int, default=1024, help="at most this many tokens are kept (default 1024)")
-    p.add_argument("--method", default="endo", help=f"one of: {_method_help()} (default endo, the best measured)")
+    p.add_argument("--method", default=DEFAULT_METHOD,
+                   help=f"one of: {_method_help()} (default {DEFAULT_METHOD}, the best measured)")
     p.add_argument("--json", action="store_true", help="print JSON with the spans")
     model_argument(p)
 

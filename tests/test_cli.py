@@ -69,8 +69,9 @@ def test_index_query_compress_round_trip(tmp_path, capsys):
 def test_demo_shows_evidence_and_an_answer(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
-    for method in ("s3-hybrid", "bm25", "s3"):
+    for method in ("s3-hybrid", "bm25", "s3", "endo (the default)"):
         assert f"--- {method}:" in out
+    assert "local model's answer from the endo evidence" in out
     assert "local model's answer from the s3-hybrid evidence" in out
     # two rounds of BM25 find both hops of the built-in task (the second by the founder's name)
     assert "--- bm25: 2/2 gold sentences, answer found" in out

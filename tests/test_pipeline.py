@@ -1,0 +1,152 @@
+"""The default `endo` pipeline over a corpus: passages, what the model reads of them, the fused ranking, the one
+default of every entry point, and a real query engine and chain on HotpotQA where it beats BM25 alone."""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.methods import DEFAULT_METHOD
+from endo_retrieval.pipeline import Passages, best_part, passage_cuts
+from tests.conftest import shared_data
+
+
+def corpus_of(docs: dict[str, str], tokens_per_char: int = 1) -> CorpusMap:
+    """A corpus map whose tokens are single characters (offsets known by hand)."""
+    corpus = CorpusMap()
+    for doc_id, text in docs.items():
+        corpus.add_document(doc_id, text, np.array([[i, i + 1] for i in range(len(text))]))
+    return corpus
+
+
+def test_passage_cuts_keep_whole_sentences_up_to_the_limit():
+    starts = np.array([0, 10, 25, 30, 70])
+    assert passage_cuts(starts, 80, 100) == [0, 80]  # short: the document is one passage
+    assert passage_cuts(starts, 80, 30) == [0, 30, 60, 80]  # 0-30 holds three sentences; 30-70 is longer: cut
+    assert passage_cuts(np.array([0]), 50, 20) == [0, 20, 40, 50]  # one sentence past the limit is cut
+
+
+def test_best_part_keeps_the_first_sentence_then_those_with_question_words():
+    text = "Alpha is a town. Rain fell. The mill makes flour. Beta river flows."
+    corpus = corpus_of({"d": text})
+    sentences = corpus.sentence_starts()
+    first_end = text.index("Rain")
+    mill = text.index("The mill"), text.index("Beta")
+    assert best_part(corpus, sentences, 0, len(text), {"flour"}, len(text)) == [(0, len(text))]  # all fits
+    parts = best_part(corpus, sentences, 0, len(text), {"flour", "mill"}, first_end + mill[1] - mill[0])
+    assert parts == [(0, first_end), mill]  # the lead, then the sentence with the question's words, in order
+    assert best_part(corpus, sentences, 0, len(text), {"nothing"}, 30) == [(0, first_end)]  # no word: the lead
+    assert best_part(corpus, sentences, 0, len(text), {"flour"}, 5) == [(0, 5)]  # a lead past the limit is cut
+
+
+def test_passages_are_scored_by_bm25_over_their_words():
+    corpus = corpus_of({"a": "The quartz mine. It is deep.", "b": "A river flows by the town.", "c": "Rain."})
+    passages = Passages.build(corpus)
+    assert len(passages) == 3 and list(passages.starts) == [0, corpus.doc("b").start, corpus.doc("c").start]
+    scores = passages.bm25.get_scores(["quartz"])
+    assert scores[0] > 0 == scores[1] == scores[2]
+
+
+def test_every_entry_point_defaults_to_the_one_constant():
+    from langchain_endo import EndoDocumentCompressor, EndoRetriever as LCRetriever
+    from llama_index.postprocessor.endo import EndoCompressor
+    from llama_index.retrievers.endo import EndoRetriever
+
+    from endo_retrieval import EndoIndex, compress
+    from endo_retrieval.cli import build_parser
+    from endo_retrieval.integrations import compress_passages
+    from endo_retrieval.mcp_server import add_arguments
+
+    assert DEFAULT_METHOD == "endo"
+    for fn in (compress, compress_passages, EndoIndex.__init__, EndoRetriever.__init__, EndoRetriever.from_defaults,
+               EndoCompressor.__init__):
+        assert inspect.signature(fn).parameters["method"].default == DEFAULT_METHOD, fn
+    for model in (LCRetriever, EndoDocumentCompressor):
+        assert model.model_fields["method"].default == DEFAULT_METHOD, model
+    import argparse
+
+    assert add_arguments(argparse.ArgumentParser()).parse_args([]).method == DEFAULT_METHOD
+    parser = build_parser()
+    assert parser.parse_args(["index", "x", "--out", "y"]).method == DEFAULT_METHOD
+    assert parser.parse_args(["compress", "--context", "x", "--question", "q"]).method == DEFAULT_METHOD
+
+
+@pytest.mark.slow
+def test_the_pipeline_ranks_passages_with_fused_scores_and_refuses_what_the_index_cannot_serve(backbone):
+    from llama_index.core.schema import TextNode
+    from llama_index.retrievers.endo import EndoRetriever
+
+    from endo_retrieval import EndoIndex
+
+    index = EndoIndex(backbone)  # the default: endo, no SAE pass, so no feature postings
+    assert index.methods == ("endo", "bm25")
+    with pytest.raises(ValueError, match="cannot search with 's3-hybrid'; it searches with endo, bm25"):
+        EndoRetriever(index, method="s3-hybrid")
+    nodes = [TextNode(id_=f"n{i}", text=t) for i, t in enumerate([
+        "The Varna bridge was built in 1871. Workers found quartz under its piers.",
+        "The Varna river floods every spring. Farmers plant rice on its banks.",
+        "Quartz is a hard mineral made of silicon and oxygen.",
+        "The town hall of Varna has a clock tower. Its bell was cast in Vienna.",
+    ])]
+    retriever = EndoRetriever.from_defaults(nodes=nodes, similarity_top_k=3)
+    hits = retriever.retrieve("Which mineral was found under the Varna bridge?")
+    assert len(hits) == 3 and len({h.node.metadata["doc_id"] for h in hits}) == 3
+    assert hits[0].node.metadata["doc_id"] == "n0"
+    scores = [h.score for h in hits]
+    assert scores == sorted(scores, reverse=True)
+    for h in hits:  # the fused score is the node's score; each stage's score and time ride along
+        stages = h.node.metadata["endo_stage_scores"]
+        assert set(stages) == {"bm25", "heads", "hop2", "fused"} and stages["fused"] == pytest.approx(h.score)
+        assert h.node.metadata["endo_stage_ms"]["total"] > 0
+        assert "endo_stage_scores" in h.node.excluded_llm_metadata_keys
+        source = nodes[int(h.node.metadata["doc_id"][1:])].text
+        assert source[h.node.start_char_idx:h.node.end_char_idx] == h.node.text
+    short = EndoRetriever.from_defaults(nodes=nodes, similarity_top_k=2, budget=12).retrieve("Varna bridge quartz")
+    assert sum(backbone.count_tokens(h.node.text) for h in short) <= 14  # each cut to its best part of 12 // 2
+
+
+@pytest.mark.slow
+def test_default_retrieves_both_gold_paragraphs_where_bm25_does_not_in_a_query_engine_and_a_chain():
+    """dev300's question 6 over the paragraphs of its first 30 questions (known by hand): the fused default puts
+    both gold paragraphs first; BM25 alone ranks a 'Sacred Heart High School' paragraph above one of them."""
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.schema import TextNode
+    from llama_index.llms.endo import EndoLLM
+    from llama_index.retrievers.endo import EndoRetriever
+
+    from endo_retrieval.eval.rerank import hotpotqa_corpus
+    from langchain_endo import ChatEndo, EndoRetriever as LCRetriever
+
+    titles, paragraphs, items = hotpotqa_corpus(shared_data("hotpotqa", "dev300.json"))
+    own = {t for item in items[:30] for t, _ in item["context"]}
+    nodes = [TextNode(id_=t, text=p) for t, p in zip(titles, paragraphs) if t in own]
+    question = items[6]["question"]
+    gold = {"High School (1968 film)", "The Thorn in the Heart"}
+    assert {t for t, _ in items[6]["supporting_facts"]} == gold
+
+    bm25 = EndoRetriever.from_defaults(nodes=nodes, similarity_top_k=2, method="bm25")
+    assert {n.node.metadata["doc_id"] for n in bm25.retrieve(question)} != gold
+    engine = RetrieverQueryEngine.from_args(EndoRetriever.from_defaults(nodes=nodes, similarity_top_k=2),
+                                            llm=EndoLLM(max_new_tokens=8))
+    response = engine.query(question)
+    assert {n.node.metadata["doc_id"] for n in response.source_nodes} == gold
+    assert str(response).strip()
+
+    retriever = LCRetriever(documents=[_lc_document(n) for n in nodes], k=2)
+    prompt = ChatPromptTemplate.from_template("Context:\n{context}\n\nQuestion: {question}")
+    chain = RunnablePassthrough.assign(docs=lambda x: retriever.invoke(x["question"])) | RunnablePassthrough.assign(
+        answer=lambda x: (prompt | ChatEndo(max_new_tokens=8) | StrOutputParser()).invoke(
+            {"context": "\n\n".join(d.page_content for d in x["docs"]), "question": x["question"]}))
+    out = chain.invoke({"question": question})
+    assert {d.metadata["doc_id"] for d in out["docs"]} == gold and out["answer"].strip()
+
+
+def _lc_document(node):
+    from langchain_core.documents import Document
+
+    return Document(page_content=node.text, id=node.node_id)
