@@ -28,7 +28,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow"
 
 bench: setup
-	$(BIN)/endo bench quality --data ../shared/data/hotpotqa/dev30.json --context-tokens 4096 --budget 1024 --out bench-out/quality.json
+	$(BIN)/endo bench corpus --data ../shared/data/hotpotqa/dev300.json --systems endo,llamaindex-bm25,minilm --out bench-out/corpus.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

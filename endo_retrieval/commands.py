@@ -69,6 +69,10 @@ def index_run(args) -> int:
     if args.ray is not None:
         from endo_retrieval import distributed, segments
 
+        if args.method not in ("s3-hybrid", "s3"):
+            raise ValueError(f"--ray builds S3 feature postings on workers; an index for {args.method!r} only "
+                             "tokenises, which one process does quickly: drop --ray, or pass --method s3-hybrid.")
+
         distributed.connect(args.ray or None)
         distributed.RayIndexer(args.workers, setup=distributed.ModelRecipe(args.model), method=args.method
                                ).build(out, docs, append=args.append)

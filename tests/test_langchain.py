@@ -122,7 +122,7 @@ def test_compressor_in_contextual_compression_retriever(retriever, backbone):
     # reference: compress() on the documents joined as one context keeps exactly the same characters
     context = PASSAGE_SEPARATOR.join(TEXTS)
     starts = [context.index(t) for t in TEXTS]
-    reference = {i for s in compress(context, question, budget, method="s3-hybrid", backbone=backbone).spans
+    reference = {i for s in compress(context, question, budget, backbone=backbone).spans
                  for i in range(s.char_start, s.char_end) if not context[i].isspace()}
     kept = {starts[d.metadata["n"]] + i for d in out for a, b in d.metadata["endo_char_spans"] for i in range(a, b)
             if not TEXTS[d.metadata["n"]][i].isspace()}
