@@ -102,7 +102,8 @@ def query_add_arguments(p) -> None:
 
 def span_json(s) -> dict:
     return {"doc_id": s.doc_id, "char_start": s.char_start, "char_end": s.char_end, "tokens": [s.start, s.end],
-            "score": s.score, "signals": list(s.signals), "text": s.text, "metadata": s.metadata}
+            "score": s.score, "signals": list(s.signals), "text": s.text, "metadata": s.metadata,
+            **({"stage_scores": s.stage_scores, "stage_ms": s.stage_ms} if s.stage_scores else {})}
 
 
 def query_run(args) -> int:

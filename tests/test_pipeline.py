@@ -3,6 +3,7 @@ default of every entry point, and a real query engine and chain on HotpotQA wher
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,3 +151,25 @@ def _lc_document(node):
     from langchain_core.documents import Document
 
     return Document(page_content=node.text, id=node.node_id)
+
+
+@pytest.mark.slow
+def test_the_command_line_indexes_for_the_pipeline_and_answers_with_its_stage_scores(tmp_path, capsys):
+    import json
+
+    from endo_retrieval.cli import main
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for name, text in {"bridge.txt": "Workers found quartz under the Varna bridge in 1871.",
+                       "river.txt": "The Varna river floods every spring.", "bell.txt": "The bell was cast in Vienna."
+                       }.items():
+        (notes / name).write_text(text)
+    assert main(["index", str(notes), "--out", str(tmp_path / "ix")]) == 0
+    assert "0 postings" in capsys.readouterr().out  # the default pipeline's index only tokenises
+    assert main(["query", str(tmp_path / "ix"), "Which mineral was found under the bridge?", "--k", "2", "--json"]) == 0
+    hits = json.loads(capsys.readouterr().out)
+    assert Path(hits[0]["doc_id"]).name == "bridge.txt" and hits[0]["score"] >= hits[1]["score"]
+    assert set(hits[0]["stage_scores"]) == {"bm25", "heads", "hop2", "fused"}
+    assert main(["query", str(tmp_path / "ix"), "bridge", "--method", "s3"]) == 2
+    assert "cannot search with 's3'" in capsys.readouterr().err
