@@ -325,10 +325,12 @@ class EndoIndex:
         return method
 
     @locked("read")
-    def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None) -> list[Span]:
+    def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None,
+               where: Callable[[dict], bool] | None = None) -> list[Span]:
         """The k best evidence spans, best first (by score, higher is better). `endo` returns whole passages
         (under `budget` tokens in all when given, each cut to its best part); the other methods sentence spans
-        under `budget` tokens (default 128 per span)."""
+        under `budget` tokens (default 128 per span). `where(metadata)`: only documents it accepts can come back
+        (for `endo` they are the only candidates; the other methods drop the rest, so fewer than k may come)."""
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
         method = self.check_method(method)
@@ -337,8 +339,9 @@ class EndoIndex:
                 raise ValueError("The index is empty; add documents first.")
             if budget is not None and budget <= 0:
                 raise ValueError(f"budget must be a positive number of tokens, got {budget}.")
-            return self.pipeline().search(self.corpus, self.passages(), _unicode(as_text(question)), k, budget)
-        spans = self.select(question, budget or 128 * k, method)
+            return self.pipeline().search(self.corpus, self.passages(), _unicode(as_text(question)), k, budget,
+                                          where=where)
+        spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
         return sorted(spans, key=lambda s: -s.score)[:k]
 
     def pipeline(self):

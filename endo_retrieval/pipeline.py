@@ -122,12 +122,17 @@ class EndoPipeline:
         if unknown:
             raise ValueError(f"Unknown stage score(s) {sorted(unknown)}; the pipeline weighs bm25, heads and hop2.")
 
-    def candidates(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None
-                   ) -> tuple[np.ndarray, np.ndarray]:
-        """Stage 1: (passage indices, BM25 scores) of the best `depth` passages, best first (ties: corpus order)."""
+    def candidates(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None,
+                   where=None) -> tuple[np.ndarray, np.ndarray]:
+        """Stage 1: (passage indices, BM25 scores) of the best `depth` passages, best first (ties: corpus order);
+        `where(metadata)`: only passages of the documents it accepts."""
         query = words(question)
         scores = passages.bm25.get_scores(query) if query else np.zeros(len(passages))
-        top = np.argsort(-scores, kind="stable")[: depth or self.depth]
+        order = np.argsort(-scores, kind="stable")
+        if where is not None:  # a document's passages stay when `where` accepts its metadata (index -1: none)
+            accepted = np.array([bool(where(d.metadata)) for d in corpus.documents()] + [False])
+            order = order[accepted[corpus.locate(passages.starts[order])[0]]]
+        top = order[: depth or self.depth]
         return top, scores[top]
 
     def read_texts(self, corpus: CorpusMap, passages: Passages, top: np.ndarray, question: str) -> list[str]:
@@ -140,13 +145,13 @@ class EndoPipeline:
             texts.append(" ... ".join(corpus.span_text(a, b)[3].strip() for a, b in parts))
         return texts
 
-    def stage_scores(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None
-                     ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
+    def stage_scores(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None,
+                     where=None) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
         """(candidate passage indices, {stage: score per candidate}, {stage: milliseconds})."""
         from endo_retrieval.methods.heads import passage_signals
 
         t0 = time.perf_counter()
-        top, bm25 = self.candidates(corpus, passages, question, depth)
+        top, bm25 = self.candidates(corpus, passages, question, depth, where)
         t1 = time.perf_counter()
         texts = self.read_texts(corpus, passages, top, question)
         order = np.arange(len(top))[::-1] if self.best_last else np.arange(len(top))
@@ -161,13 +166,15 @@ class EndoPipeline:
         t2 = time.perf_counter()
         return top, signals, {"bm25": 1000 * (t1 - t0), "heads": 1000 * (t2 - t1)}
 
-    def search(self, corpus: CorpusMap, passages: Passages, question: str, k: int, budget: int | None = None
-               ) -> list[Span]:
+    def search(self, corpus: CorpusMap, passages: Passages, question: str, k: int, budget: int | None = None,
+               where=None) -> list[Span]:
         """The k best passages, best first, as spans: score = the fused stage scores (higher is better), each
         stage's own score in `stage_scores`. `budget`: at most that many tokens in all, each passage cut to its
         best part (`best_part`) of budget // k tokens."""
         t0 = time.perf_counter()
-        top, signals, ms = self.stage_scores(corpus, passages, question)
+        top, signals, ms = self.stage_scores(corpus, passages, question, where=where)
+        if not len(top):  # no document passes `where`
+            return []
         fused = fuse(signals, self.weights)
         rank = np.lexsort((np.arange(len(top)), -fused))[:k]  # ties keep stage 1's order
         ms["total"] = 1000 * (time.perf_counter() - t0)

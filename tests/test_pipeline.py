@@ -173,3 +173,39 @@ def test_the_command_line_indexes_for_the_pipeline_and_answers_with_its_stage_sc
     assert set(hits[0]["stage_scores"]) == {"bm25", "heads", "hop2", "fused"}
     assert main(["query", str(tmp_path / "ix"), "bridge", "--method", "s3"]) == 2
     assert "cannot search with 's3'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_metadata_filters_in_both_frameworks_never_return_a_filtered_out_node(backbone):
+    from langchain_core.documents import Document as LCDocument
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.schema import TextNode
+    from llama_index.core.vector_stores.types import FilterOperator, MetadataFilter, MetadataFilters
+    from llama_index.llms.endo import EndoLLM
+    from llama_index.retrievers.endo import EndoRetriever, metadata_predicate
+
+    from langchain_endo import EndoRetriever as LCRetriever
+
+    texts = {"a": ("Quartz was found under the Varna bridge.", {"year": 2020, "kind": "report"}),
+             "b": ("Quartz is a mineral found in granite near Varna.", {"year": 2010, "kind": "book"}),
+             "c": ("The Varna bridge is old.", {"year": 2021, "kind": "report"})}
+    nodes = [TextNode(id_=k, text=t, metadata=m) for k, (t, m) in texts.items()]
+    question = "Which mineral was found under the Varna bridge?"
+    recent = MetadataFilters(filters=[MetadataFilter(key="year", value=2015, operator=FilterOperator.GTE)])
+    retriever = EndoRetriever.from_defaults(nodes=nodes, similarity_top_k=3, filters=recent)
+    assert [n.node.metadata["doc_id"] for n in retriever.retrieve(question)] == ["a", "c"]  # k=3, only 2 match
+    response = RetrieverQueryEngine.from_args(retriever, llm=EndoLLM(max_new_tokens=4)).query(question)
+    assert {n.node.metadata["doc_id"] for n in response.source_nodes} <= {"a", "c"}
+    retriever.filters = MetadataFilters(filters=[MetadataFilter(key="kind", value="book"),
+                                                 MetadataFilter(key="year", value=2021)], condition="or")
+    assert sorted(n.node.metadata["doc_id"] for n in retriever.retrieve(question)) == ["b", "c"]
+    assert metadata_predicate(MetadataFilters(filters=[MetadataFilter(key="year", value="x", operator="<")]))(
+        {"year": 2020}) is False  # incomparable values: no match, no error
+    nowhere = MetadataFilters(filters=[MetadataFilter(key="kind", value=["memo"], operator=FilterOperator.IN)])
+    assert EndoRetriever.from_defaults(nodes=nodes, filters=nowhere).retrieve(question) == []
+
+    lc = LCRetriever(documents=[LCDocument(page_content=t, metadata=m, id=k) for k, (t, m) in texts.items()], k=3)
+    assert [d.metadata["doc_id"] for d in lc.invoke(question, filter={"kind": "report"})] == ["a", "c"]
+    assert sorted(d.metadata["doc_id"] for d in lc.invoke(question, filter={"year": [2010, 2021]})) == ["b", "c"]
+    with pytest.raises(ValueError, match="filter must be a dict"):
+        lc.invoke(question, filter="kind=report")

@@ -48,6 +48,7 @@ class EndoRetriever(BaseRetriever):
     k: int = Field(default=4, ge=1)
     budget: int | None = Field(default=None, gt=0)
     method: str = DEFAULT_METHOD
+    filter: dict | None = None  # {metadata key: value or list of values}; `invoke(query, filter=...)` overrides it
     backbone: Any = Field(default=None, exclude=True, repr=False)
     _index: EndoIndex = PrivateAttr()
 
@@ -66,9 +67,21 @@ class EndoRetriever(BaseRetriever):
         self._index.save(index_dir)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
-                                k: int | None = None) -> list[LCDocument]:
-        spans = self._index.search(query, k=k or self.k, budget=self.budget, method=self.method)
+                                k: int | None = None, filter: dict | None = None) -> list[LCDocument]:
+        """`filter`: {metadata key: value, or a list of accepted values}; only documents that match every key
+        can come back."""
+        spans = self._index.search(query, k=k or self.k, budget=self.budget, method=self.method,
+                                   where=_matcher(filter if filter is not None else self.filter))
         return [span_document(s) for s in spans]
+
+
+def _matcher(filter: dict | None):
+    if filter is None:
+        return None
+    if not isinstance(filter, dict):
+        raise ValueError(f"filter must be a dict of metadata key -> value (or list of values), got {filter!r}.")
+    accepts = {k: (v if isinstance(v, list) else [v]) for k, v in filter.items()}
+    return lambda metadata: all(k in metadata and metadata[k] in vs for k, vs in accepts.items())
 
 
 __all__ = ["EndoRetriever", "span_document", "to_documents"]

@@ -18,6 +18,7 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import (BaseNode, MetadataMode, NodeRelationship, NodeWithScore, QueryBundle,
                                      RelatedNodeInfo, TextNode)
 from llama_index.core.tools import RetrieverTool
+from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilters
 
 from endo_retrieval.engine import Document, EndoIndex
 from endo_retrieval.integrations import PROVENANCE_KEYS, open_index, provenance
@@ -48,12 +49,58 @@ def span_node(span: Span) -> NodeWithScore:
     return NodeWithScore(node=node, score=float(span.score))
 
 
+OPERATORS = {  # LlamaIndex's metadata filter operators -> (metadata value, filter value) -> bool
+    FilterOperator.EQ: lambda v, x: v == x, FilterOperator.NE: lambda v, x: v != x,
+    FilterOperator.GT: lambda v, x: v is not None and v > x, FilterOperator.GTE: lambda v, x: v is not None and v >= x,
+    FilterOperator.LT: lambda v, x: v is not None and v < x, FilterOperator.LTE: lambda v, x: v is not None and v <= x,
+    FilterOperator.IN: lambda v, x: v in x, FilterOperator.NIN: lambda v, x: v not in x,
+    FilterOperator.ANY: lambda v, x: isinstance(v, list) and any(i in v for i in x),
+    FilterOperator.ALL: lambda v, x: isinstance(v, list) and all(i in v for i in x),
+    FilterOperator.CONTAINS: lambda v, x: isinstance(v, list) and x in v,
+    FilterOperator.TEXT_MATCH: lambda v, x: isinstance(v, str) and x in v,
+    FilterOperator.TEXT_MATCH_INSENSITIVE: lambda v, x: isinstance(v, str) and x.lower() in v.lower(),
+    FilterOperator.IS_EMPTY: lambda v, x: v in (None, "", []),
+}
+
+
+def metadata_predicate(filters: MetadataFilters | None):
+    """LlamaIndex `MetadataFilters` as a test of a document's metadata (None: every document passes); a missing key
+    fails every operator but `!=`, `nin` and `is_empty`."""
+    if filters is None:
+        return None
+
+    def test(f, metadata: dict) -> bool:
+        if isinstance(f, MetadataFilters):
+            results = [test(g, metadata) for g in f.filters]
+            if f.condition == FilterCondition.OR:
+                return any(results)
+            if f.condition == FilterCondition.NOT:
+                return not any(results)
+            return all(results)
+        try:
+            return bool(OPERATORS[f.operator](metadata.get(f.key), f.value))
+        except TypeError:  # e.g. a string compared with a number: the document does not match
+            return False
+
+    for f in _leaves(filters):
+        if f.operator not in OPERATORS:
+            raise ValueError(f"Metadata filter operator {f.operator!r} is not supported; use one of "
+                             f"{', '.join(o.value for o in OPERATORS)}.")
+    return lambda metadata: test(filters, metadata)
+
+
+def _leaves(filters: MetadataFilters):
+    for f in filters.filters:
+        yield from _leaves(f) if isinstance(f, MetadataFilters) else (f,)
+
+
 class EndoRetriever(BaseRetriever):
     """Evidence found by the backbone's own attention signals: `method` is the `endo` pipeline by default, or
     `s3-hybrid`, `s3`, `bm25` (an index built for `endo` or `bm25` holds no S3 postings: refused here)."""
 
     def __init__(self, index: EndoIndex, similarity_top_k: int = 4, budget: int | None = None,
-                 method: str = DEFAULT_METHOD, callback_manager: CallbackManager | None = None, verbose: bool = False):
+                 method: str = DEFAULT_METHOD, filters: MetadataFilters | None = None,
+                 callback_manager: CallbackManager | None = None, verbose: bool = False):
         if isinstance(similarity_top_k, bool) or not isinstance(similarity_top_k, int) or similarity_top_k < 1:
             raise ValueError(f"similarity_top_k must be a whole number >= 1, got {similarity_top_k!r}.")
         index.check_method(method)  # a method the index cannot serve fails here, not at the first query
@@ -61,20 +108,22 @@ class EndoRetriever(BaseRetriever):
         self.similarity_top_k = similarity_top_k
         self.budget = budget
         self.method = method
+        self.filters = filters  # only nodes whose metadata passes can come back (never with a placeholder score)
+        metadata_predicate(filters)  # an unsupported operator fails here
         super().__init__(callback_manager=callback_manager, verbose=verbose)
 
     @classmethod
     def from_defaults(cls, nodes: Sequence[BaseNode] | None = None, documents: Sequence[BaseNode] | None = None,
                       persist_dir: str | os.PathLike | None = None, similarity_top_k: int = 4,
                       budget: int | None = None, method: str = DEFAULT_METHOD, backbone=None,
-                      **kwargs) -> "EndoRetriever":
+                      filters: MetadataFilters | None = None, **kwargs) -> "EndoRetriever":
         """Index `nodes` or `documents` (whole documents are fine: evidence is cut to sentences at query time),
         or load `persist_dir` when given alone. With both, the new index is saved to the (empty) persist_dir."""
         if nodes is not None and documents is not None:
             raise ValueError("Pass nodes or documents, not both.")
         given = nodes if nodes is not None else documents
         index = open_index(None if given is None else to_documents(given), persist_dir, method, backbone)
-        return cls(index, similarity_top_k, budget, method, **kwargs)
+        return cls(index, similarity_top_k, budget, method, filters, **kwargs)
 
     @classmethod
     def from_documents(cls, documents: Sequence[BaseNode], **kwargs) -> "EndoRetriever":
@@ -101,7 +150,7 @@ class EndoRetriever(BaseRetriever):
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         spans = self.index.search(query_bundle.query_str, k=self.similarity_top_k, budget=self.budget,
-                                  method=self.method)
+                                  method=self.method, where=metadata_predicate(self.filters))
         return [span_node(s) for s in spans]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
