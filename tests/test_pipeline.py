@@ -209,3 +209,43 @@ def test_metadata_filters_in_both_frameworks_never_return_a_filtered_out_node(ba
     assert sorted(d.metadata["doc_id"] for d in lc.invoke(question, filter={"year": [2010, 2021]})) == ["b", "c"]
     with pytest.raises(ValueError, match="filter must be a dict"):
         lc.invoke(question, filter="kind=report")
+
+
+@pytest.mark.slow
+def test_insert_and_delete_without_a_rebuild_then_persist_and_reload(tmp_path):
+    from langchain_core.documents import Document as LCDocument
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+    from llama_index.retrievers.endo import EndoRetriever
+
+    from langchain_endo import EndoRetriever as LCRetriever
+
+    question = "Which mineral was found under the Varna bridge?"
+    retriever = EndoRetriever.from_defaults(nodes=[Document(id_="river", text="The Varna river floods in spring.")],
+                                            similarity_top_k=3)
+    report = Document(id_="report", text="Quartz was found under the Varna bridge. The bridge dates from 1871.")
+    nodes = SentenceSplitter(chunk_size=16, chunk_overlap=0).get_nodes_from_documents([report])
+    assert len(nodes) == 2 and {n.ref_doc_id for n in nodes} == {"report"}
+    retriever.insert(nodes)
+    hits = retriever.retrieve(question)
+    assert hits[0].node.text.startswith("Quartz") and "ref_doc_id" in hits[0].node.excluded_llm_metadata_keys
+    retriever.delete_ref_doc("report")  # both of its nodes go
+    assert [h.node.metadata["doc_id"] for h in retriever.retrieve(question)] == ["river"]
+    with pytest.raises(KeyError, match="report"):
+        retriever.delete_ref_doc("report")
+    retriever.persist(tmp_path / "li")
+    assert len(EndoRetriever.from_persist_dir(tmp_path / "li").index) == 1
+
+    lc = LCRetriever(texts=["The Varna river floods in spring."], k=3)
+    ids = lc.add_documents([LCDocument(page_content="Quartz was found under the Varna bridge.", metadata={"n": 1}),
+                            LCDocument(page_content="The bell was cast in Vienna.", id="bell")])
+    assert ids[1] == "bell" and len(set(ids) | {"doc-0"}) == 3
+    assert lc.invoke(question)[0].metadata["doc_id"] == ids[0]
+    with pytest.raises(KeyError, match="nope"):
+        lc.delete([ids[0], "nope"])
+    assert len(lc.index) == 3  # nothing removed by the refused call
+    lc.delete([ids[0]])
+    lc.save(tmp_path / "lc")
+    reloaded = LCRetriever(index_dir=tmp_path / "lc", k=3)
+    assert sorted(reloaded.index.doc_ids) == ["bell", "doc-0"]
+    assert ids[0] not in {d.metadata["doc_id"] for d in reloaded.invoke(question)}

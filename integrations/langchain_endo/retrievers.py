@@ -62,6 +62,28 @@ class EndoRetriever(BaseRetriever):
     def index(self) -> EndoIndex:
         return self._index
 
+    def add_documents(self, documents: list[LCDocument], ids: list[str] | None = None) -> list[str]:
+        """Index more documents without a rebuild; returns their ids (`ids`, else each document's own id, else a
+        new doc-N). A bad document raises before any is added; `save` then writes the index atomically."""
+        if ids is not None and len(ids) != len(documents):
+            raise ValueError(f"{len(ids)} ids for {len(documents)} documents; give one id per document.")
+        taken, docs = set(self._index.doc_ids), []
+        for i, d in enumerate(documents):
+            doc_id = ids[i] if ids is not None else d.id
+            if doc_id is None:
+                doc_id = next(f"doc-{n}" for n in range(len(taken), 2 * len(taken) + 2) if f"doc-{n}" not in taken)
+            taken.add(doc_id)
+            docs.append(Document(doc_id, d.page_content, dict(d.metadata)))
+        return self._index.add_documents(docs)
+
+    def delete(self, ids: list[str]) -> None:
+        """Remove the documents `ids` (all of them must be indexed: an unknown id raises before any is removed)."""
+        unknown = [i for i in ids if i not in self._index.corpus]
+        if unknown:
+            raise KeyError(f"No indexed document has the id(s) {unknown}.")
+        for doc_id in ids:
+            self._index.remove_document(doc_id)
+
     def save(self, index_dir: str | os.PathLike) -> None:
         """Write the index (atomically); reload with EndoRetriever(index_dir=...)."""
         self._index.save(index_dir)

@@ -26,12 +26,14 @@ from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span
 
 SETTINGS_FILE = "llama_index_retriever.json"
+REF_DOC_KEY = "ref_doc_id"  # the source document a node was parsed from, kept for delete_ref_doc
 
 
 def to_documents(nodes: Sequence[BaseNode]) -> list[Document]:
     """LlamaIndex nodes (or Documents) -> engine documents keyed by node id; their text, not their metadata,
     is what the model reads."""
-    return [Document(n.node_id, n.get_content(metadata_mode=MetadataMode.NONE), dict(n.metadata)) for n in nodes]
+    return [Document(n.node_id, n.get_content(metadata_mode=MetadataMode.NONE),
+                     dict(n.metadata) | ({REF_DOC_KEY: n.ref_doc_id} if n.ref_doc_id else {})) for n in nodes]
 
 
 def span_node(span: Span) -> NodeWithScore:
@@ -43,8 +45,8 @@ def span_node(span: Span) -> NodeWithScore:
         start_char_idx=span.char_start,
         end_char_idx=span.char_end,
         relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id=span.doc_id, metadata=span.metadata)},
-        excluded_llm_metadata_keys=list(PROVENANCE_KEYS),  # offsets are for code, not for the prompt
-        excluded_embed_metadata_keys=list(PROVENANCE_KEYS),
+        excluded_llm_metadata_keys=[*PROVENANCE_KEYS, REF_DOC_KEY],  # offsets are for code, not for the prompt
+        excluded_embed_metadata_keys=[*PROVENANCE_KEYS, REF_DOC_KEY],
     )
     return NodeWithScore(node=node, score=float(span.score))
 
@@ -128,6 +130,20 @@ class EndoRetriever(BaseRetriever):
     @classmethod
     def from_documents(cls, documents: Sequence[BaseNode], **kwargs) -> "EndoRetriever":
         return cls.from_defaults(documents=documents, **kwargs)
+
+    def insert(self, nodes: Sequence[BaseNode]) -> None:
+        """Index more nodes (or Documents) without a rebuild; a bad one raises before any is added. `persist`
+        then writes the whole index atomically."""
+        self.index.add_documents(to_documents(nodes))
+
+    def delete_ref_doc(self, ref_doc_id: str) -> None:
+        """Remove every indexed node parsed from the document `ref_doc_id` (or the node of that id)."""
+        ids = [d.doc_id for d in self.index.corpus.documents()
+               if d.doc_id == ref_doc_id or d.metadata.get(REF_DOC_KEY) == ref_doc_id]
+        if not ids:
+            raise KeyError(f"No indexed node comes from document {ref_doc_id!r}.")
+        for doc_id in ids:
+            self.index.remove_document(doc_id)
 
     def persist(self, persist_dir: str | os.PathLike) -> None:
         """Save the index (atomically) and this retriever's settings into `persist_dir`."""
