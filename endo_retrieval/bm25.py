@@ -20,9 +20,27 @@ _STOP = frozenset("a an and are as at be by did do does for from had has have he
                   "with you".split())
 
 
+# scripts written without spaces between words: Chinese, Japanese kana and kanji, Korean hangul
+_NO_SPACES = re.compile(r"([\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+)")
+
+
 def words(text: str) -> list[str]:
-    """The one tokenizer rule of every BM25 here: lowercased Unicode word characters, stop words dropped."""
-    return [w for w in _WORD.findall(text.lower()) if w not in _STOP]
+    """The one tokenizer rule of every BM25 here: lowercased runs of Unicode word characters, English stop words
+    dropped; a run in a script written without spaces gives each character and each pair of neighbours (the usual
+    unigram + bigram terms for Chinese and Japanese), so a query term need not match a whole unsegmented clause."""
+    out = []
+    for w in _WORD.findall(text.lower()):
+        if w in _STOP:
+            continue
+        if not _NO_SPACES.search(w):
+            out.append(w)
+            continue
+        for part in filter(None, _NO_SPACES.split(w)):
+            if _NO_SPACES.fullmatch(part):
+                out += list(part) + [part[i:i + 2] for i in range(len(part) - 1)]
+            else:
+                out.append(part)
+    return out
 
 
 @dataclass

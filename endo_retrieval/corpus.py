@@ -28,7 +28,8 @@ ABBREVIATIONS = frozenset(
     "e.g i.e cf vs al mr mrs ms dr prof sr jr st mt no fig figs eq eqs approx ca inc ltd co corp dept est "
     "jan feb mar apr jun jul aug sep sept oct nov dec u.s u.k ph.d".split()
 )
-_SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*\s+|\n\s*")
+# . ! ? then whitespace; a newline; or the full-width 。！？ of scripts written without spaces (no space follows them)
+_SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*\s+|\n\s*|[\u3002\uff01\uff1f]+[\u300d\u300f\u201d\u2019\uff09]*\s*")
 
 
 def split_sentences(text: str, start: int = 0, end: int | None = None) -> np.ndarray:

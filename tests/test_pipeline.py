@@ -249,3 +249,34 @@ def test_insert_and_delete_without_a_rebuild_then_persist_and_reload(tmp_path):
     reloaded = LCRetriever(index_dir=tmp_path / "lc", k=3)
     assert sorted(reloaded.index.doc_ids) == ["bell", "doc-0"]
     assert ids[0] not in {d.metadata["doc_id"] for d in reloaded.invoke(question)}
+
+
+def test_bm25_terms_for_scripts_written_without_spaces():
+    from endo_retrieval.bm25 import words
+
+    assert words("Le café naïf, the BRIDGE") == ["le", "café", "naïf", "bridge"]
+    assert words("桥下发现石英") == ["桥", "下", "发", "现", "石", "英", "桥下", "下发", "发现", "现石", "石英"]
+    assert words("abc中文") == ["abc", "中", "文", "中文"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["endo", "bm25"])
+def test_french_and_chinese_are_indexed_and_retrieved_with_exact_offsets(method):
+    from llama_index.core.schema import TextNode
+    from llama_index.retrievers.endo import EndoRetriever
+
+    texts = {
+        "fr-pont": "Le pont de Varna fut construit en 1871. Les ouvriers trouvèrent du quartz sous ses piles.",
+        "fr-riviere": "La rivière Varna déborde chaque printemps. Les paysans cultivent du riz sur ses rives.",
+        "zh-bridge": "瓦尔纳桥建于一八七一年。工人们在桥墩下发现了石英。",
+        "zh-river": "瓦尔纳河每年春天泛滥。农民在河岸上种植水稻。",
+    }
+    retriever = EndoRetriever.from_defaults(nodes=[TextNode(id_=k, text=v) for k, v in texts.items()],
+                                            similarity_top_k=2, method=method)
+    for question, gold, piece in (("Qu'ont trouvé les ouvriers sous le pont ?", "fr-pont", "quartz"),
+                                  ("工人们在桥墩下发现了什么？", "zh-bridge", "石英")):
+        hits = retriever.retrieve(question)
+        assert hits[0].node.metadata["doc_id"] == gold and piece in hits[0].node.text
+        for h in hits:
+            source = texts[h.node.metadata["doc_id"]]
+            assert source[h.node.metadata["char_start"]:h.node.metadata["char_end"]] == h.node.text
