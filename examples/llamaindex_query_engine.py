@@ -1,7 +1,7 @@
 """LlamaIndex: a RetrieverQueryEngine whose retriever and LLM are the same local model.
 
-EndoRetriever finds evidence sentences with the model's own attention signals (S3-Attention); EndoLLM answers
-from them. Runs offline on the embedded default model (SmolLM2-135M-Instruct).
+EndoRetriever finds the evidence with the default pipeline (BM25 candidates, read by the model, ranked by its
+retrieval heads); EndoLLM answers from it. Runs offline on the embedded default model (SmolLM2-135M-Instruct).
 """
 from llama_index.core import Document
 from llama_index.core.query_engine import RetrieverQueryEngine

@@ -15,6 +15,7 @@ EXPECTED = {  # example -> (a package it needs, the fact its answer must contain
     "vector_store_rerank.py": ("sentence_transformers", "Gdansk"),
     "langchain_lcel.py": ("langchain_classic", "green"),
     "agent_tool.py": ("langchain.agents", "seven"),
+    "llamaindex_evaluator.py": ("llama_index.core", "endo hit rate 1.000"),
 }
 
 

@@ -280,3 +280,50 @@ def test_french_and_chinese_are_indexed_and_retrieved_with_exact_offsets(method)
         for h in hits:
             source = texts[h.node.metadata["doc_id"]]
             assert source[h.node.metadata["char_start"]:h.node.metadata["char_end"]] == h.node.text
+
+
+@pytest.mark.slow
+def test_llamaindex_retriever_evaluator_scores_the_default_retriever_on_a_dev300_slice():
+    import asyncio
+
+    from llama_index.core.evaluation import RetrieverEvaluator
+    from llama_index.core.schema import TextNode
+    from llama_index.retrievers.endo import EndoRetriever
+
+    from endo_retrieval.eval.rerank import hotpotqa_corpus
+
+    titles, paragraphs, items = hotpotqa_corpus(shared_data("hotpotqa", "dev300.json"))
+    own = {t for item in items[:20] for t, _ in item["context"]}
+    retriever = EndoRetriever.from_defaults(nodes=[TextNode(id_=t, text=p) for t, p in zip(titles, paragraphs)
+                                                   if t in own], similarity_top_k=2)
+    evaluator = RetrieverEvaluator.from_metric_names(["hit_rate", "mrr"], retriever=retriever)
+    for item in items[:5]:
+        expected = sorted({t for t, _ in item["supporting_facts"]})
+        result = asyncio.run(evaluator.aevaluate(item["question"], expected_ids=expected))
+        ranked = [n.node.node_id for n in retriever.retrieve(item["question"])]  # whole paragraphs keep their ids
+        first = next((i for i, n in enumerate(ranked) if n in expected), None)
+        assert result.metric_vals_dict["hit_rate"] == float(first is not None)
+        assert result.metric_vals_dict["mrr"] == pytest.approx(0.0 if first is None else 1 / (first + 1))
+
+
+@pytest.mark.slow
+def test_a_similarity_cutoff_thresholds_the_fused_score_in_a_query_engine():
+    from llama_index.core.postprocessor import SimilarityPostprocessor
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.schema import TextNode
+    from llama_index.llms.endo import EndoLLM
+    from llama_index.retrievers.endo import EndoRetriever
+
+    nodes = [TextNode(id_=f"n{i}", text=t) for i, t in enumerate([
+        "Workers found quartz under the Varna bridge in 1871.", "The Varna river floods every spring.",
+        "Quartz is a hard mineral.", "The bell of the town hall was cast in Vienna."])]
+    retriever = EndoRetriever.from_defaults(nodes=nodes, similarity_top_k=4)
+    question = "Which mineral was found under the Varna bridge?"
+    hits = retriever.retrieve(question)
+    # the fused score is a weighted sum of scores standardised over the candidates: the candidates' mean is 0
+    assert sum(h.score for h in hits) == pytest.approx(0.0, abs=1e-6)
+    engine = RetrieverQueryEngine.from_args(retriever, llm=EndoLLM(max_new_tokens=4),
+                                            node_postprocessors=[SimilarityPostprocessor(similarity_cutoff=0.0)])
+    kept = engine.query(question).source_nodes
+    assert [n.node.node_id for n in kept] == [h.node.node_id for h in hits if h.score >= 0.0]
+    assert 0 < len(kept) < len(hits)

@@ -24,6 +24,7 @@ class Span:
     metadata: dict = field(default_factory=dict, compare=False, hash=False)  # the document's own
     stage_scores: dict = field(default_factory=dict, compare=False, hash=False)  # a pipeline's score per stage
     stage_ms: dict = field(default_factory=dict, compare=False, hash=False)  # the search's time per stage
+    whole_document: bool = False  # the span is its document's whole text (a framework can name it by the document)
 
     @property
     def n_tokens(self) -> int:

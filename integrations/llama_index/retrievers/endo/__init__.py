@@ -37,9 +37,10 @@ def to_documents(nodes: Sequence[BaseNode]) -> list[Document]:
 
 
 def span_node(span: Span) -> NodeWithScore:
-    """An evidence span as a node: the span's text, linked to its source node, with character offsets."""
+    """An evidence span as a node: the span's text, linked to its source node, with character offsets. A span that
+    is its source node's whole text keeps that node's id (so LlamaIndex's evaluators match it to the node)."""
     node = TextNode(
-        id_=f"{span.doc_id}:{span.char_start}-{span.char_end}",
+        id_=span.doc_id if span.whole_document else f"{span.doc_id}:{span.char_start}-{span.char_end}",
         text=span.text,
         metadata=provenance(span),
         start_char_idx=span.char_start,
