@@ -327,3 +327,48 @@ def test_a_similarity_cutoff_thresholds_the_fused_score_in_a_query_engine():
     kept = engine.query(question).source_nodes
     assert [n.node.node_id for n in kept] == [h.node.node_id for h in hits if h.score >= 0.0]
     assert 0 < len(kept) < len(hits)
+
+
+@pytest.mark.slow
+def test_traces_record_the_retrieval_and_its_stage_timings_in_both_frameworks():
+    from langchain_core.callbacks import BaseCallbackHandler
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+    from llama_index.core.instrumentation.span_handlers import SimpleSpanHandler
+    from llama_index.core.schema import TextNode
+    from llama_index.retrievers.endo import EndoRetrievalStages, EndoRetriever
+
+    from langchain_endo import EndoRetriever as LCRetriever
+
+    texts = ["Workers found quartz under the Varna bridge.", "The Varna river floods every spring."]
+    question = "Which mineral was found under the bridge?"
+
+    class Events(BaseEventHandler):
+        seen: list = []
+
+        def handle(self, event, **kwargs) -> None:
+            self.seen.append(event)
+
+    root, events, spans = get_dispatcher(), Events(), SimpleSpanHandler()
+    root.add_event_handler(events)
+    root.add_span_handler(spans)
+    try:
+        EndoRetriever.from_defaults(nodes=[TextNode(text=t) for t in texts], similarity_top_k=1).retrieve(question)
+    finally:
+        root.event_handlers.remove(events)
+        root.span_handlers.remove(spans)
+    stages = [e for e in events.seen if isinstance(e, EndoRetrievalStages)]
+    assert len(stages) == 1 and stages[0].method == "endo" and stages[0].stage_ms["heads"] > 0
+    retrieval = {s.id_ for s in spans.completed_spans if s.id_.startswith("EndoRetriever.")}
+    assert {i.split("-")[0] for i in retrieval} == {"EndoRetriever.retrieve", "EndoRetriever._retrieve"}
+    assert stages[0].span_id in retrieval  # the event sits inside the retrieval's span
+
+    class Callbacks(BaseCallbackHandler):
+        documents: list = []
+
+        def on_retriever_end(self, documents, **kwargs) -> None:
+            self.documents.extend(documents)
+
+    handler = Callbacks()
+    LCRetriever(texts=texts, k=1).invoke(question, config={"callbacks": [handler]})
+    assert len(handler.documents) == 1 and handler.documents[0].metadata["endo_stage_ms"]["heads"] > 0

@@ -15,6 +15,8 @@ from typing import Sequence
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks import CallbackManager
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.schema import (BaseNode, MetadataMode, NodeRelationship, NodeWithScore, QueryBundle,
                                      RelatedNodeInfo, TextNode)
 from llama_index.core.tools import RetrieverTool
@@ -26,6 +28,7 @@ from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span
 
 SETTINGS_FILE = "llama_index_retriever.json"
+dispatcher = get_dispatcher(__name__)
 REF_DOC_KEY = "ref_doc_id"  # the source document a node was parsed from, kept for delete_ref_doc
 
 
@@ -95,6 +98,17 @@ def metadata_predicate(filters: MetadataFilters | None):
 def _leaves(filters: MetadataFilters):
     for f in filters.filters:
         yield from _leaves(f) if isinstance(f, MetadataFilters) else (f,)
+
+
+class EndoRetrievalStages(BaseEvent):
+    """LlamaIndex instrumentation event, inside the retrieval's span: the method and each stage's milliseconds."""
+
+    method: str
+    stage_ms: dict[str, float]
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "EndoRetrievalStages"
 
 
 class EndoRetriever(BaseRetriever):
@@ -168,6 +182,8 @@ class EndoRetriever(BaseRetriever):
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         spans = self.index.search(query_bundle.query_str, k=self.similarity_top_k, budget=self.budget,
                                   method=self.method, where=metadata_predicate(self.filters))
+        if spans and spans[0].stage_ms:
+            dispatcher.event(EndoRetrievalStages(method=self.method, stage_ms=spans[0].stage_ms))
         return [span_node(s) for s in spans]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
@@ -180,4 +196,4 @@ class EndoRetriever(BaseRetriever):
             "Finds evidence sentences in the indexed documents. Input: a question or search query."))
 
 
-__all__ = ["EndoRetriever", "span_node", "to_documents"]
+__all__ = ["EndoRetrievalStages", "EndoRetriever", "metadata_predicate", "span_node", "to_documents"]
