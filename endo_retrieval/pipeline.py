@@ -16,7 +16,7 @@ pipeline does not fall below its first stage.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -101,7 +101,6 @@ class EndoPipeline:
     # questions recall@5 fell from 80.5 (fp32, as bf16 on a GPU) to 75.5, so it is off unless asked for
     int8: bool = False
     heads: list | None = None
-    profile: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         from endo_retrieval.methods.heads import profile_heads
@@ -170,7 +169,8 @@ class EndoPipeline:
                where=None) -> list[Span]:
         """The k best passages, best first, as spans: score = the fused stage scores (higher is better), each
         stage's own score in `stage_scores`. `budget`: at most that many tokens in all, each passage cut to its
-        best part (`best_part`) of budget // k tokens."""
+        best part (`best_part`) of budget // k tokens; a cut passage's text joins its pieces with ' ... ', and its
+        character offsets run from the first piece's start to the last one's end."""
         t0 = time.perf_counter()
         top, signals, ms = self.stage_scores(corpus, passages, question, where=where)
         if not len(top):  # no document passes `where`
