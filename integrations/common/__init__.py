@@ -17,11 +17,11 @@ from typing import Sequence
 import numpy as np
 
 from endo_retrieval.engine import Document, EndoIndex
-from endo_retrieval.methods import DEFAULT_METHOD, compress
+from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, compress
 from endo_retrieval.methods.base import Span
 
 PROVENANCE_KEYS = ("doc_id", "char_start", "char_end", "endo_score", "signals", "endo_stage_scores", "endo_stage_ms")
-COMPRESS_METHODS = ("endo", "s3-hybrid", "s3", "ilre", "heads", "bm25")  # compress() over the passages as one context
+COMPRESS_METHODS = tuple(REGISTRY)  # compress() over the passages as one context
 PASSAGE_SEPARATOR = "\n\n"
 
 
