@@ -245,10 +245,14 @@ class EndoIndex:
 
     @locked("read")
     def bm25_scores(self, question: str) -> np.ndarray:
-        key = (self.corpus.n_positions, len(self.corpus))  # changes with every add or remove
-        if getattr(self, "_bm25", None) is None or self._bm25[0] != key:
-            self._bm25 = (key, SentenceBM25.build(self.corpus))  # built once, reused by every query
-        return self._bm25[1].token_scores(question)
+        return self._of_corpus_state("_bm25", SentenceBM25.build).token_scores(question)
+
+    def _of_corpus_state(self, name: str, build: Callable):
+        """`build(corpus)`, made once per corpus state (an add or remove changes the key) and reused by every query."""
+        key = (self.corpus.n_positions, len(self.corpus))
+        if getattr(self, name, None) is None or getattr(self, name)[0] != key:
+            setattr(self, name, (key, build(self.corpus)))
+        return getattr(self, name)[1]
 
     # ---- phase 3: selection and fusion (Eq. 8) ---------------------------------------------------------------
     def signal_scores(self, question: str, method: str | None = None) -> dict[str, np.ndarray]:
@@ -357,10 +361,7 @@ class EndoIndex:
         """The corpus's candidate passages with BM25 over them (pipeline.py), built once per corpus state."""
         from endo_retrieval.pipeline import Passages
 
-        key = (self.corpus.n_positions, len(self.corpus))  # changes with every add or remove
-        if getattr(self, "_passages", None) is None or self._passages[0] != key:
-            self._passages = (key, Passages.build(self.corpus))
-        return self._passages[1]
+        return self._of_corpus_state("_passages", Passages.build)
 
     # ---- persistence ---------------------------------------------------------------------------------------
     @locked("read")

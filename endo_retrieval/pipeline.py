@@ -186,10 +186,9 @@ class EndoPipeline:
                                                              max(1, budget // k))
             doc_id, c0, _, _ = corpus.span_text(parts[0][0], parts[0][1])
             _, _, c1, _ = corpus.span_text(parts[-1][0], parts[-1][1])
-            text = " ... ".join(corpus.span_text(s, e)[3] for s, e in parts) if len(parts) > 1 else \
-                corpus.doc(doc_id).text[c0:c1]
-            scores = {name: round(float(s[r]), 6) for name, s in signals.items()} | {"fused": float(fused[r])}
             doc = corpus.doc(doc_id)
+            text = " ... ".join(corpus.span_text(s, e)[3] for s, e in parts) if len(parts) > 1 else doc.text[c0:c1]
+            scores = {name: round(float(s[r]), 6) for name, s in signals.items()} | {"fused": float(fused[r])}
             spans.append(Span(parts[0][0], parts[-1][1], c0, c1, text, float(fused[r]),
                               tuple(s for s, w in self.weights.items() if w), doc_id, doc.metadata,
                               stage_scores=scores, stage_ms=dict(ms),
