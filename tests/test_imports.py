@@ -1,8 +1,8 @@
 """The project's modules import one another in one direction: no module reaches itself through its imports.
 
 Every import counts, also those inside functions (a lazy import still ties the two modules together). Module names
-come from pyproject.toml's package-dir, so kernels/ is endo_retrieval.kernels and integrations/ the ecosystems'
-own paths. `from pkg import name` points at pkg.name when that is a module of ours, else at pkg.
+come from pyproject.toml's package-dir (kernels/ is endo_retrieval.kernels) and, for each ecosystem distribution
+under integrations/, from its folder (integrations/langchain-endo/langchain_endo is langchain_endo). `from pkg import name` points at pkg.name when that is a module of ours, else at pkg.
 """
 from __future__ import annotations
 
@@ -19,12 +19,16 @@ UNSAFE_LOADS = ("weights_only=" + "False", "allow_pickle=" + "True")  # split, s
 def project_modules() -> dict[str, Path]:
     """module name -> file, for every .py under the package folders pyproject.toml maps."""
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {"endo_retrieval": "endo_retrieval", **tool.get("package-dir", {})}
+    roots = [(ROOT / folder, package.split(".")) for package, folder in
+             {"endo_retrieval": "endo_retrieval", **tool.get("package-dir", {})}.items()]
+    roots += [(dist, []) for dist in (ROOT / "integrations").iterdir() if (dist / "pyproject.toml").exists()]
     modules = {}
-    for package, folder in folders.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
-            name = ".".join((package, *parts[:-1], *(() if parts[-1] == "__init__" else parts[-1:])))
+    for folder, package in roots:
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if not package and len(parts) == 1:  # a distribution's own scripts (smoke.py) are no modules
+                continue
+            name = ".".join((*package, *parts[:-1], *(() if parts[-1] == "__init__" else parts[-1:])))
             modules[name] = path
     return modules
 
@@ -75,9 +79,10 @@ def test_the_walker_sees_every_package_and_lazy_imports():
     modules = project_modules()
     files = {p.resolve() for p in modules.values()}
     assert [p for d in ("endo_retrieval", "integrations", "kernels") for p in (ROOT / d).rglob("*.py")
-            if p.resolve() not in files] == []  # every module of the three folders is walked
+            if p.resolve() not in files and p.name != "smoke.py"] == []  # every module of the three folders is walked
     for name in ("endo_retrieval.backbone", "endo_retrieval.attention.base", "endo_retrieval.eval.runner",
-                 "endo_retrieval.kernels.sae_topk", "llama_index.retrievers.endo", "langchain_endo.retrievers"):
+                 "endo_retrieval.kernels.sae_topk", "llama_index.retrievers.endo", "llama_index.retrievers.endo.base",
+                 "endo_retrieval.integrations", "langchain_endo.retrievers"):
         assert name in modules
     # sae.py imports its kernel inside a function
     assert "endo_retrieval.kernels.sae_topk" in imports_of("endo_retrieval.sae", modules["endo_retrieval.sae"],

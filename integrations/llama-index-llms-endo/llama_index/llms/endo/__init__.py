@@ -1,0 +1,3 @@
+from llama_index.llms.endo.base import EndoLLM
+
+__all__ = ["EndoLLM"]

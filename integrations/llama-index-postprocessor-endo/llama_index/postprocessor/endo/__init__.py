@@ -1,0 +1,3 @@
+from llama_index.postprocessor.endo.base import EndoCompressor, EndoReranker
+
+__all__ = ["EndoCompressor", "EndoReranker"]
