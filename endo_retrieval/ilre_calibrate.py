@@ -1,4 +1,4 @@
-"""`endo calibrate-ilre`: find ILRe's retrieval layer l_R with the passkey task of appendix A.1 (seed paper 001).
+"""`endo calibrate-ilre`: find ILRe's retrieval layer l_R with the passkey task of ILRe's appendix A.1.
 
 Numeric passkeys of several lengths sit behind 'key id' phrases ("blue-cup-red-33") at the start of each of 20
 equal segments of a filler text; the query part asks for that key id. A sample counts when every token of the
@@ -101,7 +101,7 @@ def calibrate(backbone, filler: str, lengths: list[int], layers: list[int], key_
               n_depths: int = N_SEGMENTS, budget: int = 1024, seed: int = 0, progress: bool = True,
               positions: str = "frame") -> dict:
     """Run the passkey task; returns {"layer": l_R, "recall": {layer: x}, ...} (the profile's body).
-    `positions`: the prefill's RoPE layout (ILRe.positions; "dca" adds Eq. 7 at every layer scored)."""
+    `positions`: the prefill's RoPE layout (ILRe.positions; "dca" adds [ILRe Eq. 7] at every layer scored)."""
     filler_enc = backbone.encode(filler)
     rng = random.Random(seed)
     jobs = [(n, k, s) for n in lengths for k in key_lengths for s in segments_for(n_depths)]

@@ -1,6 +1,6 @@
 """`endo mcp`: serve an endogenous index to agents over the Model Context Protocol (stdio, the official `mcp` SDK).
 
-Tools: `search_evidence` (the question's own query projections find evidence spans, seed 000 Alg. 1),
+Tools: `search_evidence` (the question's own query projections find evidence spans, [S3 Alg. 1]),
 `add_documents` (index more text; saved atomically to --index when given) and `list_documents`.
 The model loads on the first tool call, so the handshake is immediate.
 """

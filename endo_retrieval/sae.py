@@ -46,7 +46,7 @@ def _check_input(x: torch.Tensor, d_in: int, check_finite: bool = True) -> torch
 
 
 class TopKSAE(nn.Module):
-    """z = ReLU(W_enc (x - b_dec) + b_enc)  (Eq. 2);  z_hat = TopK(z, k)  (Eq. 3);  x_hat = z_hat W_dec + b_dec.
+    """z = ReLU(W_enc (x - b_dec) + b_enc)  [S3 Eq. 2];  z_hat = TopK(z, k)  [S3 Eq. 3];  x_hat = z_hat W_dec + b_dec.
 
     W_enc and W_dec are both (d_latent, d_in): row i is latent i's encoder direction / unit-norm decoder atom.
     """
@@ -65,9 +65,9 @@ class TopKSAE(nn.Module):
             self.normalize_decoder()
             self.W_enc.copy_(self.W_dec)  # encoder initialised as the decoder's transpose (Gao et al. 2024)
 
-    # ---- Eq. 2-3 --------------------------------------------------------------------------------------------
+    # ---- [S3 Eq. 2-3] --------------------------------------------------------------------------------------------
     def pre_acts(self, x: torch.Tensor) -> torch.Tensor:
-        """Dense ReLU activations z (Eq. 2), (N, d_latent): training and tests only."""
+        """Dense ReLU activations z [S3 Eq. 2], (N, d_latent): training and tests only."""
         return torch.relu((x - self.b_dec) @ self.W_enc.T + self.b_enc)
 
     @torch.no_grad()
@@ -297,12 +297,12 @@ class SAEBank:
 
     def encode_keys(self, layer: int, keys: torch.Tensor, check_finite: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-RoPE keys (n_kv, T, d) -> per-token features (ids (T, k), acts (T, k)) (Eq. 4).
+        """Pre-RoPE keys (n_kv, T, d) -> per-token features (ids (T, k), acts (T, k)) [S3 Eq. 4].
         check_finite=False skips the NaN/inf check, which waits for an accelerator (the indexer checks at hand-off)."""
         return self._encode_heads(layer, keys, check_finite)
 
     def encode_queries(self, layer: int, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-RoPE queries (n_heads, T, d) -> (ids (T, k), acts (T, k)) with the keys' codebook (Eq. 6)."""
+        """Pre-RoPE queries (n_heads, T, d) -> (ids (T, k), acts (T, k)) with the keys' codebook [S3 Eq. 6]."""
         return self._encode_heads(layer, queries)
 
     def _encode_heads(self, layer: int, x: torch.Tensor, check_finite: bool = True

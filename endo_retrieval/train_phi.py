@@ -1,4 +1,4 @@
-"""Distil head-wise positive feature maps phi_q, phi_k for `completion` attention (seed 002, section 5, appendix B, K).
+"""Distil head-wise positive feature maps phi_q, phi_k for `completion` attention (RCA section 5, appendices B and K).
 
 `endo train-phi` = log (q, k) with full attention over windows of `length` tokens of a text folder (the teacher,
 frozen; RoPE-applied states, appendix J) -> for the last `queries` positions of each window, teacher logits
@@ -28,7 +28,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_ess
 
 @dataclass
 class DistillLoss:
-    """Appendix B's defaults (Eq. 20-32); the temperature is not given there, 1 keeps plain KL."""
+    """Appendix B's defaults [RCA Eq. 20-32]; the temperature is not given there, 1 keeps plain KL."""
 
     lambda_kl: float = 0.99
     lambda_top: float = 1.0
@@ -40,18 +40,18 @@ class DistillLoss:
 
     def __call__(self, s: torch.Tensor, s_hat: torch.Tensor) -> torch.Tensor:
         """Mean loss over queries; teacher s and student s^ logits (..., n) over the support."""
-        b = s.amax(-1, keepdim=True)  # Eq. 20
-        r, r_hat = s - b, s_hat - b  # Eq. 21
+        b = s.amax(-1, keepdim=True)  # [RCA Eq. 20]
+        r, r_hat = s - b, s_hat - b  # [RCA Eq. 21]
         t = self.temperature
-        log_p, log_p_hat = F.log_softmax(r / t, -1), F.log_softmax(r_hat / t, -1)  # Eq. 22
-        kl = t * t * (log_p.exp() * (log_p - log_p_hat)).sum(-1)  # Eq. 23
-        top, far = r >= -self.band, r < -self.band  # Eq. 25, 27
-        rho = lambda x: F.huber_loss(x, torch.zeros_like(x), reduction="none", delta=self.huber)  # Eq. 24
-        l_top = (rho(r_hat - r) * top).sum(-1) / top.sum(-1).clamp_min(1)  # Eq. 26
-        l_fp = (rho((r_hat + self.band).clamp_min(0)) * far).sum(-1) / far.sum(-1).clamp_min(1)  # Eq. 28
-        l_z = rho((torch.logsumexp(r_hat, -1) - torch.logsumexp(r, -1)).clamp_min(0))  # Eq. 29-30
-        aux = self.lambda_top * l_top + self.lambda_fp * l_fp + self.lambda_z * l_z  # Eq. 31
-        return (self.lambda_kl * kl + (1 - self.lambda_kl) * aux).mean()  # Eq. 32
+        log_p, log_p_hat = F.log_softmax(r / t, -1), F.log_softmax(r_hat / t, -1)  # [RCA Eq. 22]
+        kl = t * t * (log_p.exp() * (log_p - log_p_hat)).sum(-1)  # [RCA Eq. 23]
+        top, far = r >= -self.band, r < -self.band  # [RCA Eq. 25, 27]
+        rho = lambda x: F.huber_loss(x, torch.zeros_like(x), reduction="none", delta=self.huber)  # [RCA Eq. 24]
+        l_top = (rho(r_hat - r) * top).sum(-1) / top.sum(-1).clamp_min(1)  # [RCA Eq. 26]
+        l_fp = (rho((r_hat + self.band).clamp_min(0)) * far).sum(-1) / far.sum(-1).clamp_min(1)  # [RCA Eq. 28]
+        l_z = rho((torch.logsumexp(r_hat, -1) - torch.logsumexp(r, -1)).clamp_min(0))  # [RCA Eq. 29-30]
+        aux = self.lambda_top * l_top + self.lambda_fp * l_fp + self.lambda_z * l_z  # [RCA Eq. 31]
+        return (self.lambda_kl * kl + (1 - self.lambda_kl) * aux).mean()  # [RCA Eq. 32]
 
 
 class _Stop(Exception):

@@ -101,8 +101,8 @@ def train_sae(vectors: torch.Tensor, cfg: TrainConfig, checkpoint: Path | None =
     for step in bar:
         g.manual_seed(cfg.seed * 1_000_003 + step)
         xb = x[torch.randint(len(x), (cfg.batch_size,), generator=g).to(device)]
-        pre = sae.pre_acts(xb)  # Eq. 2
-        acts, ids = pre.topk(cfg.k, dim=1)  # Eq. 3
+        pre = sae.pre_acts(xb)  # [S3 Eq. 2]
+        acts, ids = pre.topk(cfg.k, dim=1)  # [S3 Eq. 3]
         recon = sae.decode(ids, acts)
         loss = _normalized_mse(xb, recon)
         since_fired += len(xb)

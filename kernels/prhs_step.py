@@ -1,11 +1,11 @@
-"""One PrHS decode step (seed 003, section IV-A) fused into two Triton launches, beside its torch twin.
+"""One PrHS decode step (PrHS section IV-A) fused into two Triton launches, beside its torch twin.
 
 Per query head h, with N cached keys, the middle M = [lo, hi) (lo = max(sink, PSAW window), hi = N - local):
-1. CIS gate (Eq. 12): h shares when its reference retrieval lies in this block and cos(q, q_ref) > tau.
+1. CIS gate [PrHS Eq. 12]: h shares when its reference retrieval lies in this block and cos(q, q_ref) > tau.
 2. A head that does not share scores M by q . K^T and keeps its top-k S*_t; its reference becomes q, the block,
-   and S*_t with its m = floor(k/3) best indices dilated by +-r (Eq. 13).
+   and S*_t with its m = floor(k/3) best indices dilated by +-r [PrHS Eq. 13].
 3. Attention over sinks [0, sink) + local [hi, N) + (S*_t, or the shared dilated set), restricted to the visible
-   keys (pos < sink or pos >= window, Eq. 15), one softmax.
+   keys (pos < sink or pos >= window, [PrHS Eq. 15]), one softmax.
 The CIS state (ref_q (H, d), ref_set (H, k + m(2r+1)), ref_block (H,)) is updated in place and the retrieving
 heads are added to `retrievals`, on the device: a step never synchronises with the host.
 
@@ -36,7 +36,7 @@ def prhs_reads(q, qr, keys, ref_q, ref_set, ref_block, retrievals, *, block: int
     pos = torch.arange(N, device=q.device)
     lo, hi = max(sink, window), N - local
     critical = ((pos < sink) | (pos >= hi)).expand(H, N).clone()
-    similar = F.cosine_similarity(q.float(), ref_q.float(), dim=-1) > tau  # Eq. 12
+    similar = F.cosine_similarity(q.float(), ref_q.float(), dim=-1) > tau  # [PrHS Eq. 12]
     share = (ref_block == block) & similar if cis else torch.zeros(H, dtype=torch.bool, device=q.device)
     critical[share] = critical[share].scatter(1, ref_set[share].clamp(0, N - 1), True)
     kv = torch.arange(H, device=q.device) // (H // keys.shape[0])
@@ -44,12 +44,12 @@ def prhs_reads(q, qr, keys, ref_q, ref_set, ref_block, retrievals, *, block: int
     picks = scores.topk(top_k, dim=-1).indices + lo  # S*_t, best first
     need = ~share
     critical[need] = critical[need].scatter(1, picks[need], True)
-    if cis:  # Eq. 13: the m best of S*_t widened by +-r become the set a similar query may share
+    if cis:  # [PrHS Eq. 13]: the m best of S*_t widened by +-r become the set a similar query may share
         offsets = torch.arange(-radius, radius + 1, device=q.device)
         dilated = torch.cat([picks, (picks[:, :top_k // 3, None] + offsets).flatten(1)], dim=1)
         ref_q[need], ref_set[need], ref_block[need] = q[need], dilated[need], block
     retrievals += need.sum()
-    return critical & ((pos < sink) | (pos >= window))  # visible: sinks and [P_l(t), t] (Eq. 15)
+    return critical & ((pos < sink) | (pos >= window))  # visible: sinks and [P_l(t), t] [PrHS Eq. 15]
 
 
 def attend_reads(qr, keys, values, reads, scaling: float) -> torch.Tensor:
@@ -82,7 +82,7 @@ def _kernels():
 
     @triton.jit
     def shares(q_ptr, ref_q_ptr, ref_block_ptr, h, block, tau, D: tl.constexpr):
-        """Eq. 12 for head h (as torch's cosine_similarity: x.y / sqrt(max(|x|^2 |y|^2, eps^2)))."""
+        """[PrHS Eq. 12] for head h (as torch's cosine_similarity: x.y / sqrt(max(|x|^2 |y|^2, eps^2)))."""
         dims = tl.arange(0, D)
         x = tl.load(q_ptr + h * D + dims).to(tl.float32)
         y = tl.load(ref_q_ptr + h * D + dims).to(tl.float32)
@@ -158,7 +158,7 @@ def _kernels():
         need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, h, block, tau, D)
         dims = tl.arange(0, D)
         row = ref_set_ptr + h * SET
-        if need:  # S*_t: the top-k of the middle, and the reference a later query may share (Eq. 13)
+        if need:  # S*_t: the top-k of the middle, and the reference a later query may share [PrHS Eq. 13]
             cols = lo + tl.arange(0, MID_PAD)
             inside = cols < hi
             key = sortable(tl.load(score_ptr + h * score_stride + cols, mask=inside, other=0.0))

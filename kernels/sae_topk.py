@@ -1,4 +1,4 @@
-"""Fused SAE encode + Top-k (S3-Attention Eq. 2-3) in Triton, beside its plain torch twin.
+"""Fused SAE encode + Top-k [S3 Eq. 2-3] in Triton, beside its plain torch twin.
 
 The kernel never writes the (N, d_latent) activations to global memory: each program takes BLOCK_M rows, loops
 over latent tiles of BLOCK_N, computes ReLU((x - b_dec) W_enc^T + b_enc) for the tile in registers, and folds it
@@ -25,8 +25,8 @@ def sae_topk_reference(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor
     heads = x if x.ndim == 3 else x.unsqueeze(0)
     ids, acts = [], []
     for part in heads.split(rows_per_step, dim=1):
-        z = torch.relu((part - b_dec) @ W_enc.T + b_enc).amax(0)  # Eq. 2, each latent at its largest head
-        a, i = z.topk(k, dim=1)  # Eq. 3
+        z = torch.relu((part - b_dec) @ W_enc.T + b_enc).amax(0)  # [S3 Eq. 2], each latent at its largest head
+        a, i = z.topk(k, dim=1)  # [S3 Eq. 3]
         ids.append(i)
         acts.append(a)
     if not ids:
@@ -57,7 +57,7 @@ def _kernel():
     import triton.language as tl
 
     # N (rows) varies with every chunk tail and question: left unspecialised, so a new N never recompiles
-    # (a recompile cost 1.2-2.9 s on the H100, inside an index build or a first query)
+    # (a recompile takes seconds, inside an index build or a first query)
     @triton.jit(do_not_specialize=["N"])
     def fused_encode_topk(x_ptr, w_ptr, b_enc_ptr, b_dec_ptr, ids_ptr, acts_ptr, N, D, L, G,
                           K_OUT: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -78,10 +78,10 @@ def _kernel():
             for g in range(G):  # a token's heads, each latent at its largest (not unrolled: 9 overflow shared memory)
                 x = tl.load(x_ptr + (g * N + rows[:, None]) * D + dims[None, :], mask=x_mask, other=0.0)
                 z = tl.maximum(z, tl.dot(x - b_dec[None, :], tl.trans(w), input_precision=PRECISION) + b_enc)
-            z = tl.where(z > 0, z, 0.0)  # ReLU, Eq. 2 (+0.0, never -0.0, so bits stay >= 0)
+            z = tl.where(z > 0, z, 0.0)  # ReLU, [S3 Eq. 2] (+0.0, never -0.0, so bits stay >= 0)
             key = (z.to(tl.int32, bitcast=True).to(tl.int64) << 32) | lat[None, :].to(tl.int64)
             key = tl.where(lat_ok[None, :], key, -1)
-            tile_top = tl.topk(key, K, dim=1)  # Eq. 3 on this tile
+            tile_top = tl.topk(key, K, dim=1)  # [S3 Eq. 3] on this tile
             both = tl.reshape(tl.join(best, tile_top), (BLOCK_M, 2 * K))
             best = tl.topk(both, K, dim=1)  # running top-k over the tiles seen so far
         out_cols = tl.arange(0, K)
@@ -100,9 +100,9 @@ def sae_topk_triton(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b
     first.
 
     Blocks: for k <= 16, 64 rows x 256 latents with 8 warps, the fastest of 27 (block_m 16/32/64 x block_n
-    64/128/256 x warps 2/4/8) for an index chunk (3 heads x 2048 tokens, d 64, 1024 latents, k 16) on an H100:
-    94 us, against 132 us for 64 x 128 with 4 warps and 316 us for the torch twin. A larger k keeps 64 x 128 with 4
-    warps (256 latents failed to compile for the test shapes with k 20-64).
+    64/128/256 x warps 2/4/8) for an index chunk (3 heads x 2048 tokens, d 64, 1024 latents, k 16; the timings are
+    in docs/papers.md). A larger k keeps 64 x 128 with 4 warps (256 latents failed to compile for the test shapes
+    with k 20-64).
     precision: "tf32" (tensor cores; activations agree with fp32 to ~1e-3 relative) or "ieee" (fp32 FMA).
     """
     import triton

@@ -1,7 +1,7 @@
 """Fused position-agnostic top-k attention scores (ReAttention section 3.4, Figure 4), beside its torch twin.
 
-For every query head h and query t, the k keys of the middle cache with the largest q_t . K^T (Eq. 2), without
-writing the (H, T, M) score matrix: a program takes BLOCK_M queries of one head, walks the keys BLOCK_N at a time,
+For every query head h and query t, the k keys of the middle cache with the largest q_t . K^T [ReAttention Eq. 2],
+without writing the (H, T, M) score matrix: a program takes BLOCK_M queries of one head, walks the keys BLOCK_N at a time,
 scores the tile in registers and folds it into a running top-k: a tile whose best score beats no row's current
 k-th best is skipped after one reduction (most tiles, once the running top-k is good); otherwise its k largest
 scores are taken in turn and each replaces its row's weakest slot if larger. Grouped-query attention: head h
@@ -63,7 +63,7 @@ def _kernel():
             col_ok = cols < n_end
             kt = tl.load(k_base + cols[:, None] * D + dims[None, :], mask=col_ok[:, None] & (dims[None, :] < D),
                          other=0.0)
-            s = tl.dot(q, tl.trans(kt))  # (BLOCK_M, BLOCK_N) q . K^T in registers, fp32 accumulate (Eq. 2)
+            s = tl.dot(q, tl.trans(kt))  # (BLOCK_M, BLOCK_N) q . K^T in registers, fp32 accumulate [ReAttention Eq. 2]
             s = tl.where(col_ok[None, :], s, float("-inf"))
             floor = tl.min(best, 1)
             if tl.max(tl.max(s, 1) - floor) > 0:  # some row improves; else nothing in this tile can enter

@@ -1,5 +1,5 @@
-"""Retrieval-completion attention (seed 002): K = all mid tokens is dense attention, phi off is selection-only Top-K,
-the stable-cache hybrid equals the natural (S, u) form of Eq. 6-10 computed naively, and bad input is refused."""
+"""Retrieval-completion attention (RCA): K = all mid tokens is dense attention, phi off is selection-only Top-K,
+the stable-cache hybrid equals the natural (S, u) form of [RCA Eq. 6-10] computed naively, and bad input is refused."""
 from __future__ import annotations
 
 import argparse
@@ -80,7 +80,7 @@ def test_phi_off_is_selection_only_top_k(tiny_backbone):
 
 
 def test_stable_hybrid_equals_the_natural_form_of_eq_6_to_10(tiny_backbone):
-    """Eq. 10 by hand in float64: (N_E + phi_q^T S_R) / (Z_E + phi_q^T u_R), S_R and u_R summed over R directly."""
+    """[RCA Eq. 10] by hand in float64: (N_E + phi_q^T S_R) / (Z_E + phi_q^T u_R), S_R and u_R summed over R."""
     bb = tiny_backbone
     maps = random_maps(bb, d_phi=16)
     out = drive(Completion(budget=24, phi=maps), bb, prefill=50, steps=1, layers=(1,), scale=1.0)[-1]
@@ -100,9 +100,9 @@ def test_stable_hybrid_equals_the_natural_form_of_eq_6_to_10(tiny_backbone):
         picked = mid[s[mid].topk(4).indices]  # K = 24 - 20
         exact = torch.cat([torch.arange(4), torch.arange(34, 51), picked])
         rest = torch.tensor([i for i in mid.tolist() if i not in picked.tolist()])
-        z_r = phi_q[h] @ phi_k[kvh, rest].sum(0)  # Eq. 9 over R
+        z_r = phi_q[h] @ phi_k[kvh, rest].sum(0)  # [RCA Eq. 9] over R
         n_r = phi_q[h] @ (phi_k[kvh, rest, :, None] * values[kvh, rest, None, :]).sum(0)
-        y = ((s[exact].exp() @ values[kvh, exact]) + n_r) / (s[exact].exp().sum() + z_r)  # Eq. 10
+        y = ((s[exact].exp() @ values[kvh, exact]) + n_r) / (s[exact].exp().sum() + z_r)  # [RCA Eq. 10]
         assert torch.allclose(out[h, 0].double(), y, rtol=1e-4, atol=1e-5)
 
 
@@ -151,7 +151,7 @@ def test_train_phi_lowers_the_distillation_loss_and_round_trips(tiny_backbone, t
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
     s = torch.tensor([[0.0, -1.0, -20.0]])  # the loss is zero when the student copies the teacher
     assert float(DistillLoss()(s, s)) == pytest.approx(0.0, abs=1e-7)
-    assert float(DistillLoss()(s, s + 1.0)) > 0  # and counts an inflated partition (Eq. 30)
+    assert float(DistillLoss()(s, s + 1.0)) > 0  # and counts an inflated partition [RCA Eq. 30]
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text(text)

@@ -1,4 +1,4 @@
-"""Attention-output error versus read budget (seed 002, Eq. 12-16, 51-54): relative l1, entropy terciles, the
+"""Attention-output error versus read budget [RCA Eq. 12-16, 51-54]: relative l1, entropy terciles, the
 token-equivalent accounting against hand-computed numbers, replay through the backends, and the bench contract."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from endo_retrieval.eval.attention_error import (
 def test_relative_l1_is_zero_against_itself_and_matches_hand_numbers():
     out = torch.tensor([[1.0, -2.0, 3.0]])
     assert relative_l1(out, out).item() == 0.0
-    # |1.5-1| + |-2-(-2)| + |2-3| = 1.5 over ||ref||_1 = 6 (Eq. 53)
+    # |1.5-1| + |-2-(-2)| + |2-3| = 1.5 over ||ref||_1 = 6 [RCA Eq. 53]
     assert relative_l1(torch.tensor([[1.5, -2.0, 2.0]]), out).item() == pytest.approx(1.5 / (6 + EPS))
 
 

@@ -1,5 +1,5 @@
-"""PrHS/CPE (seed 003): with CIS gated shut and no PSAW/ETF it is per-step Top-K; CIS sharing, dilation (Eq. 13),
-the retrieval ratio, PSAW (Eq. 15) and ETF (Eq. 16) against hand-computed values."""
+"""PrHS/CPE: with CIS gated shut and no PSAW/ETF it is per-step Top-K; CIS sharing, dilation [PrHS Eq. 13],
+the retrieval ratio, PSAW [PrHS Eq. 15] and ETF [PrHS Eq. 16] against hand-computed values."""
 from __future__ import annotations
 
 import math
@@ -100,7 +100,7 @@ def test_cis_shares_the_dilated_set_of_the_reference_query(tiny_backbone):
 
     first = prhs_step_reference(q, q, keys[:, :N], values[:, :N], *state, retrievals, **settings)
     assert torch.allclose(first, by_hand(q, N, [0, 1, 10, 15, 20, 26, 27, 28, 29]), atol=1e-6)  # S*_t undilated
-    assert state[1][0].tolist() == [10, 20, 15, 9, 10, 11] and state[2].tolist() == [0] * H  # Eq. 13 reference
+    assert state[1][0].tolist() == [10, 20, 15, 9, 10, 11] and state[2].tolist() == [0] * H  # [PrHS Eq. 13] reference
     shared = prhs_step_reference(-q, -q, keys, values, *state, retrievals, **settings)  # gate open: no retrieval
     # the reference's set: the best index, 10, widened to 9..11, with 20 and 15; the local window moved by one
     assert torch.allclose(shared, by_hand(-q, N + 1, [0, 1, 9, 10, 11, 15, 20, 27, 28, 29, 30]), atol=1e-6)

@@ -54,7 +54,7 @@ def test_sink_window_frames_each_chunk_behind_sink_and_window(tiny_backbone):
 
 def test_absolute_and_dca_positions(tiny_backbone):
     """positions="absolute": every token at its own index; "dca": the same, except that from the third chunk on the
-    sink is re-RoPEd by (i-2) chunk sizes (ILRe Eq. 6), which changes the later layers' keys of that chunk only."""
+    sink is re-RoPEd by (i-2) chunk sizes [ILRe Eq. 6], which changes the later layers' keys of that chunk only."""
     bb = tiny_backbone
     kw = dict(chunk_size=128, mode="sink_window", window=64, split_at=250, capture=("k",))
     absolute = list(bb.stream(IDS, [2], positions="absolute", **kw))

@@ -37,7 +37,7 @@ def test_index_scores_match_a_naive_rebuild(tiny, handoff, monkeypatch):
     idx = EndoIndex(bb, "s3-hybrid", saes=bank, chunk_size=64)
     idx.add_documents([Document("a", FILLER), Document("b", NEEDLE + FILLER[:300])])
     got = idx.s3_scores(QUESTION)
-    # naive Eq. 7: feature sets per position from a fresh pass, IDF over those sets, loops in Python
+    # naive [S3 Eq. 7]: feature sets per position from a fresh pass, IDF over those sets, loops in Python
     q = idx.query_features(QUESTION)
     expected = np.zeros(idx.corpus.n_positions)
     for layer in bank.layers:

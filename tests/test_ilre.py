@@ -1,4 +1,4 @@
-"""ILRe (seed paper 001): Algorithm 1 against a naive twin, Eq. 4-5 against dense attention, early exit, the
+"""ILRe: [ILRe Alg. 1] against a naive twin, [ILRe Eq. 4-5] against dense attention, early exit, the
 compressed text as a subsequence of the source, bad input, and the appendix A.1 passkey task."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ FILLER = ("The river ran past the old mill and the children counted stones on th
           "In the evening the lamp in the window was lit and a cat slept on the warm chair. ") * 40
 
 
-# ---------------------------------------------------------------- Algorithm 1
+# ---------------------------------------------------------------- [ILRe Alg. 1]
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -78,7 +78,7 @@ def test_token_runs():
     assert token_runs(np.array([], dtype=np.int64)) == []
 
 
-# ---------------------------------------------------------------- Eq. 4-5 and Eq. 7
+# ---------------------------------------------------------------- [ILRe Eq. 4-5] and [ILRe Eq. 7]
 
 
 def toy_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -208,8 +208,8 @@ def test_compress_prompt_keeps_the_last_query_tokens(tiny_backbone):
 
 
 def test_positions_change_the_scores_only_as_described(tiny_backbone):
-    """"dca" = absolute positions + the Eq. 6 sink shift in the stream + Eq. 7 at l_R; the prefill's key positions
-    are absolute for both "absolute" and "dca", and each layout ranks the context differently."""
+    """"dca" = absolute positions + the [ILRe Eq. 6] sink shift in the stream + [ILRe Eq. 7] at l_R; the prefill's key
+    positions are absolute for both "absolute" and "dca", and each layout ranks the context differently."""
     bb = tiny_backbone
     ids = bb.encode(FILLER[:3000]).ids
     query = bb.encode("Question: where did the cat sleep?\nAnswer:").ids

@@ -55,7 +55,7 @@ def assert_matches(idx, post, layers):
 
 
 def naive_score(post, query, n, stop=math.inf):
-    """Eq. 9 written out: S[t] += w_f * IDF(f) for every query feature f and every t in I_l[f]."""
+    """[S3 Eq. 9] written out: S[t] += w_f * IDF(f) for every query feature f and every t in I_l[f]."""
     scores = [0.0] * n
     for layer, (ids, weights) in query.items():
         summed = defaultdict(float)
@@ -167,7 +167,7 @@ def test_score_equals_naive_eq9(stop_freq):
 @pytest.mark.parametrize("segment_tokens, segments", [(1, 6), (120, 2), (10**9, 1)])
 def test_streamed_segments_are_queried_without_a_full_merge(monkeypatch, segment_tokens, segments):
     """Six streamed adds of 50 tokens: queries read segments of SEGMENT_TOKENS or more as they are and merge runs of
-    smaller ones first; scores equal Eq. 9 either way, and postings() still gives one merged CSR."""
+    smaller ones first; scores equal [S3 Eq. 9] either way, and postings() still gives one merged CSR."""
     monkeypatch.setattr(index_module, "SEGMENT_TOKENS", segment_tokens)
     rng = np.random.default_rng(5)
     calls = random_adds(rng, [3, 7])

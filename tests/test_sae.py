@@ -1,4 +1,4 @@
-"""TopKSAE (Eq. 2-3), head aggregation, files, training and resume: small random data, seconds on CPU."""
+"""TopKSAE [S3 Eq. 2-3], head aggregation, files, training and resume: small random data, seconds on CPU."""
 import hashlib
 import json
 import math
@@ -27,7 +27,7 @@ def test_encode_matches_naive_equations():
     ids, acts = sae.encode(x)
     assert ids.shape == acts.shape == (50, 4) and ids.dtype == torch.int64
     sae.requires_grad_(False)
-    for n in range(50):  # Eq. 2 and 3 written out per vector
+    for n in range(50):  # [S3 Eq. 2-3] written out per vector
         z = [max(0.0, float(sae.W_enc[i] @ (x[n] - sae.b_dec) + sae.b_enc[i])) for i in range(32)]
         order = sorted(range(32), key=lambda i: -z[i])[:4]
         assert acts[n].tolist() == pytest.approx([z[i] for i in order], abs=1e-5)

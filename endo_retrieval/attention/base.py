@@ -104,9 +104,9 @@ class AttentionBackend:
             return out.logits[0, -1]
 
         with backbone._lock, torch.inference_mode(), installed(backbone, self):
-            for chunk in ids.split(self.chunk_size):  # Algorithm 1: chunked prefill
+            for chunk in ids.split(self.chunk_size):  # [ReAttention Alg. 1]: chunked prefill
                 logits = logits_after(chunk)
-            for step in range(max_new_tokens):  # Algorithm 2: one token per step
+            for step in range(max_new_tokens):  # [ReAttention Alg. 2]: one token per step
                 token = int(logits.argmax())
                 if token in eos:
                     return

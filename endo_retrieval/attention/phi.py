@@ -1,4 +1,4 @@
-"""Head-wise positive feature maps phi_q, phi_k for retrieval-completion attention (seed 002, section 3.2, App. J).
+"""Head-wise positive feature maps phi_q, phi_k for retrieval-completion attention (RCA section 3.2, appendix J).
 
 z(q, k) = <phi_q(q), phi_k(k)> stands in for exp(s) = exp(scaling q.k) on RoPE-applied states. Each map is
 linear + exp in log space, per query head (phi_q) and per KV head (phi_k):

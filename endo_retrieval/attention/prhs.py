@@ -1,13 +1,13 @@
-"""`prhs`: per-step Top-K token-sparse attention with the pre-hoc selectors of CPE (seed 003, section IV).
+"""`prhs`: per-step Top-K token-sparse attention with the pre-hoc selectors of CPE (PrHS section IV).
 
 Decoding (section IV-A a): every head attends to C_sink sink tokens, C_local local tokens and the k keys of the
 middle [C_sink, t - C_local) with the largest scores (the top-k oracle). Three pre-hoc additions:
-- CIS (IV-A): decode steps are cut into blocks of s; in a block, a head whose query is cosine-similar (Eq. 12) to
+- CIS (IV-A): decode steps are cut into blocks of s; in a block, a head whose query is cosine-similar [PrHS Eq. 12] to
   the head's last retrieving query (> tau) reuses that query's set, dilated by +-r around its m = floor(k/3)
-  best indices (Eq. 13), instead of retrieving. The retrieval ratio rho-hat (section V-A) counts how often heads
+  best indices [PrHS Eq. 13], instead of retrieving. The retrieval ratio rho-hat (section V-A) counts how often heads
   still retrieve.
-- PSAW (IV-B): from layer l_s on, keys in [C_sink, P_l(t)) are masked, in prefill and decoding (Eq. 15).
-- ETF (IV-C): in prefill, from layer l_s on, tokens in [C_sink, E_l(t)) skip attention (Eq. 16).
+- PSAW (IV-B): from layer l_s on, keys in [C_sink, P_l(t)) are masked, in prefill and decoding [PrHS Eq. 15].
+- ETF (IV-C): in prefill, from layer l_s on, tokens in [C_sink, E_l(t)) skip attention [PrHS Eq. 16].
 Prefill is otherwise dense; keys are cached rotated at their absolute positions, as in `dense`. A decode step is
 `kernels/prhs_step.py`: two fused Triton launches on CUDA (gate, scores, top-k, dilation, gathered attention; the
 CIS state and the retrieval count stay on the device), its torch twin elsewhere. While the middle holds fewer
@@ -15,7 +15,7 @@ than k keys it is read whole (it is its own top-k) and nothing is counted as a r
 
 Interface limits (documented, not hidden): the backend sees one layer's attention only, so an ETF-frozen token
 gets a zero attention update (its residual stream passes through attention) but still runs the layer's MLP, and
-t in Eq. 16 is the end of the current prefill chunk (the paper's prompt length when prefill is one chunk). A call
+t in [PrHS Eq. 16] is the end of the current prefill chunk (the paper's prompt length when prefill is one chunk). A call
 with one new token counts as a decode step, including a one-token last prefill chunk.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ class PrHS(AttentionBackend):
 
     @property
     def scope(self) -> int:
-        """Keys one decode query reads: sink + local + k, plus the dilation of a shared set (Eq. 13)."""
+        """Keys one decode query reads: sink + local + k, plus the dilation of a shared set [PrHS Eq. 13]."""
         return self.sink + self.local + self.top_k + (self.top_k // 3) * 2 * self.radius * self.cis
 
     @property
@@ -82,17 +82,17 @@ class PrHS(AttentionBackend):
                 "rho_hat": retrievals / slots if slots else None}
 
     def _fraction(self, layer: int, base: float, power: float) -> float:
-        """1 - base^(power (l - l_s) / (N - l_s)) for l >= l_s, else 0: the shared shape of Eq. 15 and 16."""
+        """1 - base^(power (l - l_s) / (N - l_s)) for l >= l_s, else 0: the shared shape of [PrHS Eq. 15-16]."""
         if layer < self.l_s:
             return 0.0
         return 1.0 - base ** (power * (layer - self.l_s) / (self.backbone.n_layers - self.l_s))
 
     def window_start(self, layer: int, t: torch.Tensor) -> torch.Tensor:
-        """P_l(t) of Eq. 15 for step(s) t (number of tokens up to and including the query)."""
+        """P_l(t) of [PrHS Eq. 15] for step(s) t (number of tokens up to and including the query)."""
         return torch.floor(self._fraction(layer, self.phi, self.alpha) * t.double()).long()
 
     def frozen_end(self, layer: int, t: int) -> int:
-        """E_l(t) of Eq. 16."""
+        """E_l(t) of [PrHS Eq. 16]."""
         return math.floor(self._fraction(layer, self.psi, self.gamma) * t)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -105,11 +105,11 @@ class PrHS(AttentionBackend):
         positions = torch.arange(start, stop, device=q.device)
         key_pos = torch.arange(stop, device=q.device)
         visible = key_pos[None, :] <= positions[:, None]  # causal (T, N)
-        if self.psaw:  # Eq. 15: sinks plus [P_l(t), t]
+        if self.psaw:  # [PrHS Eq. 15]: sinks plus [P_l(t), t]
             window = self.window_start(layer, positions + 1)[:, None]
             visible &= (key_pos[None, :] < self.sink) | (key_pos[None, :] >= window)
         out = _masked_attention(qr, keys, values, visible.expand(q.shape[0], -1, -1), scaling)
-        if self.etf:  # Eq. 16: frozen tokens skip attention
+        if self.etf:  # [PrHS Eq. 16]: frozen tokens skip attention
             out[:, (positions >= self.sink) & (positions < self.frozen_end(layer, stop))] = 0
         return out
 
@@ -119,7 +119,8 @@ class PrHS(AttentionBackend):
         N = keys.shape[1]
         step = self._step[layer]
         self._step[layer] += 1
-        window = math.floor(self._fraction(layer, self.phi, self.alpha) * N) if self.psaw else 0  # P_l(t), Eq. 15
+        # P_l(t) [PrHS Eq. 15]
+        window = math.floor(self._fraction(layer, self.phi, self.alpha) * N) if self.psaw else 0
         if N - self.local - max(self.sink, window) < self.top_k:  # the middle is its own top-k: read it whole
             pos = torch.arange(N, device=q.device)
             visible = (pos < self.sink) | (pos >= window)

@@ -1,10 +1,11 @@
 """`reattention`: position-agnostic top-k KV selection over an un-rotated cache, RoPE applied after selection.
 
-ReAttention (seed 004): the cache keeps keys *without* rotation. At every step and layer the cache is split into
-[global | middle | local] (Eq. 1); the new queries score the middle with q . K^T (Eq. 2, no positions), each head
-and query keeps its top-k, the picks are voted to the top-k' and widened to spans of `span` neighbours; the
-selected cache [global, selected, local] is rotated at positions 0..n-1 in order and attended as usual (Eq. 3).
-Prefill runs in chunks (Algorithm 1), decoding one token at a time (Algorithm 2). Because
+ReAttention: the cache keeps keys *without* rotation. At every step and layer the cache is split into
+[global | middle | local] [ReAttention Eq. 1]; the new queries score the middle with q . K^T
+([ReAttention Eq. 2], no positions), each head and query keeps its top-k, the picks are voted to the top-k' and
+widened to spans of `span` neighbours; the selected cache [global, selected, local] is rotated at positions 0..n-1
+in order and attended as usual [ReAttention Eq. 3].
+Prefill runs in chunks [ReAttention Alg. 1], decoding one token at a time [ReAttention Alg. 2]. Because
 global + k' x span + local never exceeds the trained window, no query-key distance is ever out of distribution.
 Defaults are section 3.1's (global 32, local 4096, span 32, k 4, k' 127, chunk 512) with local scaled to half the
 model's window and k' to fill the rest.
@@ -58,8 +59,8 @@ class ReAttention(AttentionBackend):
         return self.global_size + self.k_prime * self.span + self.local
 
     def select(self, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
-        """Sorted indices into `middle` (H_kv, M, d) that the queries (H, T, d) pick: Eq. 2 top-k per head and
-        query, voted to the top-k', each widened to a span of neighbours (overlaps merged)."""
+        """Sorted indices into `middle` (H_kv, M, d) that the queries (H, T, d) pick: [ReAttention Eq. 2] top-k per
+        head and query, voted to the top-k', each widened to a span of neighbours (overlaps merged)."""
         M = middle.shape[1]
         _, picks = topk_scores(q, middle, self.top_k, use_kernel=self.use_kernel)
         votes = torch.bincount(picks.flatten(), minlength=M)
@@ -73,11 +74,11 @@ class ReAttention(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         keys, values = self.cache.append(layer, k, v)
         N, g = keys.shape[1], self.global_size
-        if N > g + self.local:  # Eq. 1-2: a middle exists; keep [global, selected, local]
+        if N > g + self.local:  # [ReAttention Eq. 1-2]: a middle exists; keep [global, selected, local]
             chosen = g + self.select(q, keys[:, g:N - self.local])
             index = torch.cat([torch.arange(g, device=keys.device), chosen,
                                torch.arange(N - self.local, N, device=keys.device)])
             keys, values = keys[:, index], values[:, index]
         n, T = keys.shape[1], q.shape[1]
-        # Eq. 3: positions 0..n-1 in order, the new queries last
+        # [ReAttention Eq. 3]: positions 0..n-1 in order, the new queries last
         return causal_attention(self.rope(q, n - T, n), self.rope(keys, 0, n), values, scaling)

@@ -5,7 +5,7 @@
   heat-map PNG (length x depth per backend) is written beside the JSON. HotpotQA (`--data PATH.json`): greedy
   answers scored with SQuAD F1 / exact match; accuracy = F1.
 * Error (`eval/attention_error.py`): mean relative l1 of the attention output against dense versus the
-  token-equivalent read budget, split by head entropy (seed 002, Table 2's accounting, Figure 2); FILE_error.png.
+  token-equivalent read budget, split by head entropy (RCA Table 2's accounting, Figure 2); FILE_error.png.
 * Latency (CUDA only): the attention operator of each backend against bare SDPA, and decode tokens/s.
 * Kernel (section 3.4, Figure 5): the fused Triton top-k scores against the plain torch version at growing key
   counts, time and peak accelerator memory (CUDA only).
@@ -39,7 +39,7 @@ def _fractions(text: str) -> list[float]:
 
 
 MEASURES = ("accuracy", "error", "latency", "kernel")
-# label -> (backend, settings): seed 002's selection-only Top-K and its hybrid are `completion` with phi off / on
+# label -> (backend, settings): RCA's selection-only Top-K and its hybrid are `completion` with phi off / on
 VARIANTS = {"topk": ("completion", {"phi": None}), "topk+phi": ("completion", {"charge_phi_cache": True})}
 
 
@@ -110,7 +110,7 @@ def variants(backends: list[str], scopes: list[int] | None) -> list[tuple[str, s
 
 
 def budget_settings(label: str, fraction: float | None, n_context: int, phi, phi_tolerance: float = 2.0) -> dict:
-    """The settings that put a backend at n = ceil(f N) exact reads per step (Eq. 13): Top-K and Top-K+phi take it
+    """The settings that put a backend at n = ceil(f N) exact reads per step [RCA Eq. 13]: Top-K and Top-K+phi take it
     as their budget, PrHS fills it after its sink and local tokens; phi maps go to topk+phi."""
     from endo_retrieval.attention.prhs import PrHS
     from endo_retrieval.eval.attention_error import budget_tokens
@@ -265,7 +265,7 @@ def _graph_ms(steps, n_steps: int, repeats: int = 20) -> float:
 
 def operator_rows(backbone, text: str, runs: list[tuple[str, str, dict]], keys: int = 4096, batch: int = 16,
                   steps: int = 32, layer: int | None = None) -> tuple[list[dict], str]:
-    """Attention-operator latency at one decode step (seed 003, section V-D): `batch` sequences of `keys` cached
+    """Attention-operator latency at one decode step (PrHS section V-D): `batch` sequences of `keys` cached
     tokens each (real text windows of the model, their own queries), one new query per sequence; one layer.
     Bare SDPA over the whole cache (bf16, flash) is the dense baseline; each backend's `attend` (append + RoPE +
     selection + attention) is timed per step over `steps` consecutive decode steps of real queries, so CIS shares
@@ -541,7 +541,7 @@ def run(args) -> int:
             result["latency_profile"] = profile
             result["config"]["latency"] = {"keys": args.latency_keys, "batch": args.latency_batch,
                                            "batch_means": "sequences decoded together, one new query each "
-                                                          "(seed 003 section V-D), folded into the head axis"}
+                                                          "(PrHS section V-D), folded into the head axis"}
     from endo_retrieval.kernels.sae_topk import triton_available
 
     if "kernel" not in measures:

@@ -1,4 +1,4 @@
-"""Attention-output error versus a token-equivalent read budget (seed 002, section 6.3, appendices D and H).
+"""Attention-output error versus a token-equivalent read budget (RCA section 6.3, appendices D and H).
 
 Decode-time queries of a real text: a window of N + Q tokens runs once through the model with dense attention,
 keeping every layer's pre-RoPE q, k, v. For each backend the cache of every layer is primed with the N prefill
@@ -6,17 +6,17 @@ keys/values (all compared backends prefill densely and cache keys rotated at the
 changes prefill *outputs*, not the cache), then the Q following positions are replayed one token at a time through
 the backend's own `attend`, teacher-forced, so every backend sees the same states and its error does not compound.
 
-Per (layer, query head, query): the relative l1 error of the output against dense (Eq. 53) and the dense
-mid-normalised entropy H_mid (Eq. 51-52). Heads (layer, query head) are split into entropy terciles to test
-Figure 2's finding (gain = e_sel - e_hyb, Eq. 54, largest in high-entropy heads).
+Per (layer, query head, query): the relative l1 error of the output against dense [RCA Eq. 53] and the dense
+mid-normalised entropy H_mid [RCA Eq. 51-52]. Heads (layer, query head) are split into entropy terciles to test
+Figure 2's finding (gain = e_sel - e_hyb, [RCA Eq. 54], largest in high-entropy heads).
 
-Read accounting (per decode step, per head; Eq. 11-16): one exact token = its key and value, B_tok = 2 d_h b.
-- Top-K: sink + tail + generated tokens + K, K = n - sink - tail (Eq. 14).
+Read accounting (per decode step, per head; [RCA Eq. 11-16]): one exact token = its key and value, B_tok = 2 d_h b.
+- Top-K: sink + tail + generated tokens + K, K = n - sink - tail [RCA Eq. 14].
 - Top-K+phi: the same exact reads with K = n - sink - tail - n_off, plus the phi cache's one-time fetch
-  ceil(R_phi) = ceil(d_phi/2 + d_phi/d_h) charged every step (worst case L_gen = 1, Eq. 12, 15-16).
+  ceil(R_phi) = ceil(d_phi/2 + d_phi/d_h) charged every step (worst case L_gen = 1, [RCA Eq. 12, 15-16]).
 - PrHS: the keys each head attends (sink + local + its retrieved or CIS-shared set, less what PSAW masks),
   measured. Its scoring cost (a retrieving head reads every visible middle *key*: half a token each) is reported
-  apart as `scoring_tokens` beside rho-hat; Top-K's exhaustive scoring (all of M, every step) likewise. Seed 002
+  apart as `scoring_tokens` beside rho-hat; Top-K's exhaustive scoring (all of M, every step) likewise. RCA
   counts exact reads only (its selector is an oracle), so `read_tokens` leaves scoring out for every method.
 """
 from __future__ import annotations
@@ -33,27 +33,27 @@ from endo_retrieval.attention.prhs import PrHS
 from endo_retrieval.eval.measure import length_label
 from endo_retrieval.kernels.prhs_step import attend_reads, prhs_reads
 
-EPS = 1e-6  # Eq. 53's epsilon
-SINK, TAIL = 4, 16  # seed 002's anchors (section 6.3); also the mid region M of the entropy (Eq. 51)
+EPS = 1e-6  # [RCA Eq. 53]'s epsilon
+SINK, TAIL = 4, 16  # RCA's anchors (section 6.3); also the mid region M of the entropy [RCA Eq. 51]
 METHODS = ("dense", "topk", "topk+phi", "prhs")
 ENTROPY_BINS = ("low", "mid", "high")
 
 
-# ---------------------------------------------------------------- read accounting (seed 002, Eq. 12-16)
+# ---------------------------------------------------------------- read accounting [RCA Eq. 12-16]
 
 
 def phi_cache_tokens(d_phi: int, head_dim: int) -> float:
-    """R_phi,once = d_phi/2 + d_phi/d_h: the stable cache (m, u, T) in token equivalents (Eq. 12, 47)."""
+    """R_phi,once = d_phi/2 + d_phi/d_h: the stable cache (m, u, T) in token equivalents [RCA Eq. 12, 47]."""
     return d_phi / 2 + d_phi / head_dim
 
 
 def budget_tokens(fraction: float, n_prefill: int) -> int:
-    """n(f) = ceil(f N): exact reads per decode step, layer and head (Eq. 13)."""
+    """n(f) = ceil(f N): exact reads per decode step, layer and head [RCA Eq. 13]."""
     return math.ceil(fraction * n_prefill)
 
 
 def retrieved(n: int, sink: int = SINK, tail: int = TAIL, offset: int = 0) -> int:
-    """k = max(0, n - sink - tail - n_off): Top-K (Eq. 14, offset 0) or the hybrid (Eq. 16)."""
+    """k = max(0, n - sink - tail - n_off): Top-K ([RCA Eq. 14], offset 0) or the hybrid [RCA Eq. 16]."""
     return max(0, n - sink - tail - offset)
 
 
@@ -74,12 +74,12 @@ def completion_reads(n: int, n_prefill: int, generated: float, d_phi: int | None
 
 
 def relative_l1(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """||o - o_ref||_1 / (||o_ref||_1 + eps) over the last axis (Eq. 53)."""
+    """||o - o_ref||_1 / (||o_ref||_1 + eps) over the last axis [RCA Eq. 53]."""
     return (out.double() - ref.double()).abs().sum(-1) / (ref.double().abs().sum(-1) + EPS)
 
 
 def mid_entropy(scores: torch.Tensor) -> torch.Tensor:
-    """Normalised entropy of softmax(scores) over the last axis (the mid region's logits), in [0, 1] (Eq. 51-52)."""
+    """Normalised entropy of softmax(scores) over the last axis (the mid region's logits), in [0, 1] [RCA Eq. 51-52]."""
     log_p = torch.log_softmax(scores.double(), -1)
     n = scores.shape[-1]
     return -(log_p.exp() * log_p).sum(-1) / math.log(n) if n > 1 else torch.zeros(scores.shape[:-1])
@@ -174,7 +174,7 @@ def replay(backbone, backend: AttentionBackend, window: Window) -> torch.Tensor:
 
 
 def dense_mid_entropy(backbone, window: Window, sink: int = SINK, tail: int = TAIL) -> torch.Tensor:
-    """H_mid (L, H, Q) of dense attention restricted to M = [sink, N - tail) (Eq. 51-52)."""
+    """H_mid (L, H, Q) of dense attention restricted to M = [sink, N - tail) [RCA Eq. 51-52]."""
     n, group = window.n_prefill, backbone.n_heads // backbone.n_kv_heads
     if n - tail - sink < 2:
         raise ValueError(f"prefill {n} leaves no mid region after sink {sink} and tail {tail}")

@@ -1,5 +1,5 @@
 """Reference rows and outside baselines for the bench: the full context, chunk retrieval with BM25 or a
-dense embedder (the RAG recipe of seed 000 section 4.3, minus the reranker), and the peers run through their own
+dense embedder (the RAG recipe of S3 section 4.3, minus the reranker), and the peers run through their own
 libraries: LongLLMLingua (`llmlingua`) and KV-cache compression from NVIDIA's `kvpress`.
 
 Text methods follow the protocol of base.py (`compress(context, question, budget) -> Compressed`). The kvpress
@@ -21,7 +21,7 @@ from endo_retrieval.backbone import Backbone
 from endo_retrieval.methods.base import Compressed, Span
 from endo_retrieval.methods.base import join_spans
 
-CHUNK_TOKENS = 256  # the RAG baselines' chunk size (seed 000, section 4.3)
+CHUNK_TOKENS = 256  # the RAG baselines' chunk size (S3 section 4.3)
 PEERS_HINT = "pip install 'endo-retrieval[peers]'"
 _WORD = re.compile(r"\w+")
 
@@ -121,7 +121,7 @@ def words(text: str) -> list[str]:
 
 @dataclass
 class BM25Chunks(_ChunkRetriever):
-    """Okapi BM25 (rank-bm25) over 256-token chunks: the classic RAG baseline (seed 000, Table 1 'BM25')."""
+    """Okapi BM25 (rank-bm25) over 256-token chunks: the classic RAG baseline (S3 Table 1 'BM25')."""
 
     name: ClassVar[str] = "bm25"
 

@@ -140,7 +140,7 @@ def signals(backbone, prepared: Prepared, question: str, heads, ilre_layer: int 
     calibrated, queries = calibrated_attention(backbone, prepared, heads, question,
                                                layers=[ilre_layer] if ilre_layer is not None else [])
     out = {"bm25": prepared.bm25.sentence_scores(question), "heads": sentence_max(calibrated, starts).sum(0)}
-    if ilre_layer is not None:  # ILRe Eq. 4-5 at l_R: max over heads and query positions; a sentence takes its max
+    if ilre_layer is not None:  # [ILRe Eq. 4-5] at l_R: max over heads and query positions; a sentence takes its max
         mass = []
         for segment, q in zip(prepared.reading.segments, queries):
             q, keys = q[ilre_layer].float(), segment.keys[ilre_layer].to(q[ilre_layer].device).float()

@@ -174,7 +174,7 @@ def ask(backbone, reading: Reading, query_ids: np.ndarray, layers: Sequence[int]
 
 def head_attention(reading: Reading, queries: list[dict[int, torch.Tensor]], heads: Sequence[tuple[int, int]],
                    rows: slice = slice(None)) -> torch.Tensor:
-    """Per head (layer, h): softmax over a segment's keys of q K^T / sqrt(d) (ILRe Eq. 4's softmax_C), averaged
+    """Per head (layer, h): softmax over a segment's keys of q K^T / sqrt(d) ([ILRe Eq. 4]'s softmax_C), averaged
     over the query part's `rows`, segment after segment: (len(heads), L); each segment's part of a row is a
     distribution over that segment. GQA: query head h reads kv head h // (n_heads / n_kv)."""
     out = []

@@ -1,9 +1,9 @@
-"""ILRe: Intermediate Layer Retrieval (seed paper 001, sections 3.2-3.4, Algorithm 1).
+"""ILRe: Intermediate Layer Retrieval (ILRe sections 3.2-3.4, [ILRe Alg. 1]).
 
 A streaming chunked prefill runs the backbone only up to one intermediate layer l_R (later layers never run);
 lower layers keep S sink + W window tokens, l_R keeps the full-length key cache. The query part (question plus
 answer prefix) is prefilled after the context; its attention to the context at l_R, maxed over heads and query
-positions (Eq. 4-5), is pooled by 3 max x 16 average kernels that share the budget (Algorithm 1). The kept tokens
+positions [ILRe Eq. 4-5], is pooled by 3 max x 16 average kernels that share the budget [ILRe Alg. 1]. The kept tokens
 are gathered back to source text. l_R comes from the passkey calibration (`endo calibrate-ilre`, appendix A.1).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ class ILReError(ValueError):
     """Bad input or missing calibration for ILRe; the message says what to do."""
 
 
-# ---------------------------------------------------------------- Algorithm 1: context allocation
+# ---------------------------------------------------------------- [ILRe Alg. 1]: context allocation
 
 
 def _check_allocation_args(scores, budget: int, sink: int, max_kernels, avg_kernels) -> np.ndarray:
@@ -54,7 +54,7 @@ def combination_budgets(budget: int, sink: int, n_combinations: int) -> list[int
 
 
 def max_pool(a: np.ndarray, size: int) -> np.ndarray:
-    """MaxPooling with size = stride = m (Algorithm 1); the last window may be partial."""
+    """MaxPooling with size = stride = m [ILRe Alg. 1]; the last window may be partial."""
     padded = np.full(math.ceil(len(a) / size) * size, -np.inf)
     padded[: len(a)] = a
     return padded.reshape(-1, size).max(axis=1)
@@ -81,7 +81,7 @@ def _top_ranked(x: np.ndarray, k: int) -> np.ndarray:
 def allocate(scores: np.ndarray | torch.Tensor, budget: int, sink: int = 4,
              max_kernels: Sequence[int] = DEFAULT_MAX_KERNELS,
              avg_kernels: Sequence[int] = DEFAULT_AVG_KERNELS) -> np.ndarray:
-    """Algorithm 1: sorted unique token indices, exactly `budget` of them when len(scores) > budget.
+    """[ILRe Alg. 1]: sorted unique token indices, exactly `budget` of them when len(scores) > budget.
 
     `scores` is A^C over the whole context (L,); its first `sink` entries are ignored (A^C "without sink part").
     The sink is kept and counts towards `budget`, so the kept context never exceeds it (the paper adds B to S).
@@ -136,14 +136,14 @@ def allocate_reference(scores, budget: int, sink: int = 4, max_kernels=DEFAULT_M
     return np.array(sorted(chosen), dtype=np.int64)
 
 
-# ---------------------------------------------------------------- Eq. 4-5: query-to-context attention at l_R
+# ---------------------------------------------------------------- [ILRe Eq. 4-5]: query-to-context attention at l_R
 
 
 def attention_scores(keys: torch.Tensor, queries: torch.Tensor, key_positions: torch.Tensor,
                      query_positions: torch.Tensor, rope, block: int = 8192) -> np.ndarray:
-    """A^C = max over heads h and query positions q of softmax_C(q K^T / sqrt(d)) (Eq. 4-5), shape (L,).
+    """A^C = max over heads h and query positions q of softmax_C(q K^T / sqrt(d)) [ILRe Eq. 4-5], shape (L,).
 
-    keys (n_kv, L, d) and queries (n_heads, Lq, d) are pre-RoPE; `rope(x, positions)` rotates them (Eq. 1, 3).
+    keys (n_kv, L, d) and queries (n_heads, Lq, d) are pre-RoPE; `rope(x, positions)` rotates them [ILRe Eq. 1, 3].
     GQA: query head h reads kv head h // (n_heads / n_kv). The softmax runs over the whole context in blocks of
     `block` keys, two passes (logsumexp, then probabilities), so memory is n_heads x Lq x block, not x L.
     """
@@ -153,9 +153,9 @@ def attention_scores(keys: torch.Tensor, queries: torch.Tensor, key_positions: t
 
 @dataclass
 class ContextLogits:
-    """q K^T / sqrt(d) of Eq. 4 over some of the context's keys, a block at a time. Eq. 5's softmax runs over the
-    whole context: keys held in parts (one per GPU) each give `logsumexp()`, the parts' values are combined with
-    torch.logaddexp, and each part's `probabilities(lse)` is then exactly its slice of A^C."""
+    """q K^T / sqrt(d) of [ILRe Eq. 4] over some of the context's keys, a block at a time. [ILRe Eq. 5]'s softmax
+    runs over the whole context: keys held in parts (one per GPU) each give `logsumexp()`, the parts' values are
+    combined with torch.logaddexp, and each part's `probabilities(lse)` is then exactly its slice of A^C."""
 
     keys: torch.Tensor
     queries: torch.Tensor
@@ -191,7 +191,7 @@ class ContextLogits:
 
 
 def dca_key_positions(key_positions: torch.Tensor, chunk_starts: Sequence[int]) -> torch.Tensor:
-    """Eq. 7: re-RoPE the l_R keys of chunk i < N_C - 1 by D_i, the distance to chunk N_C - 1 (the one before the
+    """[ILRe Eq. 7]: re-RoPE the l_R keys of chunk i < N_C - 1 by D_i, the distance to chunk N_C - 1 (the one before the
     last, which may be short), so every key lies within two chunks of the query part."""
     if len(chunk_starts) < 3:
         return key_positions
@@ -231,7 +231,7 @@ def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Se
     Lower layers see sink + window tokens (the Lambda-shaped mask); each layer in `layers` keeps its full-length
     context keys and the query part's queries. The query part is its own chunk (split_at = len(context)).
     Passing several layers captures them all in one pass (the calibration does this). `positions`: the RoPE
-    layout of `Backbone.stream` ("frame", "absolute", or "dca" for Eq. 6).
+    layout of `Backbone.stream` ("frame", "absolute", or "dca" for [ILRe Eq. 6]).
     """
     length = len(context_ids)
     shape = (backbone.n_kv_heads, length, backbone.head_dim)
@@ -257,7 +257,7 @@ def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Se
 
 
 def context_scores(backbone, states: LayerStates, dca: bool = False) -> np.ndarray:
-    """A^C (Eq. 5) from one layer's states, optionally with the DCA key positions (Eq. 7; meant for states
+    """A^C [ILRe Eq. 5] from one layer's states, optionally with the DCA key positions ([ILRe Eq. 7]; meant for states
     prefilled with positions="dca", whose key positions are absolute)."""
     key_positions = dca_key_positions(states.key_positions, states.chunk_starts) if dca else states.key_positions
     return attention_scores(states.keys, states.queries, key_positions, states.query_positions, backbone.apply_rope)
@@ -278,8 +278,8 @@ def token_runs(indices: np.ndarray) -> list[tuple[int, int]]:
 
 @dataclass
 class ILRe:
-    """ILRe (seed paper 001): keep the context tokens that the query part attends to most at one
-    intermediate layer l_R, allocated by multi-kernel pooling (Algorithm 1).
+    """ILRe: keep the context tokens that the query part attends to most at one
+    intermediate layer l_R, allocated by multi-kernel pooling [ILRe Alg. 1].
 
     layer None takes the calibrated l_R from the shipped profile of the backbone's model.
     """
@@ -297,7 +297,7 @@ class ILRe:
     avg_kernels: tuple[int, ...] = DEFAULT_AVG_KERNELS
     # RoPE layout of the streaming prefill: "frame" keeps every distance inside the trained window by
     # construction (our default: 1.0 passkey recall to 128k, docs/ilre.md); "dca" is the paper's Dual Chunk
-    # Attention (Eq. 6 in the lower layers, Eq. 7 at l_R); "absolute" is the paper's ILRe without DCA.
+    # Attention ([ILRe Eq. 6] in the lower layers, [ILRe Eq. 7] at l_R); "absolute" is the paper's ILRe without DCA.
     positions: str = "frame"
 
     def __post_init__(self):
@@ -318,7 +318,7 @@ class ILRe:
             raise ILReError("query_tokens and chunk_size must be >= 1, window and sink >= 0.")
 
     def scores(self, context_ids: np.ndarray, query_ids: np.ndarray) -> np.ndarray:
-        """A^C at l_R (Eq. 5) of the context tokens for this query part: one early-exit streaming prefill."""
+        """A^C at l_R [ILRe Eq. 5] of the context tokens for this query part: one early-exit streaming prefill."""
         self._check_query(query_ids)
         states = prefill(self.backbone, context_ids, query_ids, [self.layer], sink=self.sink, window=self.window,
                          chunk_size=self.chunk_size, positions=self.positions)[self.layer]
@@ -331,7 +331,7 @@ class ILRe:
                 f"question alone, or a whole prompt to compress_prompt(), which keeps its last {self.query_tokens}.")
 
     def select(self, context_ids: np.ndarray, query_ids: np.ndarray, budget: int) -> np.ndarray:
-        """Sorted indices of the context tokens to keep (at most `budget`): prefill, Eq. 4-5, Algorithm 1."""
+        """Sorted indices of the context tokens to keep (at most `budget`): prefill, [ILRe Eq. 4-5], [ILRe Alg. 1]."""
         if budget <= 0:
             raise ILReError(f"budget must be a positive number of tokens, got {budget}.")
         if len(context_ids) <= budget:
@@ -368,7 +368,7 @@ class ILRe:
 
     def _fit(self, text: str, enc, scores: np.ndarray, budget: int, tail: np.ndarray = np.empty(0, np.int64)
              ) -> Compressed:
-        """Algorithm 1 at the budget; the newline between runs can cost tokens when the text is re-encoded, so the
+        """[ILRe Alg. 1] at the budget; the newline between runs can cost tokens when the text is re-encoded, so the
         allocation shrinks by the excess until the joined text fits."""
         target = budget - len(tail)
         while True:

@@ -1,4 +1,4 @@
-"""S3-Attention as compressors of one long context (seed 000, Algorithm 1): S3-Pure, BM25 alone, S3-Hybrid.
+"""S3-Attention as compressors of one long context [S3 Alg. 1]: S3-Pure, BM25 alone, S3-Hybrid.
 
 Each is one small class over the shared engine (engine.py): the context becomes a one-document index, and the
 method decides which signals share the token budget.
@@ -64,9 +64,9 @@ def _check_budget(budget: int) -> None:
 
 
 class S3(_EngineMethod):
-    """S3-Pure: IDF-weighted SAE feature co-activation (Eq. 7/9) -> density -> NMS peaks -> sentence spans.
+    """S3-Pure: IDF-weighted SAE feature co-activation [S3 Eq. 7/9] -> density -> NMS peaks -> sentence spans.
     Paper: "S3-Attention: Attention-Aligned Endogenous Retrieval for Memory-Bounded Long-Context Inference"
-    (Ma, Wang, Wang et al.; ../shared/seeds/000)."""
+    (Ma, Wang, Wang et al.; https://arxiv.org/abs/2601.17702)."""
 
     name = "s3"
 
@@ -79,7 +79,7 @@ class BM25(_EngineMethod):
 
 
 class S3Hybrid(_EngineMethod):
-    """S3-Hybrid (Eq. 8): M_S3 u M_BM25 u M_Bias under one shared budget. The S3 and BM25 peaks take turns by
+    """S3-Hybrid [S3 Eq. 8]: M_S3 u M_BM25 u M_Bias under one shared budget. The S3 and BM25 peaks take turns by
     rank (half each); the lead/tail bias keeps the first and last `lead_tail` tokens (at most budget/8)."""
 
     name = "s3-hybrid"
