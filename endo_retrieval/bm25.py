@@ -1,9 +1,10 @@
 """BM25: one tokenizer rule (`words`), rank-bm25's Okapi scores over term postings, and BM25 over a corpus's
 sentences and sentence windows (the lexical signal of S3-Hybrid [S3 Eq. 8] and of `endo`).
 
-`BM25Okapi.get_scores` walks every document once per query term in Python, which costs ~0.3 s per query over the
-sentences of 1M tokens. `OkapiPostings` keeps rank-bm25 as the source of the model (its idf with the epsilon floor,
-k1, b, document lengths) and only changes how the sum is taken: per query term, over the documents that hold it.
+`BM25Okapi.get_scores` walks every document once per query term in Python, which dominated a query over the
+sentences of more than 256k tokens (docs/papers.md). `OkapiPostings` keeps rank-bm25 as the source of the model (its
+idf with the epsilon floor, k1, b, document lengths) and only changes how the sum is taken: per query term, over the
+documents that hold it.
 """
 from __future__ import annotations
 

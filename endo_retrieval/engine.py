@@ -1,11 +1,11 @@
-"""The S3-Attention engine (seed 000, sections 3.4-3.6, Algorithm 1) over a corpus of documents.
+"""The S3-Attention engine (S3 sections 3.4-3.6, [S3 Alg. 1]) over a corpus of documents.
 
-Phase 1 (Eq. 4-5): documents stream through the backbone (early exit at the deepest target layer, independent
+Phase 1 [S3 Eq. 4-5]: documents stream through the backbone (early exit at the deepest target layer, independent
 chunks of 2048 as in Table 6); each chunk's pre-RoPE keys are encoded by the layer's SAE and appended to the
 `FeatureIndex` as postings; the chunk is then dropped, so accelerator memory is bounded by the chunk.
-Phase 2 (Eq. 6-7/9): the question's pre-RoPE queries go through the same SAEs; S[t] sums w_q * IDF over shared
+Phase 2 [S3 Eq. 6-7/9]: the question's pre-RoPE queries go through the same SAEs; S[t] sums w_q * IDF over shared
 features; a Conv1D density and NMS pick peaks, grown to sentences, per document (select.py).
-Phase 3 (Eq. 8): the S3 peaks, BM25 peaks over sentence windows and a lead/tail bias share one token budget.
+Phase 3 [S3 Eq. 8]: the S3 peaks, BM25 peaks over sentence windows and a lead/tail bias share one token budget.
 
 One engine serves both uses: `EndoIndex` for a persistent corpus (RAG retriever) and `compress()` for one long
 context and one question (the paper's setting), which indexes the context as a one-document corpus.
@@ -51,8 +51,9 @@ HANDOFF_TOKENS = SEGMENT_TOKENS  # features kept on the accelerator before one c
 # k 16; 64k: its sort's buffers, ~40 MiB, were most of the peak once the forward ran from CUDA graphs). Each hand-off
 # is one index segment, which queries read without a merge
 AHEAD_PIECES = 2 * PIECES_PER_BATCH  # pieces tokenised ahead of the stream: the next batch while one is streamed
-SCORE_ON_ACCELERATOR = 1 << 18  # indexed positions from which a CUDA backbone sums Eq. 9 on the accelerator: p50
-# 2.5 vs 3.4 ms at 256k, 5.3 vs 10.3 at 1M, 10.8 vs 40.3 at 4M; 1.4 vs 1.3 at 64k (H100, perf_h100_query_s8)
+# indexed positions from which a CUDA backbone sums [S3 Eq. 9] on the accelerator: below, the host's sum is as fast
+# (docs/perf/perf_h100_query_s8.json; docs/papers.md, queries)
+SCORE_ON_ACCELERATOR = 1 << 18
 
 
 @dataclass
@@ -91,7 +92,7 @@ class EndoIndex:
         self.corpus = CorpusMap()
         self._rw = ReadWriteLock()  # queries share the index, an add or remove has it alone
 
-    # ---- phase 1: streaming semantic indexing (Eq. 4-5) ------------------------------------------------------
+    # ---- phase 1: streaming semantic indexing [S3 Eq. 4-5] ------------------------------------------------------
     @locked("write")
     def add_documents(self, docs: Iterable[Document | str], progress: bool | None = None) -> list[str]:
         """Index documents one after another; returns their ids. A bad document raises before anything is added.
@@ -152,8 +153,8 @@ class EndoIndex:
         return [d.doc_id for d in docs]
 
     def _index_tokens(self, pieces: Iterable[Encoding], start: int) -> None:
-        """Stream the document's tokens as its pieces arrive, encode each chunk's keys (Eq. 4) and append postings
-        (Eq. 5), with no wait for the accelerator until the end (with the forward replayed from CUDA graphs,
+        """Stream the document's tokens as its pieces arrive, encode each chunk's keys [S3 Eq. 4] and append postings
+        [S3 Eq. 5], with no wait for the accelerator until the end (with the forward replayed from CUDA graphs,
         the host is idle while it runs). The chunks are those of one stream over the whole document. The
         features stay on the accelerator until HANDOFF_TOKENS of them wait, are sorted into postings there, and
         copied to the host without waiting; the host adds them one hand-off later, when they have arrived."""
@@ -222,9 +223,9 @@ class EndoIndex:
     def doc_ids(self) -> list[str]:
         return [d.doc_id for d in self.corpus.documents()]
 
-    # ---- phase 2: endogenous scores (Eq. 6-7/9) --------------------------------------------------------------
+    # ---- phase 2: endogenous scores [S3 Eq. 6-7/9] --------------------------------------------------------------
     def query_features(self, question: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Eq. 6: the question's pre-RoPE queries through the same SAEs -> {layer: (feature ids, weights)}."""
+        """[S3 Eq. 6]: the question's pre-RoPE queries through the same SAEs -> {layer: (feature ids, weights)}."""
         states = self.backbone.query_states(question, self.saes.layers, int8=self.int8_queries)
         out = {}
         for layer, q in states.items():
@@ -235,7 +236,7 @@ class EndoIndex:
 
     @locked("read")
     def s3_scores(self, question: str) -> np.ndarray:
-        """S[t] = sum_l sum_f w_{q,f} IDF(f) 1[t in I_l[f]] (Eq. 7/9), vectorised over postings."""
+        """S[t] = sum_l sum_f w_{q,f} IDF(f) 1[t in I_l[f]] [S3 Eq. 7/9], vectorised over postings."""
         if self.method not in S3_METHODS:
             raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings; "
                              "build it with method='s3' or 's3-hybrid' to search with S3.")
@@ -254,7 +255,7 @@ class EndoIndex:
             setattr(self, name, (key, build(self.corpus)))
         return getattr(self, name)[1]
 
-    # ---- phase 3: selection and fusion (Eq. 8) ---------------------------------------------------------------
+    # ---- phase 3: selection and fusion [S3 Eq. 8] ---------------------------------------------------------------
     def signal_scores(self, question: str, method: str | None = None) -> dict[str, np.ndarray]:
         """The per-position score arrays `method` fuses: {"s3": S[t], "bm25": ...}."""
         method = _check_method(method or self.method)
@@ -288,7 +289,7 @@ class EndoIndex:
                    for name, s in scores.items()}
         taken: list[tuple[str, int]] = []  # (signal, peak) in the order they were offered to the budget
         kept = np.zeros(self.corpus.n_positions, dtype=bool)
-        if method == "s3-hybrid" and lead_tail > 0:  # M_Bias of Eq. 8: the first and last tokens of each document
+        if method == "s3-hybrid" and lead_tail > 0:  # M_Bias of [S3 Eq. 8]: the first and last tokens of each document
             for doc in self.corpus.documents():
                 n = min(lead_tail, doc.n_tokens // 2)
                 kept[doc.start: doc.start + n] = kept[doc.end - n: doc.end] = True
@@ -493,7 +494,7 @@ def span_rrf(a: int, b: int, ranked: dict[str, np.ndarray]) -> tuple[float, tupl
 
 def _interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float, sentence_of: Callable[[int], int]
                 ) -> Iterator[int]:
-    """Yield the signals' peaks alternately by rank for one shared budget (the union of Eq. 8): S3 gets `s3_share`
+    """Yield the signals' peaks alternately by rank for one shared budget (the union of [S3 Eq. 8]): S3 gets `s3_share`
     of the turns. A turn must bring a sentence no signal offered yet: a peak inside an offered sentence is only
     recorded in `taken` (as (signal, peak), so the span credits both signals) and the same signal pulls again."""
     credit = {name: 0.0 for name in streams}

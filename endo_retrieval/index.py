@@ -1,4 +1,4 @@
-"""The inverted feature index of S3-Attention (seed 000, section 3.4, Eq. 4-5; scoring Eq. 7/9, IDF Eq. 10).
+"""The inverted feature index of S3-Attention (S3 section 3.4, [S3 Eq. 4-5]; scoring [S3 Eq. 7/9], IDF [S3 Eq. 10]).
 
 Per target layer, feature id -> sorted token positions, held as CSR arrays (`indptr`, `positions`) instead of the
 paper's Python dict/list postings. Each `add()` appends one such segment. While every segment starts after the ones
@@ -115,7 +115,7 @@ def _position_dtype(max_position: int) -> type:
 
 @dataclass
 class _Segment:
-    """Eq. 5's postings of a run of tokens, grouped by feature (CSR): one add(), or the merge of several."""
+    """[S3 Eq. 5]'s postings of a run of tokens, grouped by feature (CSR): one add(), or the merge of several."""
     tokens: np.ndarray  # int64, the positions indexed (in any order; the merge sorts what is not streamed)
     indptr: np.ndarray  # int64 (d_latent + 1,)
     positions: np.ndarray  # uint32 / int64 (_position_dtype), feature-major, ascending within each feature
@@ -141,7 +141,7 @@ class _LayerPostings:
 
 
 def sorted_postings(features: torch.Tensor, d_latent: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Eq. 5 for a block of tokens (T, k), without a synchronisation: (counts (d_latent,), rows, keep), where
+    """[S3 Eq. 5] for a block of tokens (T, k), without a synchronisation: (counts (d_latent,), rows, keep), where
     rows[keep] (int32) names the token row of every posting, grouped by feature and ascending within it; -1 slots
     and a feature repeated in a row are not kept. It runs where the features are, so an accelerator sorts while the
     host only appends; the host drops the unkept rows (their number is not known without waiting)."""
@@ -164,7 +164,7 @@ def feature_postings(features: torch.Tensor, d_latent: int) -> tuple[torch.Tenso
 
 
 def scatter_scores(total: torch.Tensor, positions: np.ndarray, run_mass: np.ndarray, runs: np.ndarray) -> None:
-    """Eq. 9's sum on the accelerator, the twin of `np.bincount(positions, np.repeat(run_mass, runs))`: add
+    """[S3 Eq. 9]'s sum on the accelerator, the twin of `np.bincount(positions, np.repeat(run_mass, runs))`: add
     run_mass[i] at each of the runs[i] next positions into `total` (float64, so the sum matches the host's). Only
     the positions (4 bytes each below 2**31) and one mass per run go over; nothing waits for the device."""
     device = total.device
@@ -176,7 +176,8 @@ def scatter_scores(total: torch.Tensor, positions: np.ndarray, run_mass: np.ndar
 
 
 class FeatureIndex:
-    """Per-layer inverted index: feature id -> sorted token positions (Eq. 5), scored by Eq. 7/9 with Eq. 10 IDF."""
+    """Per-layer inverted index: feature id -> sorted token positions [S3 Eq. 5], scored by [S3 Eq. 7/9] with
+    [S3 Eq. 10] IDF."""
 
     def __init__(self, layers: list[int], d_latent: int, stop_freq: int | float | None = PAPER_STOP_FREQ,
                  meta: dict | None = None):
@@ -195,7 +196,7 @@ class FeatureIndex:
     # building ---------------------------------------------------------------------------------------------------
 
     def add(self, layer: int, positions: np.ndarray, features: np.ndarray) -> None:
-        """Append the active features (T, k) of token positions (T,) at `layer` (Eq. 5); -1 marks an empty slot."""
+        """Append the active features (T, k) of token positions (T,) at `layer` [S3 Eq. 5]; -1 marks an empty slot."""
         self._layer(layer)
         positions = np.asarray(positions)
         features = np.asarray(features)
@@ -339,7 +340,7 @@ class FeatureIndex:
         return sum((np.diff(s.indptr) for s in self._segments(layer)), np.zeros(self.d_latent, np.int64))
 
     def idf(self, layer: int) -> np.ndarray:
-        """IDF(f) = 1 / (log(1 + freq(f)) + 1) (Eq. 10)."""
+        """IDF(f) = 1 / (log(1 + freq(f)) + 1) [S3 Eq. 10]."""
         return 1.0 / (np.log1p(self.freq(layer)) + 1.0)
 
     def n_tokens(self, layer: int) -> int:
@@ -373,7 +374,7 @@ class FeatureIndex:
 
     def score(self, query: dict[int, tuple[np.ndarray, np.ndarray]], n_positions: int | None = None,
               prune: float | None = None, device: str | torch.device | None = None) -> np.ndarray:
-        """S[t] = sum_l sum_f w_{q,f} * IDF(f) * 1[t in I_l[f]] (Eq. 7/9) over positions [0, n_positions).
+        """S[t] = sum_l sum_f w_{q,f} * IDF(f) * 1[t in I_l[f]] [S3 Eq. 7/9] over positions [0, n_positions).
 
         `query` maps layer -> (feature ids, weights), any matching shapes (e.g. (tokens, k)); -1 ids are ignored and
         repeated ids (several query tokens or heads) have their weights summed. Stop features are skipped.
@@ -400,7 +401,7 @@ class FeatureIndex:
             valid = ids >= 0
             w = np.bincount(ids[valid], weights=weights[valid], minlength=self.d_latent)  # sum repeated features
             freq = self.freq(layer)
-            mass = w * (1.0 / (np.log1p(freq) + 1.0))  # Eq. 10
+            mass = w * (1.0 / (np.log1p(freq) + 1.0))  # [S3 Eq. 10]
             feats = np.flatnonzero((mass != 0) & (freq > 0) & (freq <= self.stop_threshold(layer)))
             if prune is not None and len(feats):
                 feats = feats[np.argsort(-np.abs(mass[feats]), kind="stable")]

@@ -1,4 +1,4 @@
-"""Adaptive granularity (seed 000, section 3.5; Algorithm 1 lines 22-23): scores -> density -> peaks -> spans.
+"""Adaptive granularity (S3 section 3.5; [S3 Alg. 1] lines 22-23): scores -> density -> peaks -> spans.
 
 S' = Conv1D(S) with a box kernel (Table 6: 48, or 8 for QA); greedy non-maximum suppression picks density peaks
 (Table 6: N = 40 centres); each peak grows to its enclosing sentence and spans are taken in peak order until the

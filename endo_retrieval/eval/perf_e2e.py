@@ -4,8 +4,8 @@ Every method starts from the context string and the question and ends after gree
 KV cache; all share one prompt template (the quality bench's) and decode exactly `max_new_tokens` tokens
 (end-of-sequence ignored), so only what precedes decoding differs:
 * full      - the whole context prefilled in one forward;
-* ilre      - ILRe compresses the context to the budget (streamed prefill to l_R, Eq. 4-5, Algorithm 1);
-* s3-hybrid - the context indexed (Eq. 4-5), then per question Eq. 8 selection; one-shot = index + one question,
+* ilre      - ILRe compresses the context to the budget (streamed prefill to l_R, [ILRe Eq. 4-5], [ILRe Alg. 1]);
+* s3-hybrid - the context indexed [S3 Eq. 4-5], then per question [S3 Eq. 8] selection; one-shot = index + one question,
               amortised = (index + the questions' select and generate) / questions.
 An accelerator that runs out of memory gives a null row noted "out of memory"; longer lengths of that method are
 then skipped with the same note.

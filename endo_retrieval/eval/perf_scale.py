@@ -3,8 +3,8 @@
 * indexing: the same documents (the bench text, --scale-tokens of it, cut at paragraphs into --scale-docs
   documents) built into an index folder by `RayIndexer` with 1 worker, then with 2 (a GPU each, else a CPU slot);
   tokens/s from the committed manifest's token count over the wall time (segments sent back and written included);
-* ILRe: A^C of one context of --scale-tokens (Eq. 4-5 at l_R) with its chunks on 1 worker, then on 2
-  (`ilre_scores`), the two compared (largest difference, same Algorithm 1 allocation), and one worker's share of
+* ILRe: A^C of one context of --scale-tokens ([ILRe Eq. 4-5] at l_R) with its chunks on 1 worker, then on 2
+  (`ilre_scores`), the two compared (largest difference, same [ILRe Alg. 1] allocation), and one worker's share of
   its compute bound: FLOPs of the layers that run (frames recomputed included) over seconds x --peak-tflops.
 With --random-llama-8b the ILRe model is the Llama-3-8B shape with RANDOM weights (timing only), on CUDA.
 """
@@ -58,7 +58,7 @@ def layer_flops(config, tokens: int, keys: float) -> float:
 
 def ilre_flops(config, layer: int, length: int, query: int, chunk: int, sink: int, window: int) -> float:
     """What ILRe's streaming prefill runs: layers 0..l_R over every chunk behind its sink + window frame (the
-    frame recomputed with each chunk), and the query part; plus Eq. 4's logits twice (logsumexp, then A^C)."""
+    frame recomputed with each chunk), and the query part; plus [ILRe Eq. 4]'s logits twice (logsumexp, then A^C)."""
     total, heads = 0.0, config.num_attention_heads
     d = getattr(config, "head_dim", None) or config.hidden_size // heads
     starts = list(range(0, length, chunk)) + [length]

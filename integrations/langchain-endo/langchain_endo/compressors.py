@@ -1,7 +1,7 @@
 """The S3 paper's context compression as a LangChain document compressor (for `ContextualCompressionRetriever`).
 
 The documents any retriever returned are read as one context by the local LM and cut down to the endogenous
-evidence under one token budget (seed 000, Eq. 8; or ILRe, seed 001), keeping their order and metadata.
+evidence under one token budget ([S3 Eq. 8]; or ILRe), keeping their order and metadata.
 EndoReranker re-orders them by the model's query-focused retrieval heads (QRHead, calibrated as in In-Context
 Re-ranking) and keeps the best `top_n`.
 """

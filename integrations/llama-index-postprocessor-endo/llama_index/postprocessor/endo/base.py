@@ -2,7 +2,7 @@
 the retrieval heads as a reranker.
 
 Whatever retriever ran first (a vector store, BM25, ...), its nodes are read as one context by the local LM and
-cut down to the endogenous evidence under a token budget (seed 000, Eq. 8; or ILRe, seed 001). Nodes keep their
+cut down to the endogenous evidence under a token budget ([S3 Eq. 8]; or ILRe). Nodes keep their
 order and score; each kept node holds only its evidence and links back to the node it was cut from.
 EndoReranker re-orders the nodes by the model's query-focused retrieval heads (QRHead, calibrated as in In-Context
 Re-ranking) and keeps the best `top_n`.
