@@ -181,7 +181,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=int, default=1024, help="token budget (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--positions", choices=POSITIONS, default="frame",
-                        help="RoPE layout of the prefill: frame (default), dca (Eq. 6-7) or absolute (no DCA); "
+                        help="RoPE layout of the prefill: frame (default), dca [ILRe Eq. 6-7] or absolute (no DCA); "
                              "other than frame needs --out, so the shipped profile stays as calibrated")
     parser.add_argument("--out", default=None, help="profile JSON (default: where ILRe looks for the model's profile)")
     parser.add_argument("--plot", default=None, help="PNG of recall per layer (default: beside the profile)")

@@ -278,9 +278,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in OUT")
     parser.add_argument("--fit", choices=FITS, default="keys",
-                        help="vectors to train on: 'keys' (the paper, section 3.3) or 'keys+queries' (as many queries as "
-                             "keys, drawn at random: one codebook that also reconstructs the queries of Eq. 6; measured on dev30 it "
-                             "reconstructs queries well but S3 retrieval collapses, see the README)")
+                        help="vectors to train on: 'keys' (the paper, section 3.3) or 'keys+queries' (as many "
+                             "queries as keys, drawn at random: one codebook that also reconstructs the queries of "
+                             "[S3 Eq. 6]; measured on dev30 it reconstructs queries well but S3 retrieval collapses, "
+                             "see the README)")
     parser.add_argument("--stability-tokens", type=int, default=8192,
                         help="held-out tokens for the chunk-stability table (S3 Table 9); 0 to skip")
     return parser

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "topk (completion, phi off) and topk+phi (completion with --phi maps, fetch charged)")
     p.add_argument("--budgets", type=_fractions, default=[0.01, 0.02, 0.03, 0.05],
                    help="error sweep: token-equivalent budgets per step as fractions f of the context, n = ceil(fN) "
-                        "(Eq. 13; default 0.01,0.02,0.03,0.05)")
+                        "([RCA Eq. 13]; default 0.01,0.02,0.03,0.05)")
     p.add_argument("--accuracy-budget", type=float, default=None,
                    help="accuracy runs: budget fraction for topk, topk+phi and prhs (default: each backend's own)")
     p.add_argument("--phi", default="default",
@@ -510,7 +510,7 @@ def run(args) -> int:
     if "error" in measures:
         methods = [m for m in attention_error.METHODS if m in backends]
         result["config"].update(error_windows=args.error_windows, error_queries=args.error_queries,
-                                entropy_bins="terciles of (layer, head) by dense mid-normalised entropy (Eq. 52)")
+                                entropy_bins="terciles of (layer, head) by dense mid-normalised entropy [RCA Eq. 52]")
         result["rows"] += attention_error.error_rows(
             backbone, text(), args.context_tokens, args.budgets, methods, args.error_windows, args.error_queries,
             args.phi if "topk+phi" in methods else None, progress=True)

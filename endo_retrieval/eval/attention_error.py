@@ -315,8 +315,8 @@ def error_markdown(rows: list[dict]) -> str:
         return ""
     lengths = sorted({r["context_tokens"] for r in rows})
     fractions = sorted({r["budget_fraction"] for r in rows if r["budget_fraction"]})
-    lines = ["Mean relative l1 error of the attention output against dense (Eq. 53), all layers and heads; in "
-             "brackets the token-equivalent reads per step and head (Eq. 12-16, L_gen = 1). '-': the budget does "
+    lines = ["Mean relative l1 error of the attention output against dense [RCA Eq. 53], all layers and heads; in "
+             "brackets the token-equivalent reads per step and head ([RCA Eq. 12-16], L_gen = 1). '-': the budget does "
              "not cover the anchors (and the phi fetch).", ""]
     head = "| method | " + " | ".join(f"{length_label(N)} f={f:.0%}" for N in lengths for f in fractions) + " |"
     lines += [head, "|---|" + "---|" * (len(lengths) * len(fractions))]
@@ -331,8 +331,8 @@ def error_markdown(rows: list[dict]) -> str:
         lines += ["", "PrHS rho-hat (share of head-steps that retrieve) and keys scored per step and head (half a "
                   "token each): " + "; ".join(f"{length_label(r['context_tokens'])} f={r['budget_fraction']:.0%} "
                                               f"{r['rho_hat']:.2f} / {r['scoring_tokens']:.0f}" for r in prhs)]
-    lines += ["", "Error by dense mid-normalised entropy tercile of the heads (Eq. 52; low / mid / high), and the "
-              "completion gain e(topk) - e(topk+phi) (Eq. 54) per tercile:", "",
+    lines += ["", "Error by dense mid-normalised entropy tercile of the heads ([RCA Eq. 52]; low / mid / high), and "
+              "the completion gain e(topk) - e(topk+phi) [RCA Eq. 54] per tercile:", "",
               "| length | f | topk low/mid/high | topk+phi low/mid/high | prhs low/mid/high | gain low/mid/high |",
               "|---|---|---|---|---|---|"]
     for N in lengths:

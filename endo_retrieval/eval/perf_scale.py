@@ -132,8 +132,8 @@ def scale_rows(source, n: int, args, workers: int = 2) -> list[dict]:
     same = np.array_equal(ilre._allocate(result[1], args.budget), ilre._allocate(result[workers], args.budget))
     rows.append(row("scale", "ilre_max_abs_diff", "ilre", len(context),
                     float(np.abs(result[1] - result[workers]).max()), "abs", dev, model=label,
-                    same_allocation=bool(same), note=f"A^C on {workers} workers vs on 1; same_allocation: Algorithm 1 "
-                    f"at budget {args.budget} picks the same tokens"))
+                    same_allocation=bool(same), note=f"A^C on {workers} workers vs on 1; same_allocation: "
+                    f"[ILRe Alg. 1] at budget {args.budget} picks the same tokens"))
     for w in pool:
         ray.kill(w)
     flops = ilre_flops(config, ilre.layer, len(context), len(query), ilre.chunk_size, ilre.sink, ilre.window)
