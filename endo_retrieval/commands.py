@@ -35,7 +35,8 @@ def _read(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text (binary or another encoding); convert it or leave it out.") from None
+        raise ValueError(f"{path} is not UTF-8 text (binary or another encoding); convert it or leave it out."
+                         ) from None
 
 
 def model_argument(p) -> None:

@@ -29,7 +29,8 @@ ABBREVIATIONS = frozenset(
     "jan feb mar apr jun jul aug sep sept oct nov dec u.s u.k ph.d".split()
 )
 # . ! ? then whitespace; a newline; or the full-width 。！？ of scripts written without spaces (no space follows them)
-_SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*\s+|\n\s*|[\u3002\uff01\uff1f]+[\u300d\u300f\u201d\u2019\uff09]*\s*")
+_SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*\s+|\n\s*"
+                           r"|[\u3002\uff01\uff1f]+[\u300d\u300f\u201d\u2019\uff09]*\s*")
 
 
 def split_sentences(text: str, start: int = 0, end: int | None = None) -> np.ndarray:

@@ -4,8 +4,8 @@ An eager decode step of the default model is almost all Python and kernel launch
 in every method of `endo bench perf`'s end-to-end section; replayed, a step takes a fraction of that
 (docs/papers.md). The prompt is prefilled into a `StaticCache` of prompt + new tokens rounded up to SPLIT slots; one
 step (token, position and a 4-D mask of the filled slots, all in fixed buffers) is captured once per generation and
-replayed, so the graph never reads a host value. Without CUDA, or with `graph=False`, the same steps run eagerly: the twin the tests hold
-the graph against.
+replayed, so the graph never reads a host value. Without CUDA, or with `graph=False`, the same steps run eagerly: the
+twin the tests hold the graph against.
 
 The step's attention is not SDPA: with the mask a static cache needs, SDPA takes a kernel that does not split the
 keys, and a long context's step was many times slower (`docs/perf/perf_h200_e2e_graph_tried.json`).

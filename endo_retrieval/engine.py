@@ -319,7 +319,8 @@ class EndoIndex:
         return SEARCH_METHODS if self.method in S3_METHODS else tuple(m for m in SEARCH_METHODS if m not in S3_METHODS)
 
     def check_method(self, method: str | None) -> str:
-        """`method` (None: the index's own) when this index can search with it, else a ValueError naming those it can."""
+        """`method` (None: the index's own) when this index can search with it, else a ValueError naming those it
+        can."""
         method = _check_method(method or self.method)
         if method not in self.methods:
             raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings, so "

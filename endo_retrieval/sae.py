@@ -91,7 +91,8 @@ class TopKSAE(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The heads of T tokens (heads, T, d_in) -> (ids (T, k), acts (T, k)): `aggregate_heads(..., "max")` of
         the heads' `encode` in one pass, as the top-k of each latent's largest activation over the heads (the same
-        set: kernels/sae_topk.py). One fused kernel call instead of ~15 launches per layer and chunk, which the host could not issue as fast as an accelerator runs them."""
+        set: kernels/sae_topk.py). One fused kernel call instead of ~15 launches per layer and chunk, which the host
+        could not issue as fast as an accelerator runs them."""
         from endo_retrieval.kernels.sae_topk import sae_topk
 
         x = _check_input(x, self.d_in, check_finite).to(self.W_enc.device, self.W_enc.dtype)

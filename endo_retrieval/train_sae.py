@@ -359,7 +359,8 @@ def run(args: argparse.Namespace) -> dict:
     card = {"model": meta["model"], "model_hash": meta["model_hash"], "layers": layers, "d_in": d_in,
             "d_latent": cfg.d_latent, "k": cfg.k, "expansion": args.expansion, "aggregation": AGGREGATION,
             "shared_across_kv_heads": True, "fit": args.fit, "training_corpus": Path(meta["corpus"]).name,
-            "training_tokens": meta["tokens"], "training_vectors": {str(l): s.get("vectors") for l, s in train_stats.items()},
+            "training_tokens": meta["tokens"],
+            "training_vectors": {str(l): s.get("vectors") for l, s in train_stats.items()},
             "recipe": {**{k: v for k, v in asdict(cfg).items() if k not in ("device", "d_latent", "k")},
                        "aux_k": cfg.aux_k or d_in // 2},
             "dead_share_train": {str(l): s.get("dead_share_train") for l, s in train_stats.items()}}

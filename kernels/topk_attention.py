@@ -1,8 +1,8 @@
 """Fused position-agnostic top-k attention scores (ReAttention section 3.4, Figure 4), beside its torch twin.
 
 For every query head h and query t, the k keys of the middle cache with the largest q_t . K^T [ReAttention Eq. 2],
-without writing the (H, T, M) score matrix: a program takes BLOCK_M queries of one head, walks the keys BLOCK_N at a time,
-scores the tile in registers and folds it into a running top-k: a tile whose best score beats no row's current
+without writing the (H, T, M) score matrix: a program takes BLOCK_M queries of one head, walks the keys BLOCK_N at a
+time, scores the tile in registers and folds it into a running top-k: a tile whose best score beats no row's current
 k-th best is skipped after one reduction (most tiles, once the running top-k is good); otherwise its k largest
 scores are taken in turn and each replaces its row's weakest slot if larger. Grouped-query attention: head h
 reads key head h // group.

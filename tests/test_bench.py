@@ -210,7 +210,8 @@ def test_resume_computes_nothing_already_done(tmp_path, tiny, toy_methods, monke
 
 
 def test_unknown_method_lists_the_known_ones(capsys):
-    with pytest.raises(ValueError, match="known methods: full, s3, s3-hybrid, ilre, heads, endo, endo-context, endo-2stage, bm25, bm25-sent, dense"):
+    with pytest.raises(ValueError, match="known methods: full, s3, s3-hybrid, ilre, heads, endo, endo-context, "
+                                         "endo-2stage, bm25, bm25-sent, dense"):
         runner.parse_methods("s3,nope")
     from endo_retrieval.cli import main
 
@@ -445,10 +446,11 @@ def test_longllmlingua_compresses_with_the_local_model(tiny):
     pytest.importorskip("llmlingua")
     from endo_retrieval.methods.baselines import LongLLMLingua
 
+    mills = [f"Mill {i}: the river Velna turns the wheel of mill {i} every spring." for i in range(12)]
     # the first paragraph does not survive the tokenizer's default decode clean-up (" ," -> ","), which
     # llmlingua's get_prefix_length asserts against
     context = "\n\n".join(['Algiers (Arabic: \u0627\u0644\u062c\u0627\u0645\u0639 \u200e , "Jemaa Kebir") is old .']
-                           + [f"Mill {i}: the river Velna turns the wheel of mill {i} every spring." for i in range(12)])
+                           + mills)
     out = LongLLMLingua(tiny).compress(context, "Which river turns the wheels?", budget=40)
     assert 0 < out.n_tokens <= 40 and out.n_tokens == tiny.count_tokens(out.text)
 

@@ -191,8 +191,8 @@ def test_corrupt_index_is_refused_and_old_one_survives(tiny, tmp_path):
 
 
 def test_a_document_indexed_piece_by_piece_is_indexed_as_in_one_piece(tiny, monkeypatch):
-    """The stream pulls the text a batch of pieces at a time, so the accelerator starts early; the chunks, postings and corpus map must be
-    those of one pass over the whole document."""
+    """The stream pulls the text a batch of pieces at a time, so the accelerator starts early; the chunks, postings and
+    corpus map must be those of one pass over the whole document."""
     bb, bank = tiny
     text = (FILLER.replace(". ", ".\n") + NEEDLE) * 3
 

@@ -2,7 +2,8 @@
 
 Every import counts, also those inside functions (a lazy import still ties the two modules together). Module names
 come from pyproject.toml's package-dir (kernels/ is endo_retrieval.kernels) and, for each ecosystem distribution
-under integrations/, from its folder (integrations/langchain-endo/langchain_endo is langchain_endo). `from pkg import name` points at pkg.name when that is a module of ours, else at pkg.
+under integrations/, from its folder (integrations/langchain-endo/langchain_endo is langchain_endo). `from pkg import
+name` points at pkg.name when that is a module of ours, else at pkg.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ from endo_retrieval.kernels.sae_topk import sae_topk, sae_topk_reference, triton
 def weights(d_in, d_latent, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     W = torch.nn.functional.normalize(torch.randn(d_latent, d_in, generator=g), dim=1)
-    return W.to(device), (0.1 * torch.randn(d_latent, generator=g)).to(device), torch.randn(d_in, generator=g).to(device)
+    b_enc, b_dec = 0.1 * torch.randn(d_latent, generator=g), torch.randn(d_in, generator=g)
+    return W.to(device), b_enc.to(device), b_dec.to(device)
 
 
 def test_twin_matches_dense_topk_on_cpu():

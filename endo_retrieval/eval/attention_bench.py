@@ -211,7 +211,8 @@ def kernel_rows(key_counts: list[int], shapes: dict[str, tuple[int, int, int]], 
                     fn(q, k, top_k)
                     torch.cuda.synchronize()
                     times.append(time.perf_counter() - t)
-                result[impl] = (sorted(times)[len(times) // 2] * 1000, (torch.cuda.max_memory_allocated() - base) / 2**20)
+                result[impl] = (sorted(times)[len(times) // 2] * 1000,
+                                (torch.cuda.max_memory_allocated() - base) / 2**20)
             rows.append({"shape": shape_name, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "queries": queries,
                          "keys": m, "triton_ms": result["triton"][0], "torch_ms": result["torch"][0],
                          "triton_mem_mb": result["triton"][1], "torch_mem_mb": result["torch"][1],
@@ -376,8 +377,8 @@ def graph_operator_rows(backbone, q, k, v, scaling, runs, base: dict, batch: int
 
 def throughput_rows(backbone, text: str, runs: list[tuple[str, str, dict]], context: int = 4096,
                     new_tokens: int = 64) -> list[dict]:
-    """Decode tokens/s of `AttentionBackend.generate_ids` with each backend after a `context`-token prompt of real text (the time
-    from the first generated token to the last; prefill excluded). Batch 1, as the backends decode."""
+    """Decode tokens/s of `AttentionBackend.generate_ids` with each backend after a `context`-token prompt of real
+    text (the time from the first generated token to the last; prefill excluded). Batch 1, as the backends decode."""
     from endo_retrieval.attention import get_backend
 
     ids = torch.as_tensor(backbone.encode(text).ids[:context])
@@ -405,7 +406,8 @@ def markdown(result: dict) -> str:
                   "| task | attention | scope | " + " | ".join(length_label(n) for n in lengths) + " |",
                   "|---|---|---|" + "---|" * len(lengths)]
         for task, name, scope in dict.fromkeys((r["task"], r["variant"], r["budget"]) for r in rows):
-            acc = {r["context_tokens"]: r for r in rows if (r["task"], r["variant"], r["budget"]) == (task, name, scope)}
+            acc = {r["context_tokens"]: r for r in rows
+                   if (r["task"], r["variant"], r["budget"]) == (task, name, scope)}
             lines.append(f"| {task} | {name} | {scope or 'all'} | " + " | ".join(_accuracy_cell(acc.get(n))
                                                                              for n in lengths) + " |")
         lines += ["", "Mean seconds per example (prefill + answer): " + "; ".join(

@@ -120,7 +120,8 @@ class ChatEndo(BaseChatModel):
         call = self._tool_call(messages, tools, tool_choice)
         if call is not None:
             yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
-                {"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": 0} for c in call.tool_calls]))
+                {"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": 0}
+                for c in call.tool_calls]))
             return
         text = ""
         for piece in self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=True,

@@ -48,8 +48,8 @@ class EndoLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         bb = self._backbone
-        return LLMMetadata(context_window=bb.max_position or DEFAULT_CONTEXT_WINDOW, num_output=self.max_new_tokens, is_chat_model=True,
-                           model_name=bb.model_id)
+        return LLMMetadata(context_window=bb.max_position or DEFAULT_CONTEXT_WINDOW, num_output=self.max_new_tokens,
+                           is_chat_model=True, model_name=bb.model_id)
 
     def _messages(self, prompt_or_messages) -> list[dict]:
         msgs = [{"role": "user", "content": prompt_or_messages}] if isinstance(prompt_or_messages, str) \
