@@ -21,6 +21,8 @@ COMMANDS = {
     "calibrate-heads": ("endo_retrieval.heads_calibrate", "", "choose the retrieval heads and fit the fused ranking"),
     "calibrate-pipeline": ("endo_retrieval.pipeline_calibrate", "", "fit the endo pipeline's depth, reading and "
                            "fusion on labelled questions"),
+    "prepare": ("endo_retrieval.prepare", "", "make everything the default pipeline needs for a model, from your "
+                "documents, no labels"),
     "bench": ("endo_retrieval.eval.bench", "", "benchmarks: quality | perf | attention"),
     "mcp": ("endo_retrieval.mcp_server", "", "serve an index to agents over the Model Context Protocol (stdio)"),
 }
@@ -34,6 +36,7 @@ def info_add_arguments(p: argparse.ArgumentParser) -> None:
 
 def info_run(args) -> int:
     from endo_retrieval.backbone import SUPPORTED_FAMILIES, Backbone
+    from endo_retrieval.prepare import ready_methods
     from endo_retrieval.profiles import heads_profile, ilre_profile, sae_card
 
     bb = Backbone(args.model, device=args.device)
@@ -44,7 +47,7 @@ def info_run(args) -> int:
         heads = {k: heads[k] for k in ("heads", "fusion", "recall_by_count", "context_tokens", "budgets") if k in heads}
         heads["pipeline"] = pipeline
     data = {**bb.info(), "families": list(SUPPORTED_FAMILIES), "sae": sae_card(bb), "ilre": ilre_profile(bb),
-            "heads": heads}
+            "heads": heads, "ready": ready_methods(bb)}
     if args.json:
         print(json.dumps(data, indent=2))
     else:

@@ -76,15 +76,13 @@ class EndoIndex:
     def __init__(self, backbone: Backbone | None = None, method: str = DEFAULT_METHOD, saes=None,
                  chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None,
                  int8_queries: bool | None = None):
-        from endo_retrieval.sae import SAEBank
-
         self.backbone = Backbone.of(backbone)  # None: the default model; a folder or GGUF path: that model
         on_cpu = self.backbone.device.type == "cpu"
         if int8_queries and not on_cpu:
             raise ValueError("int8_queries runs on a CPU backbone only; on a GPU the bf16 question forward is faster")
         self.int8_queries = on_cpu if int8_queries is None else bool(int8_queries)
-        self.saes = saes or SAEBank.for_backbone(self.backbone)
         self.method = _check_method(method)
+        self.saes = saes or _model_saes(self.backbone, self.method)
         self.chunk_size = chunk_size
         self.prune = prune
         self.index = FeatureIndex(self.saes.layers, self.saes.card["d_latent"], stop_freq=stop_freq,
@@ -425,8 +423,8 @@ class EndoIndex:
                                     f"({backbone.model_hash[:12]}); load that model or rebuild the index.")
         self = cls(backbone, meta["method"], saes=saes, chunk_size=meta["chunk_size"], prune=meta.get("prune"),
                    int8_queries=int8_queries)
-        if self.saes.layers != meta["sae_layers"] or index.layers != meta["sae_layers"] or \
-                index.d_latent != self.saes.card["d_latent"]:
+        if self.method in S3_METHODS and (self.saes.layers != meta["sae_layers"] or index.layers != meta["sae_layers"]
+                                          or index.d_latent != self.saes.card["d_latent"]):
             raise IndexCorruptError(f"The index in {directory} holds SAE layers {index.layers} of {index.d_latent} "
                                     f"latents (header: {meta['sae_layers']}); the loaded SAEs have {self.saes.layers} "
                                     f"of {self.saes.card['d_latent']}; load those SAEs or rebuild the index.")
@@ -435,6 +433,20 @@ class EndoIndex:
                                     f"{corpus.n_positions} positions); delete the folder and rebuild the index.")
         self.index, self.corpus = index, corpus
         return self
+
+
+def _model_saes(backbone: Backbone, method: str):
+    """The model's SAEs; for a method that reads none (bm25, endo), a model without them gets a stand-in of one
+    untrained layer, so only an index for s3 or s3-hybrid needs `endo train-sae` first."""
+    from endo_retrieval.sae import SAEBank, SAEError, TopKSAE
+
+    try:
+        return SAEBank.for_backbone(backbone)
+    except SAEError:
+        if method in S3_METHODS:
+            raise
+        return SAEBank({0: TopKSAE(backbone.head_dim, 64, 1)}, {"d_latent": 64, "k": 1, "stand_in": True,
+                                                                "model_hash": backbone.model_hash})
 
 
 def _check_header(raw: bytes, path: Path) -> dict:

@@ -21,7 +21,7 @@ import numpy as np
 
 from endo_retrieval.methods.endo import SIGNALS, fit_weights, recall_in_budget, signals
 from endo_retrieval.methods.heads import HeadsError, Prepared, calibrated_scores, prepare_context
-from endo_retrieval.profiles import heads_profile_path
+from endo_retrieval.profiles import heads_profile_path, ilre_profile
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DEFAULT_DATA = SHARED / "hotpotqa" / "calib100.json"
@@ -153,11 +153,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> dict:
-    from tqdm import tqdm
-
     from endo_retrieval.backbone import Backbone
     from endo_retrieval.eval.data import PARAGRAPH_SEPARATOR, load_examples
-    from endo_retrieval.profiles import ilre_profile
 
     bb = Backbone.of(args.model, device=args.device)
     specs = args.data or [str(DEFAULT_DATA)]
@@ -165,7 +162,7 @@ def run(args) -> dict:
     if len(budgets) != len(args.context_tokens):
         raise HeadsError("give one --budgets value per --context-tokens value")
     start = time.perf_counter()
-    cells = []  # (budget, examples, items): pass 1 labels every head
+    cells = []  # (budget, examples) per haystack length
     for L, budget in zip(args.context_tokens, budgets):
         if args.distractors == "none":
             examples = [e for spec in specs for e in load_examples(
@@ -178,14 +175,81 @@ def run(args) -> dict:
                 raise HeadsError(f"{args.distractors}: too few paragraphs for distractors; give a folder of .txt "
                                  "files, or --distractors none")
             examples = list(hard_haystacks(own, pool, bb.count_tokens, L, args.seed))
-        items = [label(bb, e) for e in tqdm(examples, desc=f"heads, {L} tokens", disable=None)]
-        cells.append((budget, examples, items))
-    labelled = [it for _, _, items in cells for it in items]
-    ranked = rank_heads(labelled, args.top)
+        cells.append((budget, examples))
+    profile, fit_items = calibrate(bb, cells, top=args.top, n_heads=args.heads)
+    profile |= {"data": [Path(s).name for s in specs], "distractors": Path(args.distractors).name,
+                "context_tokens": args.context_tokens, "budgets": budgets, "seed": args.seed,
+                "wall_s": round(time.perf_counter() - start, 1)}
+    out = write_profile(profile, Path(args.out) if args.out else heads_profile_path(bb))
+    if getattr(args, "dump", None):  # every item's signals, for analysis beside the profile
+        np.savez_compressed(args.dump, **{f"{i}/{k}": v for i, (sig, gold, lengths, budget) in enumerate(fit_items)
+                                          for k, v in {**sig, "gold": gold, "lengths": lengths,
+                                                       "budget": np.array(budget)}.items()})
+    print(json.dumps({k: profile[k] for k in ("heads", "recall_by_count", "fusion", "n_items", "wall_s")}))
+    print(f"wrote {out}")
+    return profile
+
+
+def steps(iterable, desc: str, progress=None):
+    """`iterable` under a progress bar of its own, or counted on `progress` (one tqdm bar that several steps share,
+    so its estimate of the time left covers them all)."""
+    if progress is None:
+        from tqdm import tqdm
+
+        yield from tqdm(iterable, desc=desc, disable=None)
+        return
+    progress.set_description(desc)
+    for x in iterable:
+        yield x
+        progress.update(1)
+
+
+def cached_arrays(cache: Path | None, key: str, make) -> dict[str, np.ndarray]:
+    """A dict of arrays, read from `cache`/KEY.npz when an earlier run left it there, else made and written there
+    atomically (so an interrupted calibration resumes at the first item it had not finished)."""
+    import hashlib
+    import os
+
+    if cache is None:
+        return make()
+    path = Path(cache) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
+    if path.exists():
+        try:
+            with np.load(path) as z:
+                return {k: z[k] for k in z.files}
+        except (OSError, ValueError):  # a damaged file: made again
+            pass
+    out = make()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **out)
+    os.replace(tmp, path)
+    return out
+
+
+def calibrate(bb, cells, *, top: int = 10, n_heads: int | None = None, progress=None, cache: Path | None = None
+              ) -> tuple[dict, list]:
+    """The heads profile (without the fields that describe the data) and the fusion's fit items, from `cells` =
+    [(budget, examples)]: labelled examples (HotpotQA, passkeys, or the zero-label tasks of zero_label.py) whose
+    `supporting` sentences are the gold. Pass 1 scores every head on every example; the best heads are kept; pass
+    2 computes the fusion's signals with them and fits the weights. `cache`: a folder where each example's
+    result is kept, so a rerun skips the examples it has."""
+    cells_items = []  # pass 1 labels every head
+    for budget, examples in cells:
+        items = []
+        for e in steps(examples, f"heads, {len(cells_items) + 1}/{len(cells)}", progress):
+            a = cached_arrays(cache, f"label/{bb.model_hash}/{e.question}/{e.context}/{e.supporting}",
+                              lambda: vars(label(bb, e)) | {"question": np.array(e.question)})
+            items.append(Item(e.question, a["table"], a["gold"].astype(bool), a["lengths"]))
+        cells_items.append((budget, examples, items))
+    labelled = [it for _, _, items in cells_items for it in items]
+    if not any(it.gold.any() for it in labelled):
+        raise HeadsError("No calibration item has its evidence in its haystack: check the calibration data.")
+    ranked = rank_heads(labelled, top)
     order = np.argsort(-ranked, kind="stable")
-    counts = [args.heads] if args.heads else [4, 8, 12, 16]
+    counts = [n_heads] if n_heads else [4, 8, 12, 16]
     recall_by_count = {n: float(np.mean([recall_in_budget(it.table[order[:n]].sum(0), it.gold, it.lengths, b)
-                                         for b, _, items in cells for it in items if it.gold.any()]))
+                                         for b, _, items in cells_items for it in items if it.gold.any()]))
                        for n in counts}
     n_best = max(counts, key=lambda n: (recall_by_count[n], -n))
     chosen = [divmod(int(i), bb.n_heads) for i in order[:n_best]]
@@ -193,32 +257,32 @@ def run(args) -> dict:
     ilre_layer = int(ilre["layer"]) if ilre else None
     layers = sorted({l for l, _ in chosen} | ({ilre_layer} if ilre_layer is not None else set()))
     fit_items = []  # pass 2: the fusion's signals with the chosen heads
-    for budget, examples, items in cells:
-        for e, it in zip(tqdm(examples, desc="fusion signals", disable=None), items):
-            prepared = prepare_context(bb, e.context, layers)
-            fit_items.append((signals(bb, prepared, e.question, chosen, ilre_layer), it.gold, it.lengths, budget))
+    for budget, examples, items in cells_items:
+        for e, it in zip(steps(examples, "fusion signals", progress), items):
+            sig = cached_arrays(cache, f"signals/{bb.model_hash}/{e.question}/{e.context}/{chosen}/{ilre_layer}",
+                                lambda: signals(bb, prepare_context(bb, e.context, layers), e.question, chosen,
+                                                ilre_layer))
+            fit_items.append((sig, it.gold, it.lengths, budget))
     fit = fit_weights(fit_items, SIGNALS)
     profile = {
         "model": bb.model_id, "model_hash": bb.model_hash, "heads": [list(h) for h in chosen],
-        "head_scores": ranked.reshape(bb.n_layers, bb.n_heads).round(4).tolist(), "top": args.top,
+        "head_scores": ranked.reshape(bb.n_layers, bb.n_heads).round(4).tolist(), "top": top,
         "recall_by_count": {str(k): round(v, 4) for k, v in recall_by_count.items()},
-        "fusion": fit, "ilre_layer": ilre_layer, "data": [Path(s).name for s in specs],
-        "distractors": Path(args.distractors).name,
-        "context_tokens": args.context_tokens, "budgets": budgets, "n_items": len(labelled), "seed": args.seed,
-        "wall_s": round(time.perf_counter() - start, 1),
+        "fusion": fit, "ilre_layer": ilre_layer, "n_items": len(labelled),
     }
-    out = Path(args.out) if args.out else heads_profile_path(bb)
+    return profile, fit_items
+
+
+def write_profile(profile: dict, out: Path) -> Path:
+    """Write a heads profile atomically, with its head-score plot beside it."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(profile, indent=1))
     tmp.replace(out)
-    plot_head_scores(ranked.reshape(bb.n_layers, bb.n_heads), chosen, out.with_suffix(".png"))
-    if getattr(args, "dump", None):  # every item's signals, for analysis beside the profile
-        np.savez_compressed(args.dump, **{f"{i}/{k}": v for i, (sig, gold, lengths, budget) in enumerate(fit_items)
-                                          for k, v in {**sig, "gold": gold, "lengths": lengths,
-                                                       "budget": np.array(budget)}.items()})
-    print(json.dumps({k: profile[k] for k in ("heads", "recall_by_count", "fusion", "n_items", "wall_s")}))
-    return profile
+    scores = np.asarray(profile["head_scores"])
+    plot_head_scores(scores, [tuple(h) for h in profile["heads"]], out.with_suffix(".png"))
+    return out
 
 
 def plot_head_scores(scores: np.ndarray, chosen: list[tuple[int, int]], path: Path) -> None:

@@ -74,53 +74,77 @@ def fit(items, step: float = 0.1) -> tuple[dict, dict]:
 
 
 def run(args) -> dict:
-    from tqdm import tqdm
-
     from endo_retrieval.backbone import Backbone
-    from endo_retrieval.engine import Document, EndoIndex
     from endo_retrieval.eval.rerank import hotpotqa_corpus
-    from endo_retrieval.pipeline import EndoPipeline
     from endo_retrieval.profiles import heads_profile_path
 
     start = time.perf_counter()
     bb = Backbone.of(args.model, device=args.device)
     titles, paragraphs, questions = hotpotqa_corpus(args.data, args.limit)
+    out = Path(args.out) if args.out else heads_profile_path(bb)
+    profile = json.loads(out.read_text()) if out.exists() else {}
+    best, table, dump = fit_settings(bb, titles, paragraphs, questions, args.depths, args.read_tokens, args.orders,
+                                     heads=profile.get("heads"))
+    profile["pipeline"] = section(best, table, Path(args.data).name, len(questions), time.perf_counter() - start)
+    write_json(profile, out)
+    if args.dump:
+        np.savez_compressed(args.dump, **dump)
+    print(json.dumps({k: v for k, v in profile["pipeline"].items() if k != "fit"} | {"recall": best["recall"]}))
+    return profile
+
+
+def fit_settings(bb, titles: list[str], paragraphs: list[str], questions: list[dict], depths, read_tokens, orders,
+                 *, heads=None, progress=None, cache: Path | None = None) -> tuple[dict, list[dict], dict]:
+    """(best row, every row, the stage scores) over a corpus of `paragraphs` (one document per title) and
+    `questions` ({"question", "supporting_facts": [[title, i], ...]}: HotpotQA's, or zero_label.py's). `heads`: the
+    retrieval heads to read with (None: the model's profile); `progress`, `cache`: as heads_calibrate.calibrate."""
+    from endo_retrieval.engine import Document, EndoIndex
+    from endo_retrieval.heads_calibrate import cached_arrays, steps
+    from endo_retrieval.pipeline import EndoPipeline
+
     index = EndoIndex(bb, method="endo")
     index.add_documents([Document(t, p) for t, p in zip(titles, paragraphs)])
     corpus, passages = index.corpus, index.passages()
     doc_of = {int(p): corpus.span_text(int(p), int(p) + 1)[0] for p in passages.starts}
     table, dump = [], {}
-    for depth in sorted(args.depths):
-        for read_tokens in sorted(args.read_tokens):
-            for order in args.orders:
-                pipe = EndoPipeline(bb, depth=depth, read_tokens=read_tokens, best_last=ORDERS[order],
-                                    weights=dict.fromkeys(STAGES, 1.0))
+    for depth in sorted(depths):
+        for n_read in sorted(read_tokens):
+            for order in orders:
+                pipe = EndoPipeline(bb, depth=depth, read_tokens=n_read, best_last=ORDERS[order],
+                                    weights=dict.fromkeys(STAGES, 1.0), heads=heads)
                 items = []
-                for q_i, q in enumerate(tqdm(questions, desc=f"depth {depth}, {read_tokens} tokens, {order}",
-                                             disable=None)):
-                    top, signals, _ = pipe.stage_scores(corpus, passages, q["question"])
-                    docs = [doc_of[int(passages.starts[i])] for i in top]
+                for q_i, q in enumerate(steps(questions, f"depth {depth}, {n_read} tokens, {order}", progress)):
+                    key = f"stage/{bb.model_hash}/{pipe.heads}/{depth}/{n_read}/{order}/{len(titles)}/{q['question']}"
+                    got = cached_arrays(cache, key, lambda: _stage(pipe, corpus, passages, q["question"], doc_of))
+                    signals = {name: got[name] for name in STAGES if name in got}
+                    docs = [str(d) for d in got["docs"]]
                     items.append((signals, docs, {t for t, _ in q["supporting_facts"]}))
-                    key = f"{depth}/{read_tokens}/{order}/{q_i}"
+                    key = f"{depth}/{n_read}/{order}/{q_i}"
                     dump |= {f"{key}/{name}": s for name, s in signals.items()}
                     dump |= {f"{key}/docs": np.array(docs), f"{key}/gold": np.array(sorted(items[-1][2]))}
                 weights, recall = fit(items)
-                table.append({"depth": depth, "read_tokens": read_tokens, "order": order, "weights": weights,
+                table.append({"depth": depth, "read_tokens": n_read, "order": order, "weights": weights,
                               "recall": {f"@{k}": round(r, 4) for k, r in recall.items()},
                               "stage1": {f"@{k}": round(r, 4) for k, r in objective(items, {"bm25": 1.0}).items()}})
-                print(json.dumps(table[-1]))
+                if progress is None:
+                    print(json.dumps(table[-1]))
     best = max(table, key=lambda r: ((r["recall"]["@2"] + r["recall"]["@5"]) / 2, -r["depth"], -r["read_tokens"]))
-    out = Path(args.out) if args.out else heads_profile_path(bb)
-    profile = json.loads(out.read_text()) if out.exists() else {}
-    profile["pipeline"] = {"depth": best["depth"], "read_tokens": best["read_tokens"],
-                           "best_last": ORDERS[best["order"]], "weights": best["weights"],
-                           "fit": {"data": Path(args.data).name, "n_questions": len(questions),
-                                   "recall": best["recall"], "table": table,
-                                   "wall_s": round(time.perf_counter() - start, 1)}}
-    tmp = out.with_suffix(".tmp")
+    return best, table, dump
+
+
+def _stage(pipe, corpus, passages, question: str, doc_of: dict) -> dict[str, np.ndarray]:
+    top, signals, _ = pipe.stage_scores(corpus, passages, question)
+    return signals | {"docs": np.array([doc_of[int(passages.starts[i])] for i in top])}
+
+
+def section(best: dict, table: list[dict], data: str, n_questions: int, seconds: float) -> dict:
+    """The profile's `pipeline` section: the best setting, and the fit that chose it."""
+    return {"depth": best["depth"], "read_tokens": best["read_tokens"], "best_last": ORDERS[best["order"]],
+            "weights": best["weights"], "fit": {"data": data, "n_questions": n_questions, "recall": best["recall"],
+                                                "table": table, "wall_s": round(seconds, 1)}}
+
+
+def write_json(profile: dict, out: Path) -> None:
+    tmp = Path(out).with_suffix(".tmp")
     tmp.write_text(json.dumps(profile, indent=1))
     tmp.replace(out)
-    if args.dump:
-        np.savez_compressed(args.dump, **dump)
-    print(json.dumps({k: v for k, v in profile["pipeline"].items() if k != "fit"} | {"recall": best["recall"]}))
-    return profile

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
@@ -115,7 +116,19 @@ def ilre_profile(backbone) -> dict | None:
 
 
 def heads_profile_path(backbone) -> Path:
+    """$ENDO_HEADS_PROFILE when set (another profile to try, e.g. one `endo prepare --profile` made; it is used only
+    for the model whose hash it records), else the shipped profile made for this model, else the cache's."""
+    override = os.environ.get("ENDO_HEADS_PROFILE")
+    if override and _recorded_hash(Path(override)) in (None, backbone.model_hash):
+        return Path(override)
     return _shipped_or_user(backbone, "heads", "heads.json")
+
+
+def _recorded_hash(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("model_hash")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def heads_profile(backbone) -> dict | None:

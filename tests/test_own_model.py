@@ -86,8 +86,8 @@ def test_index_query_retrieve_and_compress(models, docs_dir, tmp_path, capsys, f
     path = str(models[family, kind])
     bb = Backbone.of(path)
     index = tmp_path / "index"
-    if not (sae_dir(bb) / "card.json").exists():  # a model without SAEs: the error names the command that makes them
-        assert main(["index", str(docs_dir), "--out", str(index), "--model", path]) == 2
+    if not (sae_dir(bb) / "card.json").exists():  # a model without SAEs: an index for S3 says what makes them
+        assert main(["index", str(docs_dir), "--out", str(index), "--model", path, "--method", "s3-hybrid"]) == 2
         assert f"`endo train-sae --model {bb.source}`" in capsys.readouterr().err
         give_random_saes(bb)
     assert sae_dir(bb).is_relative_to(cache_dir())  # a model's own artefacts live in the cache, not the package
