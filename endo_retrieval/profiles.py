@@ -1,4 +1,5 @@
-"""Shipped per-model artefacts (trained SAEs, the calibrated ILRe layer, the retrieval heads), found by the model's hash."""
+"""Shipped per-model artefacts (trained SAEs, the calibrated ILRe layer, the retrieval heads), found by the model's
+hash."""
 from __future__ import annotations
 
 import json
