@@ -24,6 +24,7 @@ demo: setup
 	$(BIN)/endo demo
 
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra
 	$(MAKE) dist-check
 

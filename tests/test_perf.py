@@ -117,8 +117,8 @@ def test_out_of_memory_is_recorded_and_the_run_goes_on(tiny, monkeypatch):
     def out_of_memory(*_args, **_kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(perf_e2e, "time_full", lambda backbone, context, question, new:
-                        out_of_memory() if len(context) > 1500 else perf_e2e.greedy(backbone, context, question, new)[0])
+    monkeypatch.setattr(perf_e2e, "time_full", lambda backbone, context, question, new: out_of_memory()
+                        if len(context) > 1500 else perf_e2e.greedy(backbone, context, question, new)[0])
     source = perf.TextSource.load(bb, str(root / "text"))
     args = argparse.Namespace(budget=64, max_new_tokens=2, ilre_layer=1, questions=2, chunk_size=64)
     rows = perf_e2e.e2e_rows(bb, bank, source, [384, 512], args, tqdm(disable=True))

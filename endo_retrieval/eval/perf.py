@@ -139,9 +139,9 @@ def build_index(backbone, saes, text: str, chunk_size: int):
 
 
 def index_rows(backbone, saes, source: TextSource, n: int, chunk_size: int, rounds: int = 5) -> list[dict]:
-    """Indexing beside the bare forward, `rounds` times alternating. The host's speed drifts between runs (session
-    6 saw the same 256k build take 1.99-2.63 s and the bare forward 1.3-2.5 s), so the overhead is the median of the
-    rounds' paired ratios, and throughputs are medians."""
+    """Indexing beside the bare forward, `rounds` times alternating. The host's speed drifts between runs (the same
+    256k build varied by a third from run to run), so the overhead is the median of the rounds' paired ratios, and
+    throughputs are medians."""
     device, dev = backbone.device, backbone.device.type
     text = source.take(n)
     ids = backbone.encode(text).ids
@@ -472,7 +472,8 @@ def plot(rows: list[dict], section: str, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for metric, label in dict.fromkeys((r["metric"], series_label(r)) for r in rows):
-        points = sorted((r["context_tokens"], r["value"]) for r in rows if (r["metric"], series_label(r)) == (metric, label))
+        points = sorted((r["context_tokens"], r["value"]) for r in rows
+                        if (r["metric"], series_label(r)) == (metric, label))
         ax.plot(*zip(*points), marker="o", label=f"{label}: {metric}" if len(metrics) > 1 else label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
