@@ -108,7 +108,8 @@ def rerank_passages(passages: Sequence[str], question: str, top_n: int, backbone
                     best_last: bool = RERANK_BEST_LAST) -> list[tuple[int, float]]:
     """(passage index, score) of the `top_n` passages with the highest retrieval-heads score
     (`endo_retrieval.methods.heads.rank_passages`), best first; ties keep the first stage's order. `passages`
-    come in the first stage's order, best first; `best_last` hands them to the model reversed."""
+    come in the first stage's order, best first; `best_last` hands them to the model reversed. Passages longer
+    together than the model's window are each read in part (`fit_to_window`), never dropped."""
     from endo_retrieval.backbone import Backbone
     from endo_retrieval.methods.heads import rank_passages
 
@@ -118,7 +119,50 @@ def rerank_passages(passages: Sequence[str], question: str, top_n: int, backbone
         raise ValueError("Reranking needs the question (the query string): the heads rank passages by its attention.")
     if not passages:
         return []
+    backbone = Backbone.of(backbone)
+    read = fit_to_window(backbone, passages, question)
     order = np.arange(len(passages))[::-1] if best_last else np.arange(len(passages))
     scores = np.empty(len(passages))
-    scores[order] = rank_passages(Backbone.of(backbone), [passages[i] for i in order], question)
+    scores[order] = rank_passages(backbone, [read[i] for i in order], question)
     return [(int(i), float(scores[i])) for i in np.argsort(-scores, kind="stable")[:top_n]]
+
+
+QUESTION_ROOM = 256  # tokens of the window kept for the question, its template and the passages' separators
+MIN_SHARE = 16  # fewer tokens per passage than this read as nothing: refuse instead
+
+
+def fit_to_window(backbone, passages: Sequence[str], question: str, window: int | None = None) -> list[str]:
+    """What the model reads of each passage: all of it when the passages fit in `window` tokens (default: the
+    model's trained window less QUESTION_ROOM) together; else each passage longer than an equal share keeps its
+    best part of that share (`pipeline.best_part`: its first sentence, then the sentences with the most question
+    words), the share being as large as the shorter passages, read whole, leave room for. No passage is dropped."""
+    from endo_retrieval.corpus import CorpusMap
+    from endo_retrieval.bm25 import words
+    from endo_retrieval.pipeline import best_part, part_text
+
+    window = window or (backbone.max_position or 8192) - QUESTION_ROOM
+    corpus = CorpusMap()
+    for i, text in enumerate(passages):
+        corpus.add_document(str(i), text, backbone.encode(text).offsets)
+    lengths = np.array([corpus.doc(str(i)).n_tokens for i in range(len(passages))])
+    if lengths.sum() <= window:
+        return list(passages)
+    share = water_level(lengths, window)
+    if share < MIN_SHARE:
+        raise ValueError(f"{len(passages)} passages do not fit in the model's window of {window} tokens even at "
+                         f"{MIN_SHARE} tokens each; hand the reranker fewer candidates (the first stage's top_k).")
+    q, sentences = set(words(question)), corpus.sentence_starts()
+    return [text if n <= share else part_text(corpus, best_part(corpus, sentences, corpus.doc(str(i)).start,
+                                                                  corpus.doc(str(i)).end, q, share))
+            for i, (text, n) in enumerate(zip(passages, lengths))]
+
+
+def water_level(lengths: np.ndarray, room: int) -> int:
+    """The largest share s with sum(min(length, s)) <= room: the short passages whole, the long ones s each."""
+    ordered = np.sort(lengths)
+    whole = np.concatenate(([0], np.cumsum(ordered)))  # tokens of the i shortest passages
+    for i, n in enumerate(ordered):
+        share = (room - whole[i]) // (len(ordered) - i)
+        if share < n:
+            return int(share)
+    return int(ordered[-1])

@@ -87,6 +87,11 @@ def best_part(corpus: CorpusMap, sentences: np.ndarray, a: int, b: int, question
     return sorted(keep)
 
 
+def part_text(corpus: CorpusMap, parts: list[tuple[int, int]]) -> str:
+    """The text of `best_part`'s pieces, joined by ' ... ' where something was left out between them."""
+    return " ... ".join(corpus.span_text(a, b)[3].strip() for a, b in parts)
+
+
 @dataclass
 class EndoPipeline:
     """The `endo` ranking of a corpus's passages for a question (see the module docstring). Settings left None come
@@ -137,12 +142,8 @@ class EndoPipeline:
     def read_texts(self, corpus: CorpusMap, passages: Passages, top: np.ndarray, question: str) -> list[str]:
         """What the model reads of each candidate (`best_part`), pieces of one passage joined by ' ... '."""
         q = set(words(question))
-        texts = []
-        for i in top:
-            parts = best_part(corpus, passages.sentences, int(passages.starts[i]), int(passages.ends[i]), q,
-                              self.read_tokens)
-            texts.append(" ... ".join(corpus.span_text(a, b)[3].strip() for a, b in parts))
-        return texts
+        return [part_text(corpus, best_part(corpus, passages.sentences, int(passages.starts[i]),
+                                            int(passages.ends[i]), q, self.read_tokens)) for i in top]
 
     def stage_scores(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None,
                      where=None) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
@@ -187,7 +188,7 @@ class EndoPipeline:
             doc_id, c0, _, _ = corpus.span_text(parts[0][0], parts[0][1])
             _, _, c1, _ = corpus.span_text(parts[-1][0], parts[-1][1])
             doc = corpus.doc(doc_id)
-            text = " ... ".join(corpus.span_text(s, e)[3] for s, e in parts) if len(parts) > 1 else doc.text[c0:c1]
+            text = part_text(corpus, parts) if len(parts) > 1 else doc.text[c0:c1]
             scores = {name: round(float(s[r]), 6) for name, s in signals.items()} | {"fused": float(fused[r])}
             spans.append(Span(parts[0][0], parts[-1][1], c0, c1, text, float(fused[r]),
                               tuple(s for s, w in self.weights.items() if w), doc_id, doc.metadata,

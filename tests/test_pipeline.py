@@ -11,7 +11,7 @@ import pytest
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.pipeline import Passages, best_part, passage_cuts
-from tests.conftest import shared_data
+from conftest import shared_data
 
 
 def corpus_of(docs: dict[str, str], tokens_per_char: int = 1) -> CorpusMap:

