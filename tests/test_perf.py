@@ -73,6 +73,16 @@ def test_json_contract_and_outputs(tiny):
     query = [r for r in rows if r["metric"] == "query_p50_ms"]
     assert [(r["context_tokens"], r["questions"]) for r in query] == [(512, 3), (1024, 3)]
     assert "tiled: 2 copies" in query[1]["note"] and query[0]["note"] == "indexed"
+    # s3-hybrid's query in stages, each with its share of the query's p50, and endo's first stage alone
+    stages = {(r["metric"], r["context_tokens"]): r for r in rows if r["metric"].startswith("stage_")}
+    assert set(stages) == {(f"stage_{s}_p50_ms", n) for s in ("forward", "s3_score", "bm25", "selection")
+                           for n in (512, 1024)}
+    for (metric, n), r in stages.items():
+        p50 = next(q["value"] for q in query if q["context_tokens"] == n)
+        assert r["method"] == "s3-hybrid" and r["value"] > 0 and r["share"] == pytest.approx(r["value"] / p50)
+    first = {(r["metric"], r["context_tokens"]) for r in rows if r["method"] == "endo"}
+    assert first == {(m, n) for m in ("first_stage_p50_ms", "first_stage_p95_ms", "first_stage_first_ms")
+                     for n in (512, 1024)}
     e2e = {(r["method"], r["questions"]) for r in rows if r["metric"] == "e2e_ms"}
     assert e2e == {("full", 1), ("ilre", 1), ("s3-hybrid", 1), ("s3-hybrid", 2)}
     assert all(r["value"] > 0 for r in rows if r["metric"] in ("e2e_ms", "ttft_ms"))

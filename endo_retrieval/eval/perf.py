@@ -4,8 +4,9 @@ Sections (`--sections`, each measured in one run on the same text):
 * index  - tokens/s of real indexing (EndoIndex.add_documents: tokenise, early-exit stream, SAE encode, postings,
            ready for queries) beside the bare early-exit forward to the deepest SAE layer, same chunks; saved bytes.
 * memory - peak accelerator memory and host RSS versus streamed length (S3 section 3.4: memory O(1) in length).
-* query  - EndoIndex.select latency (question forward, Eq. 9 scores, BM25, spans) and Eq. 9 scoring alone versus
-           corpus size; larger corpora are copies of one indexed text (`tile_index`).
+* query  - EndoIndex.select latency (question forward, Eq. 9 scores, BM25, spans) and each of those stages alone
+           (`stage_*` rows, with their share of the query), and the `endo` pipeline's first stage (BM25 over
+           passages) alone, versus corpus size; larger corpora are copies of one indexed text (`tile_index`).
 * e2e    - index or compress, then generate, per question: full / ilre / s3-hybrid (perf_e2e.py).
 * ttft   - time to first token and peak memory, full versus ILRe, optionally on an 8B-shaped random model.
 * scale  - 1 Ray worker against 2 in one run: indexing tokens/s, ILRe over several GPUs (perf_scale.py).
@@ -269,7 +270,12 @@ def percentiles(seconds: list[float]) -> tuple[float, float]:
 
 def query_section(backbone, saes, source: TextSource, sizes: list[int], base_tokens: int, n_questions: int,
                   budget: int, chunk_size: int, bar) -> list[dict]:
+    from endo_retrieval.engine import SCORE_ON_ACCELERATOR
+    from endo_retrieval.pipeline import EndoPipeline
+
     device, dev = backbone.device, backbone.device.type
+    # the first stage reads no heads: a stand-in lets a model without a heads profile be timed too
+    first_stage = EndoPipeline(backbone, heads=[(0, 0)])
     base_text = source.take(base_tokens)
     base = build_index(backbone, saes, base_text, chunk_size)
     questions = questions_from(base_text, n_questions)
@@ -284,21 +290,34 @@ def query_section(backbone, saes, source: TextSource, sizes: list[int], base_tok
         t = clock(device)
         index.select(questions[0], budget)  # builds BM25 over the sentences once; later queries reuse it
         first = clock(device) - t
-        forward, scoring, scoring_accel, select = [], [], [], []
+        t = clock(device)
+        passages = index.passages()  # built once per corpus state, as the first endo query builds it
+        first_stage.candidates(index.corpus, passages, questions[0])
+        endo_first = clock(device) - t
+        forward, scoring, scoring_accel, select, bm25, selection, endo = [], [], [], [], [], [], []
         for q in questions:
             t = clock(device)
             features = index.query_features(q)
             forward.append(clock(device) - t)
             t = clock(device)
-            index.index.score(features, n_positions=n, prune=index.prune)  # Eq. 9 alone, summed on the host
+            s3 = index.index.score(features, n_positions=n, prune=index.prune)  # Eq. 9 alone, summed on the host
             scoring.append(clock(device) - t)
             if dev == "cuda":  # the same, summed on the accelerator (what select uses from SCORE_ON_ACCELERATOR)
                 t = clock(device)
                 index.index.score(features, n_positions=n, prune=index.prune, device=device)
                 scoring_accel.append(clock(device) - t)
             t = clock(device)
+            lexical = index.bm25_scores(q)
+            bm25.append(clock(device) - t)
+            t = clock(device)
+            index.select(q, budget, scores={"s3": s3, "bm25": lexical})  # density, peaks, spans
+            selection.append(clock(device) - t)
+            t = clock(device)
             index.select(q, budget)
             select.append(clock(device) - t)
+            t = clock(device)
+            first_stage.candidates(index.corpus, passages, q)
+            endo.append(clock(device) - t)
             bar.update()
         for metric, method, times in (("query", "s3-hybrid", select), ("score", "s3", scoring),
                                       ("score", "s3-accelerator", scoring_accel), ("question_forward", "s3", forward)):
@@ -309,6 +328,24 @@ def query_section(backbone, saes, source: TextSource, sizes: list[int], base_tok
                      row("query", f"{metric}_p95_ms", method, size, p95, "ms", dev, **extra)]
         rows.append(row("query", "query_first_ms", "s3-hybrid", size, first * 1000, "ms", dev,
                         **{**extra, "questions": 1, "note": extra["note"] + "; includes building BM25"}))
+        # each stage of one s3-hybrid query alone, beside its share of the query's p50: together they make the query
+        query_p50 = percentiles(select)[0]
+        on_accel = dev == "cuda" and n >= SCORE_ON_ACCELERATOR
+        note = extra["note"] + "; stage_*: s3-hybrid's query in parts (forward: the question's forward and SAEs, " \
+            "Eq. 6; s3_score: Eq. 9; bm25: BM25 over sentences; selection: density, peaks and spans from those " \
+            "scores); share: the stage's p50 over query_p50_ms"
+        for stage, times in (("forward", forward), ("s3_score", scoring_accel if on_accel else scoring),
+                             ("bm25", bm25), ("selection", selection)):
+            p50 = percentiles(times)[0]
+            rows.append(row("query", f"stage_{stage}_p50_ms", "s3-hybrid", size, p50, "ms", dev,
+                            **{**extra, "note": note}, share=p50 / query_p50))
+        p50, p95 = percentiles(endo)
+        note = extra["note"] + "; endo's first stage alone: BM25 over passages, the best depth kept (not the " \
+            "model's read)"
+        rows += [row("query", "first_stage_p50_ms", "endo", size, p50, "ms", dev, **{**extra, "note": note}),
+                 row("query", "first_stage_p95_ms", "endo", size, p95, "ms", dev, **{**extra, "note": note}),
+                 row("query", "first_stage_first_ms", "endo", size, endo_first * 1000, "ms", dev,
+                     **{**extra, "questions": 1, "note": note + "; includes building the passages and their BM25"})]
         del index
     return rows
 
@@ -452,7 +489,7 @@ def markdown(result: dict) -> str:
 
 
 PLOTS = {"memory": (("peak_accel_mb", "peak_rss_mb"), "peak memory (MiB)"),
-         "query": (("query_p50_ms", "query_p95_ms", "score_p50_ms"), "latency (ms)"),
+         "query": (("query_p50_ms", "query_p95_ms", "score_p50_ms", "first_stage_p50_ms"), "latency (ms)"),
          "e2e": (("e2e_ms",), "end to end per question (ms)"),
          "ttft": (("ttft_ms",), "time to first token (ms)")}
 
