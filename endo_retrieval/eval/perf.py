@@ -332,8 +332,8 @@ def query_section(backbone, saes, source: TextSource, sizes: list[int], base_tok
         query_p50 = percentiles(select)[0]
         on_accel = dev == "cuda" and n >= SCORE_ON_ACCELERATOR
         note = extra["note"] + "; stage_*: s3-hybrid's query in parts (forward: the question's forward and SAEs, " \
-            "Eq. 6; s3_score: Eq. 9; bm25: BM25 over sentences; selection: density, peaks and spans from those " \
-            "scores); share: the stage's p50 over query_p50_ms"
+            "[S3 Eq. 6]; s3_score: [S3 Eq. 9]; bm25: BM25 over sentences; selection: density, peaks and spans " \
+            "from those scores); share: the stage's p50 over query_p50_ms"
         for stage, times in (("forward", forward), ("s3_score", scoring_accel if on_accel else scoring),
                              ("bm25", bm25), ("selection", selection)):
             p50 = percentiles(times)[0]
