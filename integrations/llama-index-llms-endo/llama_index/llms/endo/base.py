@@ -58,16 +58,17 @@ class EndoLLM(CustomLLM):
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
 
+    def _generate(self, prompt_or_messages, stream: bool = False):
+        return self._backbone.generate(self._messages(prompt_or_messages), max_new_tokens=self.max_new_tokens,
+                                       stream=stream, attention=get_backend(self.attention))
+
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        text = self._backbone.generate(self._messages(prompt), max_new_tokens=self.max_new_tokens,
-                                           attention=get_backend(self.attention))
-        return CompletionResponse(text=text)
+        return CompletionResponse(text=self._generate(prompt))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        pieces = self._backbone.generate(self._messages(prompt), max_new_tokens=self.max_new_tokens, stream=True,
-                                             attention=get_backend(self.attention))
+        pieces = self._generate(prompt, stream=True)
 
         def gen() -> CompletionResponseGen:
             text = ""
@@ -79,14 +80,11 @@ class EndoLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        text = self._backbone.generate(self._messages(messages), max_new_tokens=self.max_new_tokens,
-                                           attention=get_backend(self.attention))
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text))
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=self._generate(messages)))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        pieces = self._backbone.generate(self._messages(messages), max_new_tokens=self.max_new_tokens, stream=True,
-                                             attention=get_backend(self.attention))
+        pieces = self._generate(messages, stream=True)
 
         def gen() -> ChatResponseGen:
             text = ""

@@ -20,6 +20,15 @@ from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages, rer
 from endo_retrieval.methods import DEFAULT_METHOD
 
 
+def texts_and_query(postprocessor: BaseNodePostprocessor, nodes: list[NodeWithScore],
+                    query_bundle: QueryBundle | None) -> tuple[str, list[str]]:
+    """The query string and the nodes' texts (without metadata: the model reads what the nodes say)."""
+    if query_bundle is None:
+        raise ValueError(f"{postprocessor.class_name()} needs the query: call postprocess_nodes(nodes, query_str=...) "
+                         "or use it inside a query engine.")
+    return query_bundle.query_str, [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in nodes]
+
+
 class EndoCompressor(BaseNodePostprocessor):
     """Keep only the evidence of the retrieved nodes, at most `budget` backbone tokens in all."""
 
@@ -40,11 +49,8 @@ class EndoCompressor(BaseNodePostprocessor):
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
                            ) -> list[NodeWithScore]:
-        if query_bundle is None:
-            raise ValueError("EndoCompressor needs the query: call postprocess_nodes(nodes, query_str=...) or use it "
-                             "inside a query engine.")
-        passages = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in nodes]
-        kept = compress_passages(passages, query_bundle.query_str, self.budget, self.method, self._backbone)
+        question, passages = texts_and_query(self, nodes, query_bundle)
+        kept = compress_passages(passages, question, self.budget, self.method, self._backbone)
         return [self._evidence(nodes[k.passage], k.text, k.char_spans) for k in kept]
 
     def _evidence(self, retrieved: NodeWithScore, text: str, char_spans) -> NodeWithScore:
@@ -84,11 +90,8 @@ class EndoReranker(BaseNodePostprocessor):
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
                            ) -> list[NodeWithScore]:
-        if query_bundle is None:
-            raise ValueError("EndoReranker needs the query: call postprocess_nodes(nodes, query_str=...) or use it "
-                             "inside a query engine.")
-        passages = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in nodes]
-        ranked = rerank_passages(passages, query_bundle.query_str, self.top_n, self._backbone)
+        question, passages = texts_and_query(self, nodes, query_bundle)
+        ranked = rerank_passages(passages, question, self.top_n, self._backbone)
         return [NodeWithScore(node=nodes[i].node, score=score) for i, score in ranked]
 
 
