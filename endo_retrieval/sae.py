@@ -141,15 +141,13 @@ class TopKSAE(nn.Module):
         atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"k": str(self.k)}))
         # safetensors has no checksum: the card's lets a load refuse a flipped bit in the weights
         self.card["weights_sha256"] = hashlib.sha256((directory / WEIGHTS_FILE).read_bytes()).hexdigest()
-        atomic_write(directory / CARD_FILE, lambda p: p.write_text(json.dumps(self.card, indent=1)))
-        return directory
+        return _write_card(directory, self.card)
 
     @classmethod
     def load(cls, directory: str | os.PathLike, expect_model_hash: str | None = None,
              device: str | torch.device = "cpu") -> "TopKSAE":
         directory = Path(directory)
-        card = _read_card(directory / CARD_FILE)
-        _check_model(card, expect_model_hash, directory)
+        card = _open_card(directory, expect_model_hash)
         tensors = _read_weights(directory / WEIGHTS_FILE, card.get("weights_sha256"))
         shapes = {"W_enc": (card["d_latent"], card["d_in"]), "W_dec": (card["d_latent"], card["d_in"]),
                   "b_enc": (card["d_latent"],), "b_dec": (card["d_in"],)}
@@ -161,6 +159,18 @@ class TopKSAE(nn.Module):
         sae.load_state_dict({n: t.float() for n, t in tensors.items()})
         sae.card = card
         return sae.to(device).eval()
+
+
+def _write_card(directory: Path, card: dict) -> Path:
+    atomic_write(directory / CARD_FILE, lambda p: p.write_text(json.dumps(card, indent=1)))
+    return directory
+
+
+def _open_card(directory: Path, expect_model_hash: str | None) -> dict:
+    """The folder's card, checked (and checked to belong to the expected model)."""
+    card = _read_card(directory / CARD_FILE)
+    _check_model(card, expect_model_hash, directory)
+    return card
 
 
 def _read_card(path: Path) -> dict:
@@ -266,15 +276,13 @@ class SAEBank:
         first = self.saes[self.layers[0]]
         self.card.update(layers=self.layers, d_in=first.d_in, d_latent=first.d_latent, k=first.k)
         directory.mkdir(parents=True, exist_ok=True)
-        atomic_write(directory / CARD_FILE, lambda p: p.write_text(json.dumps(self.card, indent=1)))
-        return directory
+        return _write_card(directory, self.card)
 
     @classmethod
     def load(cls, directory: str | os.PathLike, expect_model_hash: str | None = None,
              device: str | torch.device = "cpu") -> "SAEBank":
         directory = Path(directory)
-        card = _read_card(directory / CARD_FILE)
-        _check_model(card, expect_model_hash, directory)
+        card = _open_card(directory, expect_model_hash)
         saes = {int(l): TopKSAE.load(directory / f"layer_{int(l):02d}", expect_model_hash, device)
                 for l in card.get("layers", [])}
         if not saes:
