@@ -4,7 +4,7 @@ Sections (`--sections`, each measured in one run on the same text):
 * index  - tokens/s of real indexing (EndoIndex.add_documents: tokenise, early-exit stream, SAE encode, postings,
            ready for queries) beside the bare early-exit forward to the deepest SAE layer, same chunks; saved bytes.
 * memory - peak accelerator memory and host RSS versus streamed length (S3 section 3.4: memory O(1) in length).
-* query  - EndoIndex.select latency (question forward, Eq. 9 scores, BM25, spans) and each of those stages alone
+* query  - EndoIndex.select latency (question forward, [S3 Eq. 9] scores, BM25, spans) and each of those stages alone
            (`stage_*` rows, with their share of the query), and the `endo` pipeline's first stage (BM25 over
            passages) alone, versus corpus size; larger corpora are copies of one indexed text (`tile_index`).
 * e2e    - index or compress, then generate, per question: full / ilre / s3-hybrid (perf_e2e.py).
@@ -300,7 +300,7 @@ def query_section(backbone, saes, source: TextSource, sizes: list[int], base_tok
             features = index.query_features(q)
             forward.append(clock(device) - t)
             t = clock(device)
-            s3 = index.index.score(features, n_positions=n, prune=index.prune)  # Eq. 9 alone, summed on the host
+            s3 = index.index.score(features, n_positions=n, prune=index.prune)  # [S3 Eq. 9] alone, summed on the host
             scoring.append(clock(device) - t)
             if dev == "cuda":  # the same, summed on the accelerator (what select uses from SCORE_ON_ACCELERATOR)
                 t = clock(device)
