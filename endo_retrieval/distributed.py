@@ -35,7 +35,7 @@ from endo_retrieval import segments
 from endo_retrieval.engine import CHUNK, Document, EndoIndex, _check_method, _interleave, span_rrf
 from endo_retrieval.files import writer_lock
 from endo_retrieval.index import FeatureIndex
-from endo_retrieval.methods.base import Span
+from endo_retrieval.methods.base import Span, check_budget
 from endo_retrieval.select import QA_KERNEL, _enclosing, density, ranked_peaks, runs
 
 SIGNALS = {"s3": ["s3"], "bm25": ["bm25"], "s3-hybrid": ["s3", "bm25"]}  # in EndoIndex.signal_scores's order
@@ -351,8 +351,7 @@ class ShardedIndex:
         from endo_retrieval.backbone import as_text
 
         ray = _ray()
-        if budget <= 0:
-            raise ValueError(f"budget must be a positive number of tokens, got {budget}.")
+        check_budget(budget)
         method, question, qid = _check_method(method or self.method), as_text(question), uuid.uuid4().hex
         signals = SIGNALS[method]
         features = self.encoder.query_features(question) if "s3" in signals else None

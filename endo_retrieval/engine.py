@@ -34,6 +34,7 @@ from endo_retrieval.files import atomic_write, read_folder, replacing_folder, wr
 from endo_retrieval.index import INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError, IndexVersionError, \
     sorted_postings
 from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
+from endo_retrieval.methods.base import check_budget
 from endo_retrieval.methods.base import Span
 from endo_retrieval.rwlock import ReadWriteLock, locked
 from endo_retrieval.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
@@ -273,8 +274,7 @@ class EndoIndex:
         (density and peaks never cross a document bound). `scores`: precomputed `signal_scores()`."""
         if not len(self.corpus):
             raise ValueError("The index is empty; add documents first.")
-        if budget <= 0:
-            raise ValueError(f"budget must be a positive number of tokens, got {budget}.")
+        check_budget(budget)
         method = self.check_method(method)
         if method == "endo":
             raise ValueError("select() fills a budget with sentences by s3-hybrid, s3 or bm25; the endo pipeline "
@@ -341,8 +341,8 @@ class EndoIndex:
         if method == "endo":
             if not len(self.corpus):
                 raise ValueError("The index is empty; add documents first.")
-            if budget is not None and budget <= 0:
-                raise ValueError(f"budget must be a positive number of tokens, got {budget}.")
+            if budget is not None:
+                check_budget(budget)
             return self.pipeline().search(self.corpus, self.passages(), _unicode(as_text(question)), k, budget,
                                           where=where)
         spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from endo_retrieval.methods.base import check_budget
+
 QA_KERNEL = 8  # Table 6, "Convolution Kernel Size for QA"
 DEFAULT_KERNEL = 48  # Table 6
 TOP_CENTRES = 40  # Table 6, "Retrieval Top Centers (N)"
@@ -169,8 +171,7 @@ def spans_from_peaks(peaks: Iterable[int], sentence_starts: np.ndarray, n_positi
     segment bound lies between them. `covered` (bool, n_positions) marks tokens already kept (e.g. lead/tail):
     they are part of the result and count against the budget.
     """
-    if budget <= 0:
-        raise ValueError(f"budget must be a positive number of tokens, got {budget}")
+    check_budget(budget)
     sentences = np.asarray(sentence_starts, dtype=np.int64)
     segments = np.asarray(segment_bounds if segment_bounds is not None else [], dtype=np.int64)
     covered = np.zeros(n_positions, dtype=bool) if covered is None else np.array(covered, dtype=bool)

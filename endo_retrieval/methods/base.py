@@ -5,6 +5,7 @@ spans that make it up. Token positions are positions in the backbone tokenizer's
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -49,6 +50,12 @@ class Method(Protocol):
     name: ClassVar[str]
 
     def compress(self, context: str, question: str, budget: int) -> Compressed: ...
+
+
+def check_budget(budget) -> None:
+    """Every entry point's budget check: a positive whole number of tokens, else a ValueError that says so."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget <= 0:
+        raise ValueError(f"budget must be a positive whole number of tokens, got {budget!r}.")
 
 
 def join_spans(spans: list[Span], method: str, budget: int) -> Compressed:

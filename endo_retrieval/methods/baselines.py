@@ -18,17 +18,12 @@ from typing import ClassVar
 import numpy as np
 
 from endo_retrieval.backbone import Backbone
-from endo_retrieval.methods.base import Compressed, Span
-from endo_retrieval.methods.base import join_spans
+from endo_retrieval.methods.base import Compressed, Span, check_budget, join_spans
 
 CHUNK_TOKENS = 256  # the RAG baselines' chunk size (S3 section 4.3)
 PEERS_HINT = "pip install 'endo-retrieval[peers]'"
 _WORD = re.compile(r"\w+")
 
-
-def _check_budget(budget: int) -> None:
-    if budget <= 0:
-        raise ValueError(f"budget must be a positive number of tokens, got {budget}.")
 
 
 @dataclass
@@ -90,7 +85,7 @@ class _ChunkRetriever:
         raise NotImplementedError
 
     def select(self, prepared, question: str, budget: int) -> Compressed:
-        _check_budget(budget)
+        check_budget(budget)
         bb = Backbone.of(self.backbone)
         chunks: Chunks = prepared[0]
         ranked = np.argsort(-self.scores(prepared, question), kind="stable")
@@ -245,7 +240,7 @@ class LongLLMLingua:
         return self._compressor
 
     def compress(self, context: str, question: str, budget: int) -> Compressed:
-        _check_budget(budget)
+        check_budget(budget)
         bb = Backbone.of(self.backbone)
         paragraphs = [p for p in context.split("\n\n") if p.strip()]
         # The settings of LongLLMLingua's own multi-document QA recipe (llmlingua README), order kept.

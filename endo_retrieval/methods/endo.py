@@ -22,7 +22,7 @@ from typing import ClassVar
 import numpy as np
 
 from endo_retrieval.fusion import fuse, rrf, standardise
-from endo_retrieval.methods.base import Compressed
+from endo_retrieval.methods.base import Compressed, check_budget
 from endo_retrieval.methods.heads import (HeadsError, Prepared, RetrievalHeads, calibrated_attention,
                                           calibrated_scores, fit_sentences, sentence_max)
 from endo_retrieval.profiles import heads_profile, ilre_profile
@@ -183,8 +183,7 @@ class TwoStageEndo:
         from endo_retrieval.methods.heads import _question
         from endo_retrieval.pipeline import Passages
 
-        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget <= 0:
-            raise HeadsError(f"budget must be a positive number of tokens, got {budget!r}.")
+        check_budget(budget)
         if not isinstance(context, str) or not context.strip():
             raise HeadsError("The context is empty; give the text to retrieve from.")
         question = _question(question)

@@ -27,7 +27,7 @@ import torch
 
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.bm25 import SentenceBM25
-from endo_retrieval.methods.base import Compressed, Span
+from endo_retrieval.methods.base import Compressed, Span, check_budget
 from endo_retrieval.profiles import heads_profile
 from endo_retrieval.select import spans_from_peaks
 
@@ -276,8 +276,7 @@ def fit_sentences(prepared: Prepared, order: Sequence[int], budget: int, backbon
 
     corpus, starts = prepared.corpus, prepared.sentence_starts
     n = corpus.n_positions
-    if budget <= 0:
-        raise HeadsError(f"budget must be a positive number of tokens, got {budget}.")
+    check_budget(budget)
     sentence_of = lambda p: int(np.searchsorted(starts, p, side="right")) - 1  # noqa: E731
     target = budget
     for _ in range(8):
@@ -356,8 +355,7 @@ class RetrievalHeads:
         return fit_sentences(prepared, order, budget, self.backbone, self.name, score=score)
 
     def compress(self, context: str, question: str, budget: int = 1024) -> Compressed:
-        if budget <= 0:
-            raise HeadsError(f"budget must be a positive number of tokens, got {budget}.")
+        check_budget(budget)
         return self.select(self.prepare(context), question, budget)
 
 

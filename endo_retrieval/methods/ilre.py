@@ -15,7 +15,7 @@ from typing import ClassVar, Sequence
 import numpy as np
 import torch
 
-from endo_retrieval.methods.base import Compressed, Span
+from endo_retrieval.methods.base import Compressed, Span, check_budget
 from endo_retrieval.profiles import ilre_profile, ilre_profile_path, missing
 
 DEFAULT_MAX_KERNELS = (2, 4, 8)
@@ -37,8 +37,7 @@ def _check_allocation_args(scores, budget: int, sink: int, max_kernels, avg_kern
         raise ILReError(f"scores must be 1-D (one attention weight per context token), got shape {a.shape}.")
     if np.isnan(a).any():
         raise ILReError("scores contain NaN; check the attention computation (e.g. an empty query part).")
-    if budget <= 0:
-        raise ILReError(f"budget must be a positive number of tokens, got {budget}.")
+    check_budget(budget)
     if sink < 0 or sink > budget:
         raise ILReError(f"sink must lie in 0..budget ({budget}), got {sink}.")
     if not max_kernels or not avg_kernels or min(max_kernels) < 1 or min(avg_kernels) < 1:
@@ -332,16 +331,14 @@ class ILRe:
 
     def select(self, context_ids: np.ndarray, query_ids: np.ndarray, budget: int) -> np.ndarray:
         """Sorted indices of the context tokens to keep (at most `budget`): prefill, [ILRe Eq. 4-5], [ILRe Alg. 1]."""
-        if budget <= 0:
-            raise ILReError(f"budget must be a positive number of tokens, got {budget}.")
+        check_budget(budget)
         if len(context_ids) <= budget:
             return np.arange(len(context_ids), dtype=np.int64)
         return self._allocate(self.scores(context_ids, query_ids), budget)
 
     def compress(self, context: str, question: str, budget: int) -> Compressed:
         """Keep at most `budget` tokens of `context` that answer `question`, in source order."""
-        if budget <= 0:
-            raise ILReError(f"budget must be a positive number of tokens, got {budget}.")
+        check_budget(budget)
         if not isinstance(question, str) or not question.strip():
             raise ILReError("question is empty: ILRe ranks the context by the question's attention; give one.")
         query_ids = self.backbone.encode(self.query_template.format(question=question.strip())).ids

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from endo_retrieval.backbone import Backbone
-from endo_retrieval.methods.base import Compressed, Span, join_spans
+from endo_retrieval.methods.base import Compressed, Span, check_budget, join_spans
 from endo_retrieval.select import QA_KERNEL
 
 
@@ -34,7 +34,7 @@ class _EngineMethod:
         return index
 
     def select(self, index, question: str, budget: int) -> Compressed:
-        _check_budget(budget)
+        check_budget(budget)
         n = index.corpus.n_tokens
         if n <= budget:  # nothing to drop
             doc = index.corpus.doc("context")
@@ -54,13 +54,9 @@ class _EngineMethod:
         raise RuntimeError(f"could not fit the selection into {budget} tokens")  # pragma: no cover
 
     def compress(self, context: str, question: str, budget: int = 1024) -> Compressed:
-        _check_budget(budget)  # before the indexing work
+        check_budget(budget)  # before the indexing work
         return self.select(self.prepare(context), question, budget)
 
-
-def _check_budget(budget: int) -> None:
-    if budget <= 0:
-        raise ValueError(f"budget must be a positive number of tokens, got {budget}.")
 
 
 class S3(_EngineMethod):
