@@ -162,7 +162,8 @@ def run(args) -> int:
     if "tasks" in state["phases"] and tasks_path.exists():
         tasks = [zero_label.Task(**t) for t in json.loads(tasks_path.read_text())]
     else:
-        tasks = zero_label.make_tasks(chunks, n_tasks + n_questions, args.seed)
+        made = zero_label.make_tasks(chunks, 8 * (n_tasks + n_questions), args.seed)
+        tasks = zero_label.balanced(made, chunks, n_tasks + n_questions, depth=max(args.depths))
         _write(tasks_path, [vars(t) for t in tasks])
     if len(tasks) < 4:
         raise ValueError(f"{args.documents}: too little text to make calibration tasks from ({len(tasks)} made); "

@@ -10,7 +10,12 @@ question made from it, in one of two forms:
   the same word; plus a word of the chunk's first sentence, which names what the chunk is about (as a multi-hop
   question names the bridge entity rather than the evidence's own words);
 - `cloze`: the sentence as a question, its key span (a number, a name inside the sentence, else its longest
-  content word) replaced by "what"; the span is the answer.
+  content word) replaced by "what", a third of its other content words dropped and a third inflected; the span is
+  the answer.
+
+Made questions are easier for BM25 than real ones (their words come from the evidence), and weights fitted on easy
+tasks give BM25 everything; `balanced` keeps as many tasks BM25 ranks below first (within the pipeline's
+candidates) as tasks it ranks first.
 
 The distractors are the chunk's other sentences, the chunks BM25 ranks highest for the question (the same
 document's other chunks among them) and random chunks, up to the haystack lengths the calibration reads; for the
@@ -149,11 +154,11 @@ def keyword_question(sentence: str, subject: list[str], rng: random.Random) -> s
     content = content_words(sentence)
     if len(content) < 3:
         return None
-    kept = rng.sample(content, min(len(content), max(3, round(0.6 * len(content))), 6))
-    for i in rng.sample(range(len(kept)), len(kept) // 3):
+    kept = rng.sample(content, rng.randint(2, min(len(content), 6)))  # few words: BM25 has less to match
+    for i in rng.sample(range(len(kept)), (len(kept) + 1) // 2):
         kept[i] = inflect(kept[i])
     extra = [w for w in subject if w.lower() not in {k.lower() for k in content}]
-    if extra:
+    if extra and rng.random() < 0.5:
         kept.append(rng.choice(extra))
     rng.shuffle(kept)
     return "Which passage tells about " + ", ".join(kept[:-1]) + " and " + kept[-1] + "?"
@@ -166,7 +171,13 @@ def cloze_question(sentence: str, rng: random.Random) -> tuple[str, str] | None:
     at = re.search(r"(?<![\w])" + re.escape(span) + r"(?![\w])", sentence)
     if at is None:
         return None
-    question = (sentence[: at.start()] + "what" + sentence[at.end():]).strip().rstrip(".!?\"'") + "?"
+    rest = [w for w in content_words(sentence) if w != span]
+    changed = dict.fromkeys(rng.sample(rest, len(rest) // 3), "")  # a third of the other content words dropped,
+    changed |= {w: inflect(w) for w in rng.sample(rest, len(rest) // 3) if w not in changed}  # a third inflected
+    text = sentence[: at.start()] + "\0" + sentence[at.end():]
+    for w, new in changed.items():
+        text = re.sub(r"(?<![\w])" + re.escape(w) + r"(?![\w])", new, text, count=1)
+    question = " ".join(text.replace("\0", "what").split()).strip().rstrip(".!?\"'") + "?"
     return question[0].upper() + question[1:], span
 
 
@@ -242,3 +253,33 @@ def corpus_questions(tasks: list[Task], chunks: list[Chunk]) -> tuple[list[str],
     task's chunk its gold."""
     return ([c.id for c in chunks], [c.text for c in chunks],
             [{"_id": t.id, "question": t.question, "supporting_facts": [[chunks[t.chunk].id, 0]]} for t in tasks])
+
+
+def bm25_ranks(tasks: list[Task], chunks: list[Chunk]) -> list[int]:
+    """Per task, how many chunks BM25 scores above its own chunk (0: BM25 finds it first)."""
+    import numpy as np
+
+    from endo_retrieval.bm25 import OkapiPostings
+
+    bm25 = OkapiPostings.build([words(c.text) for c in chunks])
+    out = []
+    for t in tasks:
+        scores = bm25.get_scores(words(t.question))
+        out.append(int(np.sum(scores > scores[t.chunk])))
+    return out
+
+
+def balanced(tasks: list[Task], chunks: list[Chunk], n: int, hard_share: float = 0.5, depth: int = 20
+             ) -> list[Task]:
+    """`n` of the tasks, `hard_share` of them ones BM25 does not rank first but within `depth` (the pipeline's
+    candidates), the rest ones it ranks first; tasks BM25 cannot find in `depth` are dropped (no stage after it
+    could recover them). Made tasks alone are easy for BM25 (their words come from the evidence), and weights
+    fitted on easy tasks give BM25 everything; real questions are about half of each kind."""
+    ranks = bm25_ranks(tasks, chunks)
+    hard = [t for t, r in zip(tasks, ranks) if 0 < r < depth]
+    easy = [t for t, r in zip(tasks, ranks) if r == 0]
+    n_hard = min(len(hard), round(hard_share * n))
+    picked = hard[:n_hard] + easy[: n - n_hard]
+    picked += hard[n_hard: n_hard + n - len(picked)]  # too few easy ones: more hard ones
+    order = {id(t): i for i, t in enumerate(tasks)}
+    return sorted(picked, key=lambda t: order[id(t)])
