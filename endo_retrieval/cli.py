@@ -23,7 +23,6 @@ COMMANDS = {
                            "fusion on labelled questions"),
     "prepare": ("endo_retrieval.prepare", "", "make everything the default pipeline needs for a model, from your "
                 "documents, no labels"),
-    "bench": ("endo_retrieval.eval.bench", "", "benchmarks: quality | perf | attention"),
     "mcp": ("endo_retrieval.mcp_server", "", "serve an index to agents over the Model Context Protocol (stdio)"),
 }
 
@@ -77,15 +76,35 @@ def add_subcommands(parser: argparse.ArgumentParser, table: dict, dest: str) -> 
         add_arguments(p)
 
 
+def plugin_commands() -> dict:
+    """Commands other distributions add through the entry-point group `endo_retrieval.commands` (the bench in
+    bench/ adds `endo bench`), as name -> (module, "", its HELP): the library itself imports none of them."""
+    from importlib.metadata import entry_points
+
+    found = {}
+    for ep in entry_points(group="endo_retrieval.commands"):
+        try:
+            help_text = getattr(importlib.import_module(ep.value), "HELP", ep.name)
+        except ImportError as e:
+            help_text = f"(not available: {e})"
+        found[ep.name] = (ep.value, "", help_text)
+    return found
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="endo", description="Endogenous retrieval: a local LM finds evidence "
                                      "with its own attention signals (S3-Attention, ILRe).")
-    add_subcommands(parser, COMMANDS, "command")
+    add_subcommands(parser, COMMANDS | plugin_commands(), "command")
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and "bench" not in plugin_commands():
+        print("endo bench: the benchmarks are a distribution of their own, in this repository's bench/ folder: "
+              "pip install -e bench (make setup installs it).", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
@@ -93,7 +112,7 @@ def main(argv=None) -> int:
     if getattr(args, "_missing", None):
         print(args._missing, file=sys.stderr)
         return 2
-    _, run = resolve(COMMANDS, args.command)
+    _, run = resolve(COMMANDS | plugin_commands(), args.command)
     from endo_retrieval.backbone import BackboneError
 
     try:

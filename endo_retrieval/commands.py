@@ -1,6 +1,7 @@
 """`endo index`, `endo query`, `endo compress`: the engine from the command line."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -143,3 +144,11 @@ def compress_run(args) -> int:
     else:
         print(out.text)
     return 0
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type of a comma-separated list of whole numbers, e.g. 4096,8192."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, e.g. 4096,8192; got {text!r}")

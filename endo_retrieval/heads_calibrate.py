@@ -85,7 +85,7 @@ def hard_haystacks(examples, pool: list[str], count_tokens, context_tokens: int,
 
     from endo_retrieval.bm25 import OkapiPostings
     from endo_retrieval.bm25 import words
-    from endo_retrieval.eval.data import PARAGRAPH_SEPARATOR, Example
+    from endo_retrieval.datasets import PARAGRAPH_SEPARATOR, Example
 
     bm25 = OkapiPostings.build([words(p) for p in pool])
     cost = {}
@@ -154,7 +154,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> dict:
     from endo_retrieval.backbone import Backbone
-    from endo_retrieval.eval.data import PARAGRAPH_SEPARATOR, load_examples
+    from endo_retrieval.datasets import PARAGRAPH_SEPARATOR, load_examples
 
     bb = Backbone.of(args.model, device=args.device)
     specs = args.data or [str(DEFAULT_DATA)]

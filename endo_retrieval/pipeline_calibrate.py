@@ -26,7 +26,7 @@ KS = (2, 5, 10)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from endo_retrieval.commands import model_argument
-    from endo_retrieval.eval.measure import int_list
+    from endo_retrieval.commands import int_list
 
     p.add_argument("--data", required=True, help="HotpotQA-layout JSON with gold supporting facts (e.g. fit300.json)")
     p.add_argument("--limit", type=int, default=None, help="first N questions (the corpus is every paragraph)")
@@ -75,7 +75,7 @@ def fit(items, step: float = 0.1) -> tuple[dict, dict]:
 
 def run(args) -> dict:
     from endo_retrieval.backbone import Backbone
-    from endo_retrieval.eval.rerank import hotpotqa_corpus
+    from endo_retrieval.datasets import hotpotqa_corpus
     from endo_retrieval.profiles import heads_profile_path
 
     start = time.perf_counter()

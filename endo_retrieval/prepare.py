@@ -30,7 +30,7 @@ SIZES = {"cpu": {"tasks": 40, "passkeys": 4, "questions": 40, "context_tokens": 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from endo_retrieval.commands import model_argument
-    from endo_retrieval.eval.measure import int_list
+    from endo_retrieval.commands import int_list
 
     model_argument(p)
     p.add_argument("--documents", metavar="DIR", default=None,

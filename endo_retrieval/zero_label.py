@@ -221,7 +221,7 @@ def passkey_tasks(chunks: list[Chunk], n: int, context_tokens: int, count_tokens
     """`n` passkey haystacks of `context_tokens` tokens in the user's text (eval.data's maker), the needle gold."""
     import numpy as np
 
-    from endo_retrieval.eval.data import make_passkey, passkey_needle
+    from endo_retrieval.datasets import make_passkey, passkey_needle
 
     rng = random.Random(f"passkey/{seed}")
     start = rng.randrange(len(chunks))
@@ -240,7 +240,7 @@ def haystacks(tasks: list[Task], chunks: list[Chunk], count_tokens, context_toke
               n_hard: int = 8):
     """The heads calibration's examples: each task's chunk, the chunks BM25 ranks highest for its question, then
     random chunks, up to `context_tokens`, shuffled (heads_calibrate.hard_haystacks)."""
-    from endo_retrieval.eval.data import Example
+    from endo_retrieval.datasets import Example
     from endo_retrieval.heads_calibrate import hard_haystacks
 
     own = [Example(t.id, t.question, [t.answer] if t.answer else [], chunks[t.chunk].text, [t.evidence],

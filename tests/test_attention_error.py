@@ -10,7 +10,7 @@ import torch
 from conftest import ShapeBackbone
 
 from endo_retrieval.attention import Dense
-from endo_retrieval.eval.attention_error import (
+from endo_bench.attention_error import (
     EPS, capture_window, completion_reads, dense_mid_entropy, entropy_terciles, measure, mid_entropy,
     phi_cache_tokens, relative_l1, replay, retrieved)
 
@@ -50,7 +50,7 @@ def test_read_accounting_matches_the_papers_worked_numbers():
 
 
 def _window(bb, n_prefill=80, queries=4, seed=0):
-    from endo_retrieval.eval.attention_error import Window
+    from endo_bench.attention_error import Window
 
     g = torch.Generator().manual_seed(seed)
     T = n_prefill + queries
@@ -77,7 +77,7 @@ def test_prhs_reads_are_counted_per_head_and_step():
     window = _window(bb)
     reference = replay(bb, Dense(), window)
     # top_k = 60 - 8 - 32 = 20 middle keys (of 80 - 40 + t); the gate shut, no PSAW: every head retrieves
-    from endo_retrieval.eval.attention_error import _CountingPrHS
+    from endo_bench.attention_error import _CountingPrHS
 
     backend = _CountingPrHS(top_k=20, tau=1.1, psaw=False, etf=False)
     replay(bb, backend, window)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from endo_retrieval.backbone import BackboneError
-from endo_retrieval.eval.consistency import stream_keys
+from endo_bench.consistency import stream_keys
 
 IDS = np.random.default_rng(0).integers(10, 1000, size=300)
 

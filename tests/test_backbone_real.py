@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from endo_retrieval.eval.consistency import key_consistency
+from endo_bench.consistency import key_consistency
 
 from conftest import shared_data
 

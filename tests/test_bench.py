@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, shared_data
-from endo_retrieval.eval import runner
-from endo_retrieval.eval.data import DataError
-from endo_retrieval.eval.metrics import exact_match, f1_score
+from endo_bench import runner
+from endo_retrieval.datasets import DataError
+from endo_bench.metrics import exact_match, f1_score
 from endo_retrieval.methods.base import Compressed
 
 GOLD = {  # question -> (answer, its two gold sentences, the text the oracle method hands over)
@@ -240,7 +240,7 @@ def test_unavailable_method_row_says_why(tmp_path, tiny, toy_methods, monkeypatc
 
 
 def test_bm25_chunks_keep_best_chunks_in_source_order(tiny):
-    from endo_retrieval.methods.baselines import BM25Chunks, Chunks
+    from endo_bench.baselines import BM25Chunks, Chunks
 
     context = " ".join(f"Sentence {i} talks about weather and clouds." for i in range(60))
     context += " The treasure is buried under the old oak tree."
@@ -258,7 +258,7 @@ def test_bm25_chunks_keep_best_chunks_in_source_order(tiny):
 
 def test_dense_ranks_the_matching_chunk_first(tiny):
     pytest.importorskip("sentence_transformers")
-    from endo_retrieval.methods.baselines import Dense
+    from endo_bench.baselines import Dense
 
     context = ("Volcanoes erupt molten rock called lava. " * 8 + "Penguins live in Antarctica and eat krill. " * 8
                + "The stock market fell sharply on Monday. " * 8)
@@ -343,7 +343,7 @@ def naive_press_scored(bb, prompt: runner.Prompt, press, max_new_tokens: int) ->
 @pytest.mark.slow  # importing kvpress takes tens of seconds
 def test_one_shared_prefill_equals_each_press_alone(tiny):
     pytest.importorskip("kvpress")
-    from endo_retrieval.methods.baselines import PyramidKV, SnapKV, StreamingLLM
+    from endo_bench.baselines import PyramidKV, SnapKV, StreamingLLM
 
     # long enough that PyramidKV at ratio 0.2 gives its layers different budgets (kvpress: >= 1,280 kept pairs)
     context = " ".join(f"Paragraph {i} says the river Velna passes mill {i}." for i in range(160))
@@ -426,7 +426,7 @@ def test_bm25_index_skips_the_sae_pass_and_refuses_s3(tiny):
 def test_legacy_cache_adapter_round_trips_llmlinguas_tuples(tiny):
     """llmlingua slices the returned cache as (keys, values) pairs and hands it back: logits must equal one plain
     forward over the whole text."""
-    from endo_retrieval.methods.baselines import _LegacyCacheModel
+    from endo_bench.baselines import _LegacyCacheModel
 
     ids = torch.from_numpy(tiny.encode("Zanthor is a city on the Velna river, founded by weavers.").ids)[None]
     wrapped = _LegacyCacheModel(tiny.model)
@@ -444,7 +444,7 @@ def test_legacy_cache_adapter_round_trips_llmlinguas_tuples(tiny):
 @pytest.mark.slow  # importing llmlingua takes seconds
 def test_longllmlingua_compresses_with_the_local_model(tiny):
     pytest.importorskip("llmlingua")
-    from endo_retrieval.methods.baselines import LongLLMLingua
+    from endo_bench.baselines import LongLLMLingua
 
     mills = [f"Mill {i}: the river Velna turns the wheel of mill {i} every spring." for i in range(12)]
     # the first paragraph does not survive the tokenizer's default decode clean-up (" ," -> ","), which
@@ -458,7 +458,7 @@ def test_longllmlingua_compresses_with_the_local_model(tiny):
 def test_bm25_chunks_shorten_the_weakest_chunk_as_often_as_needed(tiny):
     """HotpotQA dev example 152b9e..: the first shortening of the weakest chunk was not enough and the second one
     looked the shortened chunk up among the originals (ValueError)."""
-    from endo_retrieval.methods.baselines import BM25Chunks
+    from endo_bench.baselines import BM25Chunks
 
     data = shared_data("hotpotqa", "dev30.json")
     (example,) = [e for e in runner.load_examples(str(data), count_tokens=tiny.count_tokens, context_tokens=4096,

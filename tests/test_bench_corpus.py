@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from endo_retrieval.eval.corpus_bench import METRICS, distinct, paragraph_id, question_metrics, score_ranking
-from endo_retrieval.eval.metrics import bootstrap_ci, paired_diff_ci
+from endo_bench.corpus_bench import METRICS, distinct, paragraph_id, question_metrics, score_ranking
+from endo_bench.metrics import bootstrap_ci, paired_diff_ci
 
 # ---------------------------------------------------------------- bootstrap intervals
 

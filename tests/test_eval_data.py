@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from endo_retrieval.eval.data import DataError, load_examples, make_passkey, passkey_needle, render_paragraph
-from endo_retrieval.eval.metrics import answer_recall, sp_recall
+from endo_retrieval.datasets import DataError, load_examples, make_passkey, passkey_needle, render_paragraph
+from endo_bench.metrics import answer_recall, sp_recall
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DEV30 = SHARED_DATA / "hotpotqa" / "dev30.json"

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from endo_retrieval.eval.metrics import (
+from endo_bench.metrics import (
     answer_recall,
     compression,
     exact_match,

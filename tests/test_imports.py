@@ -22,7 +22,8 @@ def project_modules() -> dict[str, Path]:
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     roots = [(ROOT / folder, package.split(".")) for package, folder in
              {"endo_retrieval": "endo_retrieval", **tool.get("package-dir", {})}.items()]
-    roots += [(dist, []) for dist in (ROOT / "integrations").iterdir() if (dist / "pyproject.toml").exists()]
+    roots += [(dist, []) for dist in [*(ROOT / "integrations").iterdir(), ROOT / "bench"]
+              if (dist / "pyproject.toml").exists()]
     modules = {}
     for folder, package in roots:
         for path in folder.rglob("*.py"):
@@ -79,15 +80,26 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_walker_sees_every_package_and_lazy_imports():
     modules = project_modules()
     files = {p.resolve() for p in modules.values()}
-    assert [p for d in ("endo_retrieval", "integrations", "kernels") for p in (ROOT / d).rglob("*.py")
+    assert [p for d in ("endo_retrieval", "integrations", "kernels", "bench") for p in (ROOT / d).rglob("*.py")
             if p.resolve() not in files and p.name != "smoke.py"] == []  # every module of the three folders is walked
-    for name in ("endo_retrieval.backbone", "endo_retrieval.attention.base", "endo_retrieval.eval.runner",
+    for name in ("endo_retrieval.backbone", "endo_retrieval.attention.base", "endo_bench.runner",
                  "endo_retrieval.kernels.sae_topk", "llama_index.retrievers.endo", "llama_index.retrievers.endo.base",
                  "endo_retrieval.integrations", "langchain_endo.retrievers"):
         assert name in modules
     # sae.py imports its kernel inside a function
     assert "endo_retrieval.kernels.sae_topk" in imports_of("endo_retrieval.sae", modules["endo_retrieval.sae"],
                                                            modules)
+
+
+def test_the_library_and_the_adapters_import_nothing_from_the_bench():
+    """The bench (bench/, `endo_bench`) measures the library from outside, as kvpress keeps its evaluation apart:
+    no module the wheels ship imports it, not even lazily."""
+    modules = project_modules()
+    shipped = {name: path for name, path in modules.items() if not name.startswith("endo_bench")}
+    assert any(n.startswith("endo_bench") for n in modules) and "llama_index.retrievers.endo" in shipped
+    reaching = {name: sorted(m for m in imports_of(name, path, modules) if m.startswith("endo_bench"))
+                for name, path in shipped.items()}
+    assert {name: found for name, found in reaching.items() if found} == {}
 
 
 def test_find_cycle_finds_one():

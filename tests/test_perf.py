@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from conftest import make_tiny_model
 from endo_retrieval.cli import main
-from endo_retrieval.eval import perf, perf_e2e
+from endo_bench import perf, perf_e2e
 
 REQUIRED = {"index_tokens_per_s": "tok/s", "bare_forward_tokens_per_s": "tok/s", "peak_rss_mb": "MiB",
             "query_p50_ms": "ms", "query_p95_ms": "ms", "index_bytes_per_posting": "B/posting", "e2e_ms": "ms",

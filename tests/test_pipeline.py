@@ -120,7 +120,7 @@ def test_default_retrieves_both_gold_paragraphs_where_bm25_does_not_in_a_query_e
     from llama_index.llms.endo import EndoLLM
     from llama_index.retrievers.endo import EndoRetriever
 
-    from endo_retrieval.eval.rerank import hotpotqa_corpus
+    from endo_retrieval.datasets import hotpotqa_corpus
     from langchain_endo import ChatEndo, EndoRetriever as LCRetriever
 
     titles, paragraphs, items = hotpotqa_corpus(shared_data("hotpotqa", "dev300.json"))
@@ -290,7 +290,7 @@ def test_llamaindex_retriever_evaluator_scores_the_default_retriever_on_a_dev300
     from llama_index.core.schema import TextNode
     from llama_index.retrievers.endo import EndoRetriever
 
-    from endo_retrieval.eval.rerank import hotpotqa_corpus
+    from endo_retrieval.datasets import hotpotqa_corpus
 
     titles, paragraphs, items = hotpotqa_corpus(shared_data("hotpotqa", "dev300.json"))
     own = {t for item in items[:20] for t, _ in item["context"]}

@@ -174,8 +174,8 @@ def made_up_hotpotqa(path):
 
 
 def test_bench_counts_gold_sentences_by_their_paragraph(tmp_path):
-    from endo_retrieval.eval.data import DataError
-    from endo_retrieval.eval.rerank import found, hotpotqa_corpus
+    from endo_retrieval.datasets import DataError
+    from endo_bench.rerank import found, hotpotqa_corpus
 
     titles, texts, items = hotpotqa_corpus(made_up_hotpotqa(tmp_path / "toy.json"))
     assert len(titles) == len(set(titles)) == 11 and texts[titles.index("Mara Tesk")] == \

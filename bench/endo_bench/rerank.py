@@ -16,13 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
+from endo_retrieval.datasets import hotpotqa_corpus
+
 SCHEMA = "endo-bench-rerank/1"
 ORDERS = {"best-last": True, "first-stage": False}  # the order the model reads the candidates in -> best_last
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from endo_retrieval.commands import model_argument
-    from endo_retrieval.eval.measure import int_list
+    from endo_retrieval.commands import int_list, model_argument
     from endo_retrieval.integrations import RERANK_BEST_LAST
 
     default_order = next(name for name, best_last in ORDERS.items() if best_last == RERANK_BEST_LAST)
@@ -37,26 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the adapters' order)")
     p.add_argument("--limit", type=int, default=None)
     model_argument(p)
-
-
-def hotpotqa_corpus(path: str | Path, limit: int | None = None) -> tuple[list[str], list[str], list[dict]]:
-    """Titles and rendered paragraphs of every paragraph in the file (one per title, as the quality bench's
-    distractor pool), and the first `limit` items."""
-    from endo_retrieval.eval.data import DataError, _check_hotpotqa_item, render_paragraph
-
-    items = json.loads(Path(path).read_text(encoding="utf-8"))
-    if not isinstance(items, list):
-        raise DataError(f"{path}: expected a JSON list of HotpotQA items")
-    for i, item in enumerate(items):
-        try:
-            _check_hotpotqa_item(item)
-        except ValueError as err:
-            raise DataError(f"{path}: item {i}: {err}") from err
-    pool: dict[str, str] = {}
-    for item in items:
-        for title, sentences in item["context"]:
-            pool.setdefault(title, render_paragraph(title, sentences))
-    return list(pool), list(pool.values()), items[:limit]
 
 
 def found(kept_titles: list[str], item: dict) -> tuple[int, int]:
@@ -78,7 +59,7 @@ def run(args) -> int:
 
     from endo_retrieval.backbone import Backbone
     from endo_retrieval.integrations import RERANK_BEST_LAST, rerank_passages
-    from endo_retrieval.methods.baselines import minilm_folder
+    from endo_bench.baselines import minilm_folder
 
     if args.top <= 0:
         raise ValueError(f"--top must be positive, got {args.top}")

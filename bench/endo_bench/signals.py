@@ -19,7 +19,7 @@ SCHEMA = "endo-bench-signals/1"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from endo_retrieval.commands import model_argument
-    from endo_retrieval.eval.measure import int_list
+    from endo_retrieval.commands import int_list
 
     p.add_argument("--data", required=True, help="HotpotQA PATH.json (gold supporting sentences are needed)")
     p.add_argument("--out", required=True, help="FILE.json; FILE.md is written beside it")
@@ -35,7 +35,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from endo_retrieval.backbone import Backbone
-    from endo_retrieval.eval.data import load_examples
+    from endo_retrieval.datasets import load_examples
     from endo_retrieval.heads_calibrate import gold_sentences
     from endo_retrieval.fusion import fuse, rrf
     from endo_retrieval.methods.endo import Endo, kept_in_budget

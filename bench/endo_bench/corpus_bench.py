@@ -185,7 +185,7 @@ class LlamaIndexBM25:
 
 def load_embedder(shared: dict) -> None:
     if "embedder" not in shared:
-        from endo_retrieval.eval.embedding import MiniLMEmbedding
+        from endo_bench.embedding import MiniLMEmbedding
 
         shared["embedder"] = MiniLMEmbedding()
 
@@ -301,7 +301,7 @@ def interval(value_lo_hi: tuple) -> dict:
 def add_intervals(rows: list[dict], gold_counts: list[int], reference: str | None, seed: int) -> None:
     """Each measured row's metrics with bootstrap intervals, and its paired difference to the reference row
     (the same seed, so every row and metric resamples the same questions)."""
-    from endo_retrieval.eval.metrics import bootstrap_ci, paired_diff_ci
+    from endo_bench.metrics import bootstrap_ci, paired_diff_ci
 
     values = {r["system"]: question_metrics(r["per_question"], gold_counts) for r in rows if "skipped" not in r}
     for row in rows:
@@ -322,7 +322,7 @@ def pick_reference(asked: str, rows: list[dict]) -> str | None:
 
 
 def run(args) -> int:
-    from endo_retrieval.eval.rerank import hotpotqa_corpus
+    from endo_retrieval.datasets import hotpotqa_corpus
 
     systems = parse_systems(args.systems)
     if args.candidates < TOP:

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from endo_retrieval.commands import model_argument
-from endo_retrieval.eval.measure import int_list, length_label, peak_rss_mb
+from endo_retrieval.commands import int_list
+from endo_bench.measure import length_label, peak_rss_mb
 
 SCHEMA = "endo-bench-attention/1"
 QUESTION = "What is the pass key?"
@@ -113,7 +114,7 @@ def budget_settings(label: str, fraction: float | None, n_context: int, phi, phi
     """The settings that put a backend at n = ceil(f N) exact reads per step [RCA Eq. 13]: Top-K and Top-K+phi take it
     as their budget, PrHS fills it after its sink and local tokens; phi maps go to topk+phi."""
     from endo_retrieval.attention.prhs import PrHS
-    from endo_retrieval.eval.attention_error import budget_tokens
+    from endo_bench.attention_error import budget_tokens
 
     settings = {"phi": phi, "length_tolerance": phi_tolerance} if label == "topk+phi" else {}
     if fraction is None:
@@ -135,9 +136,9 @@ def accuracy_rows(backbone, data: str, lengths: list[int], depths: int, limit: i
     from tqdm import tqdm
 
     from endo_retrieval.attention import AttentionError, get_backend
-    from endo_retrieval.eval.data import load_examples
-    from endo_retrieval.eval.metrics import exact_match, f1_score
-    from endo_retrieval.eval.runner import Prompter
+    from endo_retrieval.datasets import load_examples
+    from endo_bench.metrics import exact_match, f1_score
+    from endo_bench.runner import Prompter
 
     passkey = data.startswith("passkey:")
     task = "passkey" if passkey else "hotpotqa"
@@ -275,7 +276,7 @@ def operator_rows(backbone, text: str, runs: list[tuple[str, str, dict]], keys: 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from endo_retrieval.attention import get_backend
-    from endo_retrieval.eval.attention_error import capture_window
+    from endo_bench.attention_error import capture_window
 
     layer = backbone.n_layers // 2 if layer is None else layer
     ids = torch.as_tensor(backbone.encode(text).ids)
@@ -395,7 +396,7 @@ def throughput_rows(backbone, text: str, runs: list[tuple[str, str, dict]], cont
 
 
 def markdown(result: dict) -> str:
-    from endo_retrieval.eval.attention_error import error_markdown
+    from endo_bench.attention_error import error_markdown
 
     lines = []
     rows = [r for r in result["rows"] if r.get("task", "passkey") in ("passkey", "hotpotqa")]
@@ -484,7 +485,7 @@ def _measures(text: str) -> set[str]:
 def run(args) -> int:
     from endo_retrieval.attention import BACKENDS, AttentionError
     from endo_retrieval.backbone import Backbone
-    from endo_retrieval.eval import attention_error
+    from endo_bench import attention_error
     from endo_retrieval.files import atomic_write
     from endo_retrieval.train_phi import DEFAULT_DATA
     from endo_retrieval.train_sae import read_corpus

@@ -2,21 +2,12 @@
 accelerator, memory peaks, result rows of the GUIDE contract, length labels, and questions to time with."""
 from __future__ import annotations
 
-import argparse
 import re
 import resource
 import time
 
 import numpy as np
 import torch
-
-
-def int_list(text: str) -> list[int]:
-    """argparse type of a comma-separated list of whole numbers, e.g. 4096,8192."""
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, e.g. 4096,8192; got {text!r}")
 
 
 def peak_rss_mb() -> float:

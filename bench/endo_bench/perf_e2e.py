@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from endo_retrieval.chunk_graph import MIN_REPLAYS
-from endo_retrieval.eval.measure import clock, peak_accel_mb, questions_from, reset_peak, row
-from endo_retrieval.eval.runner import USER_TEMPLATE
+from endo_bench.measure import clock, peak_accel_mb, questions_from, reset_peak, row
+from endo_bench.runner import USER_TEMPLATE
 
 RANDOM_8B = "random llama 8B-shape"
 

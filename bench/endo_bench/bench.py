@@ -7,24 +7,25 @@ import argparse
 import logging
 import sys
 
-from endo_retrieval.commands import model_argument
-from endo_retrieval.eval.measure import int_list
+from endo_retrieval.commands import int_list, model_argument
+
+HELP = "benchmarks: quality | perf | attention | signals | rerank | corpus"
 
 # benchmark -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args)
 BENCHES = {
-    "quality": ("endo_retrieval.eval.bench", "quality_",
+    "quality": ("endo_bench.bench", "quality_",
                 "retrieval and answer quality of every method at matched budgets"),
-    "perf": ("endo_retrieval.eval.perf", "", "indexing and query speed, memory"),
-    "attention": ("endo_retrieval.eval.attention_bench", "", "decode-time sparse attention backends"),
-    "signals": ("endo_retrieval.eval.signals", "", "each ranking signal alone, and what it finds that BM25 misses"),
-    "rerank": ("endo_retrieval.eval.rerank", "", "a MiniLM vector store alone and followed by the heads reranker"),
-    "corpus": ("endo_retrieval.eval.corpus_bench", "",
+    "perf": ("endo_bench.perf", "", "indexing and query speed, memory"),
+    "attention": ("endo_bench.attention_bench", "", "decode-time sparse attention backends"),
+    "signals": ("endo_bench.signals", "", "each ranking signal alone, and what it finds that BM25 misses"),
+    "rerank": ("endo_bench.rerank", "", "a MiniLM vector store alone and followed by the heads reranker"),
+    "corpus": ("endo_bench.corpus_bench", "",
                "corpus retrieval through LlamaIndex retrievers: paragraph recall@k, all-gold@k, MRR, intervals"),
 }
 
 
 def quality_add_arguments(p: argparse.ArgumentParser) -> None:
-    from endo_retrieval.eval.runner import METHODS, MAX_NEW_TOKENS
+    from endo_bench.runner import METHODS, MAX_NEW_TOKENS
 
     p.add_argument("--data", required=True, help="HotpotQA PATH.json, LongBench-style PATH.jsonl, or passkey:DIR")
     p.add_argument("--out", required=True, help="FILE.json; the Markdown table, plots and the resumable "
@@ -43,7 +44,7 @@ def quality_add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def quality_run(args) -> int:
-    from endo_retrieval.eval.runner import QualityConfig, run_quality
+    from endo_bench.runner import QualityConfig, run_quality
 
     config = QualityConfig(data=args.data, out=args.out, context_tokens=args.context_tokens or [4096],
                            budgets=args.budget or [1024], methods=args.methods, limit=args.limit, seed=args.seed,

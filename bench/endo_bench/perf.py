@@ -25,9 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from endo_retrieval.commands import model_argument
-from endo_retrieval.eval.measure import (clock, int_list, length_label, peak_accel_mb, peak_rss_mb, questions_from,
-                                         reset_peak, row)
+from endo_retrieval.commands import int_list, model_argument
+from endo_bench.measure import clock, length_label, peak_accel_mb, peak_rss_mb, questions_from, reset_peak, row
 
 SCHEMA = "endo-bench-perf/1"
 DEFAULT_SECTIONS = ("index", "memory", "query", "e2e", "ttft")
@@ -557,7 +556,7 @@ def run(args) -> int:
     from tqdm.auto import tqdm
 
     from endo_retrieval.backbone import Backbone
-    from endo_retrieval.eval import perf_e2e
+    from endo_bench import perf_e2e
     from endo_retrieval.sae import SAEBank
 
     out = Path(args.out)
@@ -597,7 +596,7 @@ def run(args) -> int:
             rows += new
             result["ttft_fit"] += perf_e2e.fits(new, backbone.model_id)
         elif section == "scale":
-            from endo_retrieval.eval.perf_scale import scale_rows
+            from endo_bench.perf_scale import scale_rows
 
             rows += scale_rows(source, s["scale_tokens"], args, args.scale_workers)
             bar.update()

@@ -7,7 +7,7 @@ from typing import Any
 from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.embeddings import BaseEmbedding
 
-from endo_retrieval.methods.baselines import minilm_folder
+from endo_bench.baselines import minilm_folder
 
 
 class MiniLMEmbedding(BaseEmbedding):

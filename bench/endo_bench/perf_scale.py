@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from endo_retrieval.eval.measure import questions_from, row
+from endo_bench.measure import questions_from, row
 
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM (NVIDIA's data sheet; the H200's is the same)
 
@@ -29,7 +29,7 @@ class Random8B:
 
     def __call__(self):
         from endo_retrieval.backbone import Backbone
-        from endo_retrieval.eval.perf_e2e import llama8b_config
+        from endo_bench.perf_e2e import llama8b_config
 
         torch.manual_seed(0)
         return Backbone.random(llama8b_config(), device="cuda"), None
@@ -104,7 +104,7 @@ def scale_rows(source, n: int, args, workers: int = 2) -> list[dict]:
 
     bb = Backbone.default() if args.model is None else Backbone(args.model)  # the driver tokenises only
     if args.random_llama_8b:
-        from endo_retrieval.eval.perf_e2e import llama8b_config
+        from endo_bench.perf_e2e import llama8b_config
 
         config, setup = llama8b_config(), Random8B()
         layer, label = config.num_hidden_layers // 2, "random llama 8B-shape"

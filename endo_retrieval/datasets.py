@@ -1,5 +1,6 @@
-"""Evaluation data: HotpotQA long haystacks, LongBench-style JSONL, and passkey haystacks (GUIDE, 'How we judge
-quality'). Everything is read from local files; nothing downloads.
+"""Labelled data, read by the calibrations (`endo calibrate-heads`, `endo calibrate-pipeline`) and by the bench:
+HotpotQA long haystacks and corpora, LongBench-style JSONL, and passkey haystacks. Everything is read from local
+files; nothing downloads.
 
 `load_examples(spec, ...)` accepts three forms of `spec`:
   * `PATH.json`    HotpotQA official layout; each question's ten paragraphs plus pooled distractors
@@ -324,3 +325,21 @@ def _load_passkey(folder: Path, count_tokens: TokenCounter, context_tokens: int 
     depths = np.linspace(0.0, 1.0, n_items) if n_items > 1 else np.array([0.5])[:n_items]
     keys = [str(rng.randint(10000, 99999)) for _ in range(n_items)]
     return Dataset([make_passkey(filler, context_tokens, float(d), k, count_tokens) for d, k in zip(depths, keys)])
+
+
+def hotpotqa_corpus(path: str | Path, limit: int | None = None) -> tuple[list[str], list[str], list[dict]]:
+    """Titles and rendered paragraphs of every paragraph in the file (one per title, as the quality bench's
+    distractor pool), and the first `limit` items."""
+    items = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(items, list):
+        raise DataError(f"{path}: expected a JSON list of HotpotQA items")
+    for i, item in enumerate(items):
+        try:
+            _check_hotpotqa_item(item)
+        except ValueError as err:
+            raise DataError(f"{path}: item {i}: {err}") from err
+    pool: dict[str, str] = {}
+    for item in items:
+        for title, sentences in item["context"]:
+            pool.setdefault(title, render_paragraph(title, sentences))
+    return list(pool), list(pool.values()), items[:limit]

@@ -22,15 +22,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from endo_retrieval.eval import metrics
-from endo_retrieval.eval.data import Example, load_examples
-from endo_retrieval.eval.measure import peak_rss_mb
+from endo_bench import metrics
+from endo_retrieval.datasets import Example, load_examples
+from endo_bench.measure import peak_rss_mb
 from endo_retrieval.methods import REGISTRY
 
 logger = logging.getLogger(__name__)
 
 SCHEMA = "endo-bench-quality/1"
-_BASELINES = "endo_retrieval.methods.baselines"
+_BASELINES = "endo_bench.baselines"
 # bench row name -> "module:Class". "bm25" is the chunk baseline of the papers; the engine's sentence-window
 # BM25 (the one inside s3-hybrid) is the row "bm25-sent".
 METHODS = {

@@ -30,7 +30,7 @@ from endo_retrieval.attention.base import AttentionBackend, AttentionError
 from endo_retrieval.attention.completion import Completion
 from endo_retrieval.attention.dense import Dense
 from endo_retrieval.attention.prhs import PrHS
-from endo_retrieval.eval.measure import length_label
+from endo_bench.measure import length_label
 from endo_retrieval.kernels.prhs_step import attend_reads, prhs_reads
 
 EPS = 1e-6  # [RCA Eq. 53]'s epsilon
