@@ -36,7 +36,7 @@ bench: setup
 
 # the core wheel and every ecosystem distribution's wheel, into dist/
 dist: setup
-	rm -rf dist
+	rm -rf dist build
 	$(BIN)/python -m pip wheel -q --no-deps -w dist . $(INTEGRATIONS)
 
 # each wheel installed into a fresh venv, its smoke test run there
