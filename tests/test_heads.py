@@ -103,6 +103,24 @@ def test_methods_fit_the_budget_and_name_their_signals(tiny):
     assert rank_passages(tiny, HAYSTACK.split(". "), "Who discovered radium?", tiny_heads(tiny)).shape == (8,)
 
 
+def test_the_fusions_ilre_signal_is_ilres_attention_per_segment(tiny):
+    """[ILRe Eq. 4-5] at l_R, per segment: the max over heads and question positions of the softmax over the
+    segment's keys (GQA: query head h reads kv head h // group), then each sentence's max; held against a plain
+    one-line computation."""
+    from endo_retrieval.methods.endo import signals
+
+    prepared = prepare_context(tiny, HAYSTACK, [1, 2, 3], segment=24)
+    got = signals(tiny, prepared, "Who discovered radium?", tiny_heads(tiny), ilre_layer=2, second_hop=False)
+    _, queries = calibrated_attention(tiny, prepared, tiny_heads(tiny), "Who discovered radium?", layers=[2])
+    plain = []
+    for segment, q in zip(prepared.reading.segments, queries):
+        keys = segment.keys[2].float().repeat_interleave(q[2].shape[0] // segment.keys[2].shape[0], 0)
+        plain.append((q[2].float() @ keys.transpose(1, 2) / q[2].shape[-1] ** 0.5).softmax(-1).amax(dim=(0, 1)).numpy())
+    expected = np.maximum.reduceat(np.concatenate(plain), prepared.sentence_starts)
+    assert len(prepared.reading.segments) > 1 and got["ilre"].shape == expected.shape
+    np.testing.assert_allclose(got["ilre"], expected, rtol=1e-5, atol=1e-7)
+
+
 def test_bad_input_says_what_to_do(tiny):
     with pytest.raises(HeadsError, match="pairs"):
         RetrievalHeads(backbone=tiny, heads=[(99, 0)])

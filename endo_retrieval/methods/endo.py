@@ -26,6 +26,7 @@ from endo_retrieval.methods.base import Compressed, check_budget
 from endo_retrieval.methods.heads import (HeadsError, Prepared, RetrievalHeads, calibrated_attention,
                                           calibrated_scores, fit_sentences, sentence_max)
 from endo_retrieval.profiles import heads_profile, ilre_profile
+from endo_retrieval.methods.ilre import attention_scores
 
 SIGNALS = ("bm25", "heads", "hop2", "ilre")
 HOP_SENTENCES = 2  # first-hop sentences the second hop re-reads
@@ -141,11 +142,8 @@ def signals(backbone, prepared: Prepared, question: str, heads, ilre_layer: int 
                                                layers=[ilre_layer] if ilre_layer is not None else [])
     out = {"bm25": prepared.bm25.sentence_scores(question), "heads": sentence_max(calibrated, starts).sum(0)}
     if ilre_layer is not None:  # [ILRe Eq. 4-5] at l_R: max over heads and query positions; a sentence takes its max
-        mass = []
-        for segment, q in zip(prepared.reading.segments, queries):
-            q, keys = q[ilre_layer].float(), segment.keys[ilre_layer].to(q[ilre_layer].device).float()
-            keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], 0)
-            mass.append((q @ keys.transpose(1, 2) / q.shape[-1] ** 0.5).softmax(-1).amax(dim=(0, 1)).cpu().numpy())
+        mass = [attention_scores(segment.keys[ilre_layer], q[ilre_layer], None, None, rope=None)  # both rotated
+                for segment, q in zip(prepared.reading.segments, queries)]
         out["ilre"] = np.maximum.reduceat(np.concatenate(mass), starts)
     if second_hop:
         first = np.argsort(-rrf(out["heads"], out["bm25"]), kind="stable")[:HOP_SENTENCES]

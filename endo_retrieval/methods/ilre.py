@@ -142,7 +142,8 @@ def attention_scores(keys: torch.Tensor, queries: torch.Tensor, key_positions: t
                      query_positions: torch.Tensor, rope, block: int = 8192) -> np.ndarray:
     """A^C = max over heads h and query positions q of softmax_C(q K^T / sqrt(d)) [ILRe Eq. 4-5], shape (L,).
 
-    keys (n_kv, L, d) and queries (n_heads, Lq, d) are pre-RoPE; `rope(x, positions)` rotates them [ILRe Eq. 1, 3].
+    keys (n_kv, L, d) and queries (n_heads, Lq, d) are pre-RoPE; `rope(x, positions)` rotates them [ILRe Eq. 1, 3]
+    (rope=None: both are rotated already, and the positions are not used).
     GQA: query head h reads kv head h // (n_heads / n_kv). The softmax runs over the whole context in blocks of
     `block` keys, two passes (logsumexp, then probabilities), so memory is n_heads x Lq x block, not x L.
     """
@@ -166,6 +167,9 @@ class ContextLogits:
     def __post_init__(self):
         n_kv, _, d = self.keys.shape
         n_heads, n_q, _ = self.queries.shape
+        if self.rope is None:
+            self.rope = lambda x, _positions: x
+            self.key_positions = self.query_positions = torch.zeros(0)  # unused
         q = self.rope(self.queries.float(), self.query_positions.to(self.queries.device)) / math.sqrt(d)
         self.q = q.reshape(n_kv, (n_heads // n_kv) * n_q, d)  # heads of one kv group side by side
 
