@@ -122,7 +122,7 @@ def run(args) -> int:
     lengths = args.context_tokens or sizes["context_tokens"]
 
     out = Path(args.profile) if args.profile else heads_profile_path(bb)
-    shipped = ASSETS in out.resolve().parents
+    shipped = ASSETS.resolve() in out.resolve().parents
     state_dir = (user_artefacts(bb) if shipped else out.parent) / f"{out.stem}.prepare"
     state_path = state_dir / "state.json"
     try:

@@ -145,3 +145,12 @@ def test_without_documents_it_says_what_to_give(setup, capsys):
     model, _, root = setup
     assert main(["prepare", "--model", str(model), "--device", "cpu", "--profile", str(root / "other.json")]) == 2
     assert "--documents DIR" in capsys.readouterr().err
+
+
+def test_the_default_model_is_ready_and_its_shipped_profile_is_never_overwritten(capsys):
+    assert main(["prepare", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "heads: already made, skipped" in out and "pipeline: already made, skipped" in out
+    assert "is ready for: bm25, s3, s3-hybrid, ilre, heads, endo" in out
+    assert main(["prepare", "--device", "cpu", "--force"]) == 2
+    assert "pass --profile PATH" in capsys.readouterr().err
