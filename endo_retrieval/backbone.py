@@ -291,7 +291,8 @@ class Backbone:
         self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.max_position = getattr(config, "max_position_embeddings", None)
-        self._lock = threading.RLock()
+        # held by whoever runs the model (a forward, generation, a reading in segments): one use at a time
+        self.lock = threading.RLock()
         self.chunk_graphs = True  # on CUDA, stream() replays repeated chunk shapes from CUDA graphs (chunk_graph.py)
         self._graphs: OrderedDict[tuple, ChunkGraph] = OrderedDict()
 
@@ -421,9 +422,11 @@ class Backbone:
         return self._q8_layers
 
     @contextlib.contextmanager
-    def _run_to(self, last_layer: int, layers: Sequence[int], capture: Sequence[str], int8: bool = False):
-        """Truncate the decoder to layers 0..last_layer (early exit) and hook the K/Q projections of `layers`;
-        int8: run the int8-quantized copy of the layers instead."""
+    def run_to(self, last_layer: int, layers: Sequence[int], capture: Sequence[str], int8: bool = False):
+        """Truncate the decoder to layers 0..last_layer (early exit) and hook the K/Q projections of `layers`,
+        yielding {"k"|"q": {layer: pre-RoPE states}} that fills as the model runs; int8: run the int8-quantized copy
+        of the layers instead. Public for readers that drive the model themselves (reading a context in segments
+        with its cache, `methods.heads.read`); hold `lock` around it."""
         store: dict[str, dict[int, torch.Tensor]] = {"k": {}, "q": {}}
         body = self.model.model
         full = body.layers
@@ -504,11 +507,11 @@ class Backbone:
                 pos = torch.cat([torch.arange(n_sink) + shift, torch.arange(w0, e)]).to(self.device)
             if graphed and (lengths[x.shape[1]] >= MIN_REPLAYS or self._graph_key(x.shape[1], layers, capture)
                             in self._graphs):  # a repeated shape, or one captured before: replayed (chunk_graph.py)
-                with self._lock:
+                with self.lock:
                     store = self._chunk_graph(x.shape[1], layers, capture)(x, pos.unsqueeze(0))
             else:  # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed
                 # sequence and hides the sink from the chunk
-                with self._lock, torch.inference_mode(), self._run_to(layers[-1], layers, capture, int8) as store:
+                with self.lock, torch.inference_mode(), self.run_to(layers[-1], layers, capture, int8) as store:
                     self.model.model(input_ids=x, position_ids=pos.unsqueeze(0), attention_mask=torch.ones_like(x),
                                      use_cache=False)
             yield Chunk(s, e, pos[n:], keys={l: k[:, n:] for l, k in store["k"].items()},
@@ -581,7 +584,7 @@ class Backbone:
         if not (stream or do_sample or gen_kwargs) and self.device.type == "cuda" and supports_graph_decode(self.model):
             return self._generate_graphed(ids, max_new_tokens)
         if not stream:
-            with self._lock, torch.inference_mode():
+            with self.lock, torch.inference_mode():
                 out = self.model.generate(ids, **kwargs)
             return self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
         return self._generate_stream(ids, kwargs)
@@ -590,7 +593,7 @@ class Backbone:
         """Greedy decoding with CUDA-graph steps over a static cache (`decode.py`; an eager Hugging Face step of the
         default model is nearly all kernel launches); stops at the model's end-of-sequence ids."""
         eos, out = self.eos_ids(), []
-        with self._lock, contextlib.closing(greedy_tokens(self.model, ids, max_new_tokens)) as steps:
+        with self.lock, contextlib.closing(greedy_tokens(self.model, ids, max_new_tokens)) as steps:
             for token in steps:  # closing: a stop at end-of-sequence puts the model's attention back at once
                 if int(token) in eos:
                     break
@@ -610,7 +613,7 @@ class Backbone:
 
         def work():
             try:
-                with self._lock, torch.inference_mode():
+                with self.lock, torch.inference_mode():
                     self.model.generate(ids, streamer=streamer, **kwargs)
             except BaseException as e:  # surfaced to the consumer below
                 errors.append(e)

@@ -54,7 +54,7 @@ def capture_graph(fn, device: torch.device, warmups: int = 1):
 
 class ChunkGraph:
     """One captured forward of `length` tokens to max(layers): ids and positions (1, length) in, the hooked
-    pre-RoPE states out, as `Backbone._run_to` stores them."""
+    pre-RoPE states out, as `Backbone.run_to` stores them."""
 
     def __init__(self, backbone, length: int, layers: Sequence[int], capture: Sequence[str]):
         from transformers import AttentionInterface
@@ -67,7 +67,7 @@ class ChunkGraph:
         mask = torch.ones(1, 1, length, length, dtype=torch.bool, device=device).tril()
 
         def forward() -> dict[str, dict[int, torch.Tensor]]:
-            with torch.inference_mode(), backbone._run_to(layers[-1], layers, capture) as store:
+            with torch.inference_mode(), backbone.run_to(layers[-1], layers, capture) as store:
                 backbone.model.model(input_ids=self.ids, position_ids=self.pos, attention_mask=mask, use_cache=False)
             return {kind: dict(states) for kind, states in store.items()}
 

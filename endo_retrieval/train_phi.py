@@ -89,7 +89,7 @@ def log_traces(backbone, text: str, layers: list[int], length: int, queries: int
     logged: dict[int, list] = {l: [] for l in layers}
     for w in _progress(range(n), progress, "logging"):
         rec.states = {}
-        with backbone._lock, torch.inference_mode(), installed(backbone, rec):
+        with backbone.lock, torch.inference_mode(), installed(backbone, rec):
             try:
                 backbone.model(input_ids=ids[w * length:(w + 1) * length].view(1, -1).to(backbone.device),
                                use_cache=False, logits_to_keep=1)

@@ -67,7 +67,7 @@ def test_absolute_and_dca_positions(tiny_backbone):
     # chunk 3 by hand: sink tokens 0..3 at positions 128..131 (one chunk size up), window 186..249, chunk 250..299
     ids = torch.as_tensor(np.concatenate([IDS[:4], IDS[186:300]]))[None]
     pos = torch.cat([torch.arange(4) + 128, torch.arange(186, 300)])[None]
-    with torch.inference_mode(), bb._run_to(2, [2], ("k",)) as store:
+    with torch.inference_mode(), bb.run_to(2, [2], ("k",)) as store:
         bb.model.model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False)
     torch.testing.assert_close(dca[2].keys[2], store["k"][2][:, 68:])
     with pytest.raises(BackboneError, match="positions"):

@@ -14,7 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 # where the code, tests and build read or name a docs file (their text is searched for citations)
-CODE = ["endo_retrieval", "kernels", "integrations", "bench", "examples", "tests", "tools", "Makefile", "pyproject.toml"]
+CODE = ["endo_retrieval", "kernels", "integrations", "bench", "examples", "tests", "tools", "Makefile",
+        "pyproject.toml"]
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".venv", ".git", "build", ".cache", "bench-out"}
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".ini", ".yml", ".yaml", ".json", ""}
 

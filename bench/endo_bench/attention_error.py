@@ -131,7 +131,7 @@ def capture_window(backbone, ids: torch.Tensor, n_prefill: int, chunk_size: int 
 
     rec = _Recorder(chunk_size=chunk_size, keep_q_from=n_prefill)
     rec.states = {}
-    with backbone._lock, torch.inference_mode(), installed(backbone, rec):
+    with backbone.lock, torch.inference_mode(), installed(backbone, rec):
         for chunk in ids.split(chunk_size):
             backbone.model(input_ids=chunk.view(1, -1).to(backbone.device), use_cache=False, logits_to_keep=1)
     cat = {l: [torch.cat(part, 1) for part in parts] for l, parts in rec.states.items()}

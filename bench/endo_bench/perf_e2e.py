@@ -50,7 +50,7 @@ def greedy(backbone, context: str, question: str, max_new_tokens: int) -> tuple[
     device = backbone.device
     start = clock(device)
     ids = backbone.chat_ids(USER_TEMPLATE.format(context=context, question=question))
-    with backbone._lock:
+    with backbone.lock:
         steps = greedy_tokens(backbone.model, ids, max_new_tokens)
         tokens = [next(steps)]
         first = clock(device)

@@ -143,7 +143,7 @@ def score_prompt(bb, prompt: Prompt, presses: Sequence = (None,), max_new_tokens
     full = DynamicCache()
     caches = [full if press is None else DynamicCache() for press in presses]
     own_ms = [0.0] * len(presses)
-    with bb._lock, torch.inference_mode():
+    with bb.lock, torch.inference_mode():
         start = time.perf_counter()
         with _fan_out(model, presses, caches, own_ms):
             model.model(input_ids=prompt.prefill[None].to(device), past_key_values=full)

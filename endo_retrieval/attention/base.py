@@ -103,7 +103,7 @@ class AttentionBackend:
             out = model(input_ids=x.view(1, -1).to(backbone.device), use_cache=False, logits_to_keep=1)
             return out.logits[0, -1]
 
-        with backbone._lock, torch.inference_mode(), installed(backbone, self):
+        with backbone.lock, torch.inference_mode(), installed(backbone, self):
             for chunk in ids.split(self.chunk_size):  # [ReAttention Alg. 1]: chunked prefill
                 logits = logits_after(chunk)
             for step in range(max_new_tokens):  # [ReAttention Alg. 2]: one token per step
