@@ -159,7 +159,9 @@ def test_train_sae_then_index_from_the_command_line(models, docs_dir, tmp_path, 
     folder = make_tiny_model("llama", tmp_path / "own", layers=3)  # a model of its own: no SAEs yet
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(FILLER * 4)
-    assert main(["index", str(docs_dir), "--out", str(tmp_path / "ix"), "--model", str(folder)]) == 2
+    assert main(["index", str(docs_dir), "--out", str(tmp_path / "ix"), "--model", str(folder),
+                 "--method", "s3-hybrid"]) == 2  # no SAEs yet (an index for bm25 or endo needs none)
+    assert "endo train-sae" in capsys.readouterr().err
     assert main(["train-sae", "--model", str(folder), "--corpus", str(corpus), "--heldout", "none", "--steps", "20",
                  "--batch-size", "128", "--expansion", "4", "--k", "4", "--chunk-size", "256"]) == 0
     bank = SAEBank.for_backbone(Backbone.of(str(folder)))
