@@ -91,17 +91,18 @@ def plugin_commands() -> dict:
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="endo", description="Endogenous retrieval: a local LM finds evidence "
                                      "with its own attention signals (S3-Attention, ILRe).")
-    add_subcommands(parser, COMMANDS | plugin_commands(), "command")
+    add_subcommands(parser, commands or COMMANDS | plugin_commands(), "command")
     return parser
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    commands = COMMANDS | plugin_commands()  # the entry points are read (and their modules imported) once
+    parser = build_parser(commands)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"] and "bench" not in plugin_commands():
+    if argv[:1] == ["bench"] and "bench" not in commands:
         print("endo bench: the benchmarks are a distribution of their own, in this repository's bench/ folder: "
               "pip install -e bench (make setup installs it).", file=sys.stderr)
         return 2
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     if getattr(args, "_missing", None):
         print(args._missing, file=sys.stderr)
         return 2
-    _, run = resolve(COMMANDS | plugin_commands(), args.command)
+    _, run = resolve(commands, args.command)
     from endo_retrieval.backbone import BackboneError
 
     try:

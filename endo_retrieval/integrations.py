@@ -144,7 +144,8 @@ def fit_to_window(backbone, passages: Sequence[str], question: str, window: int 
     corpus = CorpusMap()
     for i, text in enumerate(passages):
         corpus.add_document(str(i), text, backbone.encode(text).offsets)
-    lengths = np.array([corpus.doc(str(i)).n_tokens for i in range(len(passages))])
+    docs = [corpus.doc(str(i)) for i in range(len(passages))]
+    lengths = np.array([d.n_tokens for d in docs])
     if lengths.sum() <= window:
         return list(passages)
     share = water_level(lengths, window)
@@ -152,9 +153,8 @@ def fit_to_window(backbone, passages: Sequence[str], question: str, window: int 
         raise ValueError(f"{len(passages)} passages do not fit in the model's window of {window} tokens even at "
                          f"{MIN_SHARE} tokens each; hand the reranker fewer candidates (the first stage's top_k).")
     q, sentences = set(words(question)), corpus.sentence_starts()
-    return [text if n <= share else part_text(corpus, best_part(corpus, sentences, corpus.doc(str(i)).start,
-                                                                  corpus.doc(str(i)).end, q, share))
-            for i, (text, n) in enumerate(zip(passages, lengths))]
+    return [text if n <= share else part_text(corpus, best_part(corpus, sentences, d.start, d.end, q, share))
+            for text, n, d in zip(passages, lengths, docs)]
 
 
 def water_level(lengths: np.ndarray, room: int) -> int:
