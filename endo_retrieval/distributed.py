@@ -31,12 +31,12 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from endo_retrieval import segments
-from endo_retrieval.engine import CHUNK, Document, EndoIndex, _check_method, _interleave, span_rrf
-from endo_retrieval.files import writer_lock
-from endo_retrieval.index import FeatureIndex
+from endo_retrieval.index import segments
+from endo_retrieval.index.engine import CHUNK, Document, EndoIndex, _check_method, _interleave, span_rrf
+from endo_retrieval.index.files import writer_lock
+from endo_retrieval.index.inverted import FeatureIndex
 from endo_retrieval.methods.base import Span, check_budget
-from endo_retrieval.select import QA_KERNEL, _enclosing, density, ranked_peaks, runs
+from endo_retrieval.scoring.select import QA_KERNEL, _enclosing, density, ranked_peaks, runs
 
 SIGNALS = {"s3": ["s3"], "bm25": ["bm25"], "s3-hybrid": ["s3", "bm25"]}  # in EndoIndex.signal_scores's order
 PEAK_BATCH = 64  # peaks a shard sends per signal and round trip (a budget of 512 tokens takes ~10-30)
@@ -77,8 +77,8 @@ class ModelRecipe:
     sae: str | None = None
 
     def __call__(self):
-        from endo_retrieval.backbone import Backbone
-        from endo_retrieval.sae import SAEBank
+        from endo_retrieval.model.backbone import Backbone
+        from endo_retrieval.model.sae import SAEBank
 
         backbone = Backbone(self.model) if self.model else Backbone.default()
         saes = SAEBank.load(self.sae, backbone.model_hash, backbone.device) if self.sae else \
@@ -259,7 +259,7 @@ class Shard:
 
     @property
     def bm25(self):
-        from endo_retrieval.bm25 import SentenceBM25
+        from endo_retrieval.scoring.bm25 import SentenceBM25
 
         if self._bm25 is None:
             self._bm25 = SentenceBM25.build(self.corpus)
@@ -348,7 +348,7 @@ class ShardedIndex:
     def select(self, question: str, budget: int, method: str | None = None, kernel: int = QA_KERNEL,
                s3_share: float = 0.5) -> list[Span]:
         """`EndoIndex.select` over the shards (lead_tail 0, as `search` uses it)."""
-        from endo_retrieval.backbone import as_text
+        from endo_retrieval.model.backbone import as_text
 
         ray = _ray()
         check_budget(budget)

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from endo_retrieval.engine import Document, EndoIndex
+from endo_retrieval.index.engine import Document, EndoIndex
 from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, compress
 from endo_retrieval.methods.base import Span
 
@@ -110,7 +110,7 @@ def rerank_passages(passages: Sequence[str], question: str, top_n: int, backbone
     (`endo_retrieval.methods.heads.rank_passages`), best first; ties keep the first stage's order. `passages`
     come in the first stage's order, best first; `best_last` hands them to the model reversed. Passages longer
     together than the model's window are each read in part (`fit_to_window`), never dropped."""
-    from endo_retrieval.backbone import Backbone
+    from endo_retrieval.model.backbone import Backbone
     from endo_retrieval.methods.heads import rank_passages
 
     if isinstance(top_n, bool) or not isinstance(top_n, (int, np.integer)) or top_n <= 0:
@@ -136,9 +136,9 @@ def fit_to_window(backbone, passages: Sequence[str], question: str, window: int 
     model's trained window less QUESTION_ROOM) together; else each passage longer than an equal share keeps its
     best part of that share (`pipeline.best_part`: its first sentence, then the sentences with the most question
     words), the share being as large as the shorter passages, read whole, leave room for. No passage is dropped."""
-    from endo_retrieval.corpus import CorpusMap
-    from endo_retrieval.bm25 import words
-    from endo_retrieval.pipeline import best_part, part_text
+    from endo_retrieval.index.corpus import CorpusMap
+    from endo_retrieval.scoring.bm25 import words
+    from endo_retrieval.index.pipeline import best_part, part_text
 
     window = window or (backbone.max_position or 8192) - QUESTION_ROOM
     corpus = CorpusMap()

@@ -49,7 +49,7 @@ def make_tiny_model(family: str, folder: Path, layers: int = 4, head_dim: int = 
     import torch
     import transformers
 
-    from endo_retrieval.backbone import Backbone
+    from endo_retrieval.model.backbone import Backbone
 
     configs = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from endo_retrieval import Backbone, SAEBank, TopKSAE, compress
-from endo_retrieval.backbone import (ModelNotFoundError, UnsupportedModelError, cache_dir, default_gguf,
+from endo_retrieval.model.backbone import (ModelNotFoundError, UnsupportedModelError, cache_dir, default_gguf,
                                      file_sha256)
 from endo_retrieval.cli import main
-from endo_retrieval.profiles import ilre_profile_path, sae_dir
+from endo_retrieval.model.profiles import ilre_profile_path, sae_dir
 
 from conftest import make_tiny_model
 from gguf_writer import write_gguf, write_header_only
@@ -99,7 +99,7 @@ def test_index_query_retrieve_and_compress(models, docs_dir, tmp_path, capsys, f
     assert 1 <= len(hits) <= 2
     for h in hits:
         assert DOCS[Path(h["doc_id"]).name][h["char_start"]:h["char_end"]] == h["text"]
-    from endo_retrieval.mcp_server import IndexHolder  # what `endo mcp --index DIR --model PATH` serves
+    from endo_retrieval.cli.mcp_server import IndexHolder  # what `endo mcp --index DIR --model PATH` serves
 
     assert [s.text for s in IndexHolder(str(index), "s3-hybrid", path).search(QUESTION, 2, None)] == \
         [h["text"] for h in hits]

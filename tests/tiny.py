@@ -23,7 +23,7 @@ def tiny_engine():
     import transformers
 
     from endo_retrieval import Backbone, SAEBank, TopKSAE
-    from endo_retrieval.backbone import convert_gguf, default_gguf, file_sha256
+    from endo_retrieval.model.backbone import convert_gguf, default_gguf, file_sha256
 
     gguf = default_gguf()
     tok = transformers.AutoTokenizer.from_pretrained(convert_gguf(gguf, file_sha256(gguf)))

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from endo_retrieval.commands import model_argument
-from endo_retrieval.commands import int_list
+from endo_retrieval.cli.commands import model_argument
+from endo_retrieval.cli.commands import int_list
 from endo_bench.measure import length_label, peak_rss_mb
 
 SCHEMA = "endo-bench-attention/1"
@@ -136,7 +136,7 @@ def accuracy_rows(backbone, data: str, lengths: list[int], depths: int, limit: i
     from tqdm import tqdm
 
     from endo_retrieval.attention import AttentionError, get_backend
-    from endo_retrieval.datasets import load_examples
+    from endo_retrieval.calibration.datasets import load_examples
     from endo_bench.metrics import exact_match, f1_score
     from endo_bench.runner import Prompter
 
@@ -484,11 +484,11 @@ def _measures(text: str) -> set[str]:
 
 def run(args) -> int:
     from endo_retrieval.attention import BACKENDS, AttentionError
-    from endo_retrieval.backbone import Backbone
+    from endo_retrieval.model.backbone import Backbone
     from endo_bench import attention_error
-    from endo_retrieval.files import atomic_write
-    from endo_retrieval.train_phi import DEFAULT_DATA
-    from endo_retrieval.train_sae import read_corpus
+    from endo_retrieval.index.files import atomic_write
+    from endo_retrieval.calibration.train_phi import DEFAULT_DATA
+    from endo_retrieval.calibration.train_sae import read_corpus
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

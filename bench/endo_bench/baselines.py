@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from endo_retrieval.backbone import Backbone
+from endo_retrieval.model.backbone import Backbone
 from endo_retrieval.methods.base import Compressed, Span, check_budget, join_spans
 
 CHUNK_TOKENS = 256  # the RAG baselines' chunk size (S3 section 4.3)

@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from endo_retrieval.commands import int_list, model_argument
+from endo_retrieval.cli.commands import int_list, model_argument
 
 HELP = "benchmarks: quality | perf | attention | signals | rerank | corpus"
 
@@ -51,7 +51,7 @@ def quality_run(args) -> int:
                            skip_bad=args.skip_bad, generate=not args.no_generate, max_new_tokens=args.max_new_tokens)
     backbone = None
     if args.model:
-        from endo_retrieval.backbone import Backbone
+        from endo_retrieval.model.backbone import Backbone
 
         backbone = Backbone(args.model)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -45,7 +45,7 @@ WARM_UP = "Which river flows through the old town?"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from endo_retrieval.commands import model_argument
+    from endo_retrieval.cli.commands import model_argument
 
     p.add_argument("--data", required=True, help="HotpotQA PATH.json (supporting facts are the gold)")
     p.add_argument("--out", required=True, help="FILE.json; FILE.md is written beside it")
@@ -322,7 +322,7 @@ def pick_reference(asked: str, rows: list[dict]) -> str | None:
 
 
 def run(args) -> int:
-    from endo_retrieval.datasets import hotpotqa_corpus
+    from endo_retrieval.calibration.datasets import hotpotqa_corpus
 
     systems = parse_systems(args.systems)
     if args.candidates < TOP:
@@ -341,7 +341,7 @@ def run(args) -> int:
     titles_of = {n.node_id: t for n, t in zip(nodes, titles)}
     bb = None
     if any(s not in ("llamaindex-bm25", "minilm") for s in systems):
-        from endo_retrieval.backbone import Backbone
+        from endo_retrieval.model.backbone import Backbone
 
         bb = Backbone.of(args.model)  # loaded once, before any index is timed
     rows, shared = [], {}

@@ -10,6 +10,8 @@ Sections (`--sections`, each measured in one run on the same text):
 * e2e    - index or compress, then generate, per question: full / ilre / s3-hybrid (perf_e2e.py).
 * ttft   - time to first token and peak memory, full versus ILRe, optionally on an 8B-shaped random model.
 * scale  - 1 Ray worker against 2 in one run: indexing tokens/s, ILRe over several GPUs (perf_scale.py).
+* ilre   - ILRe's stages at long lengths, chunks batched against one per forward (perf_ilre.py), optionally on the
+           8B-shaped random model; asked for by name.
 Rows follow the GUIDE contract (schema endo-bench-perf/1); FILE.md and one PNG per section go beside FILE.json.
 """
 from __future__ import annotations
@@ -25,12 +27,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from endo_retrieval.commands import int_list, model_argument
+from endo_retrieval.cli.commands import int_list, model_argument
 from endo_bench.measure import clock, length_label, peak_accel_mb, peak_rss_mb, questions_from, reset_peak, row
 
 SCHEMA = "endo-bench-perf/1"
 DEFAULT_SECTIONS = ("index", "memory", "query", "e2e", "ttft")
-SECTIONS = DEFAULT_SECTIONS + ("scale",)  # scale: Ray workers, asked for by name (perf_scale.py)
+SECTIONS = DEFAULT_SECTIONS + ("scale", "ilre")  # asked for by name: Ray workers (perf_scale.py), ILRe's stages
 DEFAULT_TEXT = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pg_essays"
 # defaults per device: (index tokens, memory lengths, corpus sizes, e2e lengths, ttft lengths)
 DEFAULTS = {"cuda": (262144, [8192, 65536, 262144, 1048576], [65536, 262144, 1048576, 4194304],
@@ -83,7 +85,7 @@ class TextSource:
     @classmethod
     def load(cls, backbone, folder: str | None, repeat: bool = True, seed: int = 0) -> "TextSource":
         if folder is None and not DEFAULT_TEXT.is_dir():
-            text, origin = generated_filler(seed), "generated filler (endo_retrieval.demo.FILLER)"
+            text, origin = generated_filler(seed), "generated filler (endo_retrieval.cli.demo.FILLER)"
         else:
             path = Path(folder) if folder else DEFAULT_TEXT
             files = sorted(path.glob("*.txt")) if path.is_dir() else []
@@ -117,7 +119,7 @@ def generated_filler(seed: int = 0, sentences: int = 4096) -> str:
     """The demo's filler sentences in seeded order, eight to a paragraph (used when ../shared/data is absent)."""
     import random
 
-    from endo_retrieval.demo import FILLER
+    from endo_retrieval.cli.demo import FILLER
 
     rng = random.Random(seed)
     picked = [rng.choice(FILLER) for _ in range(sentences)]
@@ -129,7 +131,7 @@ def generated_filler(seed: int = 0, sentences: int = 4096) -> str:
 def build_index(backbone, saes, text: str, chunk_size: int):
     """`text` indexed as one document, ready for queries: whatever the first query would otherwise pay for (a merge
     of small segments) is done here."""
-    from endo_retrieval.engine import Document, EndoIndex
+    from endo_retrieval.index.engine import Document, EndoIndex
 
     index = EndoIndex(backbone, "s3-hybrid", saes=saes, chunk_size=chunk_size)
     index.add_documents([Document("perf", text)])
@@ -229,7 +231,7 @@ def tile_index(index, copies: int):
     corpus length, with the same postings, added in segments of the engine's hand-offs (HANDOFF_TOKENS), as
     queries meet them after a build. This is what indexing the documents `copies` times gives, since each document
     streams from its own start (independent chunks) and its features do not depend on the others."""
-    from endo_retrieval.engine import HANDOFF_TOKENS, EndoIndex
+    from endo_retrieval.index.engine import HANDOFF_TOKENS, EndoIndex
 
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")
@@ -269,8 +271,8 @@ def percentiles(seconds: list[float]) -> tuple[float, float]:
 
 def query_section(backbone, saes, source: TextSource, sizes: list[int], base_tokens: int, n_questions: int,
                   budget: int, chunk_size: int, bar) -> list[dict]:
-    from endo_retrieval.engine import SCORE_ON_ACCELERATOR
-    from endo_retrieval.pipeline import EndoPipeline
+    from endo_retrieval.index.engine import SCORE_ON_ACCELERATOR
+    from endo_retrieval.index.pipeline import EndoPipeline
 
     device, dev = backbone.device, backbone.device.type
     # the first stage reads no heads: a stand-in lets a model without a heads profile be timed too
@@ -352,7 +354,7 @@ def query_section(backbone, saes, source: TextSource, sizes: list[int], base_tok
 # ---- arguments --------------------------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from endo_retrieval.engine import CHUNK
+    from endo_retrieval.index.engine import CHUNK
 
     cuda, cpu = DEFAULTS["cuda"], DEFAULTS["cpu"]
     p.add_argument("--out", required=True, help="FILE.json; FILE.md and FILE.<section>.png go beside it")
@@ -383,14 +385,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ttft lengths of the 8B-shaped model (default 131072,262144,524288,1048576)")
     p.add_argument("--e2e-lengths-8b", type=int_list, default=[32768, 131072],
                    help="e2e lengths of the 8B-shaped model (default 32768,131072)")
+    p.add_argument("--ilre-lengths", type=int_list, default=[131072, 262144, 1048576],
+                   help="ilre section lengths (default 131072,262144,1048576; also the 8B shape's)")
     p.add_argument("--scale-tokens", type=int, default=None, help=f"scale section: tokens indexed and ILRe's "
                    f"context (default {SCALE_TOKENS['cuda']} on CUDA, {SCALE_TOKENS['cpu']} on CPU)")
     p.add_argument("--scale-docs", type=int, default=64, help="scale section: documents the text is cut into (64)")
     p.add_argument("--scale-workers", type=int, default=2, help="scale section: Ray workers beside one (default 2)")
     p.add_argument("--ray", default=None, metavar="ADDRESS", help="scale section: the Ray cluster to join "
                    "(default: a local one, a worker per GPU)")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="scale section: the accelerator's dense bf16 "
-                   "peak for ILRe's compute share (default 989, an H100 SXM)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="scale and ilre sections: the accelerator's "
+                   "dense bf16 peak for ILRe's compute share (default 989, an H100 or H200 SXM)")
     p.add_argument("--budget", type=int, default=1024, help="context tokens ilre and s3-hybrid keep (default 1024)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per question in e2e (default 64)")
     p.add_argument("--chunk-size", type=int, default=CHUNK, help=f"indexing chunk (default {CHUNK})")
@@ -410,7 +414,7 @@ def resolve_settings(args, device: str) -> dict:
     s = {"sections": sections, "index_tokens": args.index_tokens or index_tokens, "lengths": args.lengths or lengths,
          "corpus_sizes": args.corpus_sizes or sizes, "e2e_lengths": args.e2e_lengths or e2e,
          "ttft_lengths": args.ttft_lengths or ttft, "ttft_lengths_8b": args.ttft_lengths_8b,
-         "e2e_lengths_8b": args.e2e_lengths_8b}
+         "e2e_lengths_8b": args.e2e_lengths_8b, "ilre_lengths": args.ilre_lengths}
     s["query_base"] = args.query_base or min(s["corpus_sizes"])
     s["scale_tokens"] = args.scale_tokens or SCALE_TOKENS["cuda" if device == "cuda" else "cpu"]
     for name in ("index_tokens", "query_base", "query_questions", "questions", "budget", "max_new_tokens",
@@ -439,7 +443,8 @@ def longest(s: dict, random_8b: bool) -> int:
     """The most text any chosen section takes from the source (the 8B lengths only count when asked for)."""
     need = {"index": [s["index_tokens"]], "memory": s["lengths"], "query": [s["query_base"]],
             "e2e": s["e2e_lengths"] + (s["e2e_lengths_8b"] if random_8b else []),
-            "ttft": s["ttft_lengths"] + (s["ttft_lengths_8b"] if random_8b else []), "scale": [s["scale_tokens"]]}
+            "ttft": s["ttft_lengths"] + (s["ttft_lengths_8b"] if random_8b else []), "scale": [s["scale_tokens"]],
+            "ilre": s["ilre_lengths"]}
     return max(max(need[name]) for name in s["sections"])
 
 
@@ -525,7 +530,7 @@ def plot(rows: list[dict], section: str, path: Path) -> bool:
 
 
 def write_outputs(result: dict, out: Path, plots: bool = True) -> list[Path]:
-    from endo_retrieval.files import atomic_write
+    from endo_retrieval.index.files import atomic_write
 
     atomic_write(out, lambda p: p.write_text(json.dumps(result, indent=1), encoding="utf-8"))
     atomic_write(out.with_suffix(".md"), lambda p: p.write_text(markdown(result), encoding="utf-8"))
@@ -555,9 +560,9 @@ def config_of(backbone, saes, source: TextSource, settings: dict, args) -> dict:
 def run(args) -> int:
     from tqdm.auto import tqdm
 
-    from endo_retrieval.backbone import Backbone
+    from endo_retrieval.model.backbone import Backbone
     from endo_bench import perf_e2e
-    from endo_retrieval.sae import SAEBank
+    from endo_retrieval.model.sae import SAEBank
 
     out = Path(args.out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -576,7 +581,8 @@ def run(args) -> int:
               "ttft_fit": []}
     s, rows = settings, result["rows"]
     steps = {"index": 1, "memory": 2 * len(s["lengths"]), "query": len(s["corpus_sizes"]) * args.query_questions,
-             "e2e": len(s["e2e_lengths"]), "ttft": len(s["ttft_lengths"]), "scale": 1}
+             "e2e": len(s["e2e_lengths"]), "ttft": len(s["ttft_lengths"]), "scale": 1,
+             "ilre": len(args.ilre_lengths)}
     bar = tqdm(total=sum(steps[name] for name in s["sections"]), desc="perf", disable=None)
     for section in s["sections"]:
         bar.set_postfix_str(section)
@@ -600,8 +606,15 @@ def run(args) -> int:
 
             rows += scale_rows(source, s["scale_tokens"], args, args.scale_workers)
             bar.update()
+        elif section == "ilre":
+            from endo_bench.perf_ilre import ilre_rows
+
+            rows += ilre_rows(backbone, source, args.ilre_lengths, args.budget, args.ilre_layer, args.peak_tflops,
+                              bar=bar)
         write_outputs(result, out, plots=False)  # after every section: a later failure keeps what was measured
     bar.close()
+    if "ilre" in s["sections"] and args.random_llama_8b:
+        rows += perf_e2e.random_8b_ilre_rows(source, args)
     if {"e2e", "ttft"} & set(s["sections"]) and args.random_llama_8b:
         new = perf_e2e.random_8b_rows(source, s["sections"], s["ttft_lengths_8b"], s["e2e_lengths_8b"], args)
         rows += new

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from endo_retrieval.chunk_graph import MIN_REPLAYS
+from endo_retrieval.model.chunk_graph import MIN_REPLAYS
 from endo_bench.measure import clock, peak_accel_mb, questions_from, reset_peak, row
 from endo_bench.runner import USER_TEMPLATE
 
@@ -45,7 +45,7 @@ def llama8b_config():
 def greedy(backbone, context: str, question: str, max_new_tokens: int) -> tuple[Timing, list[int]]:
     """Chat-template prompt, one prefill forward, then one token a step over a static KV cache (CUDA-graph steps on
     CUDA, as `Backbone.generate` decodes)."""
-    from endo_retrieval.decode import greedy_tokens
+    from endo_retrieval.model.decode import greedy_tokens
 
     device = backbone.device
     start = clock(device)
@@ -73,7 +73,7 @@ def time_ilre(ilre, context: str, question: str, budget: int, max_new_tokens: in
 def time_s3(backbone, saes, context: str, questions: list[str], budget: int, max_new_tokens: int,
             chunk_size: int) -> tuple[float, list[Timing]]:
     """(seconds to index the context, one Timing per question from the same index)."""
-    from endo_retrieval.engine import Document, EndoIndex
+    from endo_retrieval.index.engine import Document, EndoIndex
     from endo_retrieval.methods.s3 import S3Hybrid
 
     device = backbone.device
@@ -198,7 +198,7 @@ def ttft_rows(backbone, source, lengths: list[int], budget: int, ilre_layer: int
 
 def random_saes(backbone, layers: list[int], d_latent: int = 1024, k: int = 16):
     """Top-k SAEs with random weights (the shipped SAEs' size) for a random-weight model: timing only."""
-    from endo_retrieval.sae import SAEBank, TopKSAE
+    from endo_retrieval.model.sae import SAEBank, TopKSAE
 
     torch.manual_seed(0)
     saes = {l: TopKSAE(backbone.head_dim, d_latent, k).to(backbone.device) for l in layers}
@@ -211,9 +211,9 @@ def random_8b_rows(source, sections: list[str], ttft_lengths: list[int], e2e_len
     Its prefill outweighs its 64 decode steps, unlike the 135M default model's, so what precedes decoding shows."""
     from tqdm.auto import tqdm
 
-    from endo_retrieval.backbone import Backbone
+    from endo_retrieval.model.backbone import Backbone
 
-    backbone = Backbone.random(llama8b_config(), device="cuda")
+    backbone = Backbone.random(llama8b_config(), tokenizer_from=args.model, device="cuda")
     layer = backbone.n_layers // 2
     sae_layers = [round(l * backbone.n_layers / 30) for l in (3, 11, 19)]  # the shipped SAEs' depths on 30 layers
     saes = random_saes(backbone, sae_layers)
@@ -227,6 +227,21 @@ def random_8b_rows(source, sections: list[str], ttft_lengths: list[int], e2e_len
         if "ttft" in sections:
             rows += ttft_rows(backbone, source, ttft_lengths, args.budget, layer, saes, args.chunk_size, RANDOM_8B,
                               note, bar)
+    del backbone
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def random_8b_ilre_rows(source, args) -> list[dict]:
+    """The ilre section's rows on the Llama-3-8B-shaped model with random weights, ILRe at layer n_layers // 2."""
+    from endo_bench.perf_ilre import ilre_rows
+    from endo_retrieval.model.backbone import Backbone
+
+    backbone = Backbone.random(llama8b_config(), tokenizer_from=args.model, device="cuda")
+    note = f"RANDOM weights ({backbone.model_id}): timing only; ILRe layer n_layers // 2"
+    rows = ilre_rows(backbone, source, args.ilre_lengths, args.budget, backbone.n_layers // 2, args.peak_tflops,
+                     RANDOM_8B, note)
     del backbone
     gc.collect()
     torch.cuda.empty_cache()

@@ -28,7 +28,7 @@ class Random8B:
     """A worker's model for the ILRe rows: the 8B shape, the same random weights on every worker (seeded)."""
 
     def __call__(self):
-        from endo_retrieval.backbone import Backbone
+        from endo_retrieval.model.backbone import Backbone
         from endo_bench.perf_e2e import llama8b_config
 
         torch.manual_seed(0)
@@ -37,7 +37,7 @@ class Random8B:
 
 def documents(text: str, count: int) -> list:
     """`text` cut after paragraph breaks into about `count` documents of about equal length."""
-    from endo_retrieval.engine import Document
+    from endo_retrieval.index.engine import Document
 
     paragraphs = text.split("\n\n")
     ends = np.cumsum([len(p) + 2 for p in paragraphs])
@@ -70,8 +70,9 @@ def ilre_flops(config, layer: int, length: int, query: int, chunk: int, sink: in
 
 
 def scale_rows(source, n: int, args, workers: int = 2) -> list[dict]:
-    from endo_retrieval import distributed, segments
-    from endo_retrieval.backbone import Backbone
+    from endo_retrieval import distributed
+    from endo_retrieval.index import segments
+    from endo_retrieval.model.backbone import Backbone
     from endo_retrieval.methods.ilre import ILRe
 
     ray = distributed.connect(args.ray or None)

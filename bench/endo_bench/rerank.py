@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.datasets import hotpotqa_corpus
+from endo_retrieval.calibration.datasets import hotpotqa_corpus
 
 SCHEMA = "endo-bench-rerank/1"
 ORDERS = {"best-last": True, "first-stage": False}  # the order the model reads the candidates in -> best_last
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from endo_retrieval.commands import int_list, model_argument
+    from endo_retrieval.cli.commands import int_list, model_argument
     from endo_retrieval.integrations import RERANK_BEST_LAST
 
     default_order = next(name for name, best_last in ORDERS.items() if best_last == RERANK_BEST_LAST)
@@ -57,7 +57,7 @@ def run(args) -> int:
     from sentence_transformers import SentenceTransformer
     from tqdm import tqdm
 
-    from endo_retrieval.backbone import Backbone
+    from endo_retrieval.model.backbone import Backbone
     from endo_retrieval.integrations import RERANK_BEST_LAST, rerank_passages
     from endo_bench.baselines import minilm_folder
 

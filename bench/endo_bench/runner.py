@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from endo_bench import metrics
-from endo_retrieval.datasets import Example, load_examples
-from endo_bench.measure import peak_rss_mb
+from endo_retrieval.calibration.datasets import Example, load_examples
+from endo_bench.measure import peak_accel_mb, peak_rss_mb, reset_peak
 from endo_retrieval.methods import REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -344,6 +344,7 @@ class Evaluator:
             overhead = len(prompt.prefill) - n_context
             selected_text, n_selected = None, max(scored.kv_kept - overhead, 1)
         else:
+            reset_peak(self.bb.device)  # the method's own peak (index and query): the weights plus what it holds
             start = time.perf_counter()
             if hasattr(method, "prepare"):  # two stages: index the context, then answer the question
                 prepared, latency["index"] = self.prepared(method, example, context_tokens)
@@ -352,6 +353,7 @@ class Evaluator:
             else:
                 compressed = method.compress(example.context, example.question, budget)
             latency["query"] = (time.perf_counter() - start) * 1e3
+            record["peak_accel_mb"] = peak_accel_mb(self.bb.device)
             selected_text, n_selected = compressed.text, compressed.n_tokens
             if getattr(method, "name", None) == "full":
                 scored = self.whole_prompt(example, context_tokens)[1]["full", None]
@@ -401,7 +403,7 @@ def run_quality(config: QualityConfig, backbone=None) -> dict:
     """Run the bench; returns the report (also written as JSON, Markdown and PNG plots beside config.out)."""
     from tqdm import tqdm
 
-    from endo_retrieval.backbone import Backbone
+    from endo_retrieval.model.backbone import Backbone
     wall = time.perf_counter()
     bb = backbone or Backbone.default()
     store = RecordStore(config.out.with_suffix(".records.jsonl"), fingerprint(bb, config))

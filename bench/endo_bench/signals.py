@@ -18,8 +18,8 @@ SCHEMA = "endo-bench-signals/1"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from endo_retrieval.commands import model_argument
-    from endo_retrieval.commands import int_list
+    from endo_retrieval.cli.commands import model_argument
+    from endo_retrieval.cli.commands import int_list
 
     p.add_argument("--data", required=True, help="HotpotQA PATH.json (gold supporting sentences are needed)")
     p.add_argument("--out", required=True, help="FILE.json; FILE.md is written beside it")
@@ -34,12 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from endo_retrieval.backbone import Backbone
-    from endo_retrieval.datasets import load_examples
-    from endo_retrieval.heads_calibrate import gold_sentences
-    from endo_retrieval.fusion import fuse, rrf
+    from endo_retrieval.model.backbone import Backbone
+    from endo_retrieval.calibration.datasets import load_examples
+    from endo_retrieval.calibration.heads import gold_sentences
+    from endo_retrieval.scoring.fusion import fuse, rrf
     from endo_retrieval.methods.endo import Endo, kept_in_budget
-    from endo_retrieval.profiles import ilre_profile
+    from endo_retrieval.model.profiles import ilre_profile
 
     bb = Backbone(args.model) if args.model else Backbone.default()
     ilre = ilre_profile(bb)

@@ -14,7 +14,7 @@ from typing import ClassVar, Iterator
 import torch
 import torch.nn.functional as F
 
-from endo_retrieval.backbone import Backbone, BackboneError
+from endo_retrieval.model.backbone import Backbone, BackboneError
 
 
 class AttentionError(BackboneError):

@@ -21,7 +21,7 @@ import torch
 
 from endo_retrieval.attention.base import AttentionBackend, AttentionError, causal_attention
 from endo_retrieval.attention.phi import PhiMaps
-from endo_retrieval.backbone import Backbone
+from endo_retrieval.model.backbone import Backbone
 
 EPS = 1e-6  # floor for the subtracted u~ (appendix C, numerical note)
 

@@ -9,9 +9,9 @@ middle [C_sink, t - C_local) with the largest scores (the top-k oracle). Three p
 - PSAW (IV-B): from layer l_s on, keys in [C_sink, P_l(t)) are masked, in prefill and decoding [PrHS Eq. 15].
 - ETF (IV-C): in prefill, from layer l_s on, tokens in [C_sink, E_l(t)) skip attention [PrHS Eq. 16].
 Prefill is otherwise dense; keys are cached rotated at their absolute positions, as in `dense`. A decode step is
-`kernels/prhs_step.py`: two fused Triton launches on CUDA (gate, scores, top-k, dilation, gathered attention; the
-CIS state and the retrieval count stay on the device), its torch twin elsewhere. While the middle holds fewer
-than k keys it is read whole (it is its own top-k) and nothing is counted as a retrieval.
+`endo_retrieval/kernels/prhs_step.py`: two fused Triton launches on CUDA (gate, scores, top-k, dilation,
+gathered attention; the CIS state and the retrieval count stay on the device), its torch twin elsewhere. While the
+middle holds fewer than k keys it is read whole (it is its own top-k) and nothing is counted as a retrieval.
 
 Interface limits (documented, not hidden): the backend sees one layer's attention only, so an ETF-frozen token
 gets a zero attention update (its residual stream passes through attention) but still runs the layer's MLP, and
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from endo_retrieval.attention.base import AttentionBackend, AttentionError
-from endo_retrieval.backbone import Backbone
+from endo_retrieval.model.backbone import Backbone
 from endo_retrieval.kernels.prhs_step import prhs_step
 
 

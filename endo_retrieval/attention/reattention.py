@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from endo_retrieval.attention.base import AttentionBackend, AttentionError, causal_attention
-from endo_retrieval.backbone import Backbone
+from endo_retrieval.model.backbone import Backbone
 from endo_retrieval.kernels.topk_attention import topk_scores
 
 

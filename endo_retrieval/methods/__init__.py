@@ -36,7 +36,7 @@ def compress(context: str, question: str, budget: int = 1024, method: str = DEFA
     """Compress one long context for one question: `.text` holds at most `budget` backbone tokens, in source
     order, and `.spans` the kept pieces with their character offsets and the signals that chose them.
     `backbone`: a loaded Backbone, a model folder or GGUF file (loaded once per process), or None (the default)."""
-    from endo_retrieval.backbone import Backbone
+    from endo_retrieval.model.backbone import Backbone
 
     backbone = Backbone.of(backbone) if method in REGISTRY else None  # an unknown name fails before any loading
     return get_method(method, backbone=backbone).compress(context, question, budget)

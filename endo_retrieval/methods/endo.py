@@ -21,11 +21,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from endo_retrieval.fusion import fuse, rrf, standardise
+from endo_retrieval.scoring.fusion import fuse, rrf, standardise
 from endo_retrieval.methods.base import Compressed, check_budget
 from endo_retrieval.methods.heads import (HeadsError, Prepared, RetrievalHeads, calibrated_attention,
                                           calibrated_scores, fit_sentences, sentence_max)
-from endo_retrieval.profiles import heads_profile, ilre_profile
+from endo_retrieval.model.profiles import heads_profile, ilre_profile
 from endo_retrieval.methods.ilre import attention_scores
 
 SIGNALS = ("bm25", "heads", "hop2", "ilre")
@@ -167,8 +167,8 @@ class TwoStageEndo:
     pipeline: object = None  # an EndoPipeline (None: the model's fitted one)
 
     def __post_init__(self):
-        from endo_retrieval.backbone import Backbone
-        from endo_retrieval.pipeline import EndoPipeline
+        from endo_retrieval.model.backbone import Backbone
+        from endo_retrieval.index.pipeline import EndoPipeline
 
         self.backbone = Backbone.of(self.backbone)
         self.pipeline = self.pipeline or EndoPipeline(self.backbone)
@@ -176,10 +176,10 @@ class TwoStageEndo:
     def compress(self, context: str, question: str, budget: int = 1024) -> Compressed:
         from types import SimpleNamespace
 
-        from endo_retrieval.bm25 import words
-        from endo_retrieval.corpus import CorpusMap
+        from endo_retrieval.scoring.bm25 import words
+        from endo_retrieval.index.corpus import CorpusMap
         from endo_retrieval.methods.heads import _question
-        from endo_retrieval.pipeline import Passages
+        from endo_retrieval.index.pipeline import Passages
 
         check_budget(budget)
         if not isinstance(context, str) or not context.strip():

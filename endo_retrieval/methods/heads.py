@@ -25,11 +25,11 @@ from typing import ClassVar, Sequence
 import numpy as np
 import torch
 
-from endo_retrieval.corpus import CorpusMap
-from endo_retrieval.bm25 import SentenceBM25
+from endo_retrieval.index.corpus import CorpusMap
+from endo_retrieval.scoring.bm25 import SentenceBM25
 from endo_retrieval.methods.base import Compressed, Span, check_budget
-from endo_retrieval.profiles import heads_profile
-from endo_retrieval.select import spans_from_peaks
+from endo_retrieval.model.profiles import heads_profile
+from endo_retrieval.scoring.select import spans_from_peaks
 
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 NULL_QUESTION = "N/A"  # In-Context Re-ranking's content-free query
@@ -121,7 +121,7 @@ def read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[int
             backbone.model.model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
                                  use_cache=True)
         positions = torch.arange(b - a, device=backbone.device)
-        keys = {l: backbone.apply_rope(store["k"][l], positions).to(backbone.dtype) for l in layers}
+        keys = {l: backbone.apply_rope(store["k"][l][0], positions).to(backbone.dtype) for l in layers}
         if on_host:
             _move_cache(cache, "cpu")
             keys = {l: _to(k, "cpu") for l, k in keys.items()}
@@ -168,7 +168,7 @@ def ask(backbone, reading: Reading, query_ids: np.ndarray, layers: Sequence[int]
                 cache.crop(n)
                 if reading.on_host:
                     _move_cache(cache, "cpu")
-        out.append({l: backbone.apply_rope(store["q"][l], positions) for l in layers})
+        out.append({l: backbone.apply_rope(store["q"][l][0], positions) for l in layers})
     return out
 
 
@@ -298,7 +298,7 @@ def fit_sentences(prepared: Prepared, order: Sequence[int], budget: int, backbon
 
 
 def profile_heads(backbone) -> list[tuple[int, int]]:
-    from endo_retrieval.profiles import heads_profile_path, missing
+    from endo_retrieval.model.profiles import heads_profile_path, missing
 
     profile = heads_profile(backbone)
     if profile is None:
@@ -327,7 +327,7 @@ class RetrievalHeads:
     stream: bool = False  # read with ILRe's sink + window streaming instead (bounded memory, worse ranking)
 
     def __post_init__(self):
-        from endo_retrieval.backbone import Backbone
+        from endo_retrieval.model.backbone import Backbone
 
         self.backbone = Backbone.of(self.backbone)  # None: the default model; a folder or GGUF path: that model
         self.heads = [tuple(map(int, h)) for h in (self.heads or profile_heads(self.backbone))]
@@ -389,7 +389,7 @@ def passage_signals(backbone, passages: Sequence[str], question: str, heads: Seq
     comes behind the HOP_PASSAGES best first-hop passages (by reciprocal-rank fusion of the heads and
     `first_stage`'s scores when given), which a bridge question needs to find a passage that shares no word with
     it. int8 (CPU): the model reads through int8 linear maps."""
-    from endo_retrieval.fusion import rrf
+    from endo_retrieval.scoring.fusion import rrf
 
     if not passages:
         return {"heads": np.zeros(0)} | ({"hop2": np.zeros(0)} if second_hop else {})

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.methods.base import Compressed, Span, check_budget
-from endo_retrieval.profiles import ilre_profile, ilre_profile_path, missing
+from endo_retrieval.model.profiles import ilre_profile, ilre_profile_path, missing
 
 DEFAULT_MAX_KERNELS = (2, 4, 8)
 DEFAULT_AVG_KERNELS = tuple(range(1, 17))
@@ -228,13 +228,15 @@ def _preallocate(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Sequence[int], *, sink: int = 4,
-            window: int = 512, chunk_size: int = 1024, positions: str = "frame") -> dict[int, LayerStates]:
+            window: int = 512, chunk_size: int = 1024, positions: str = "frame", batch_tokens: int = 16384
+            ) -> dict[int, LayerStates]:
     """One streaming chunked prefill of context + query part, run only up to max(layers) (early exit).
 
     Lower layers see sink + window tokens (the Lambda-shaped mask); each layer in `layers` keeps its full-length
     context keys and the query part's queries. The query part is its own chunk (split_at = len(context)).
     Passing several layers captures them all in one pass (the calibration does this). `positions`: the RoPE
-    layout of `Backbone.stream` ("frame", "absolute", or "dca" for [ILRe Eq. 6]).
+    layout of `Backbone.stream` ("frame", "absolute", or "dca" for [ILRe Eq. 6]); `batch_tokens`: chunks forwarded
+    together (each still sees only its own frame; 0: one chunk per forward).
     """
     length = len(context_ids)
     shape = (backbone.n_kv_heads, length, backbone.head_dim)
@@ -244,7 +246,7 @@ def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Se
     query_positions, chunk_starts = [], []
     ids = np.concatenate([np.asarray(context_ids), np.asarray(query_ids)])
     for ch in backbone.stream(ids, layers, chunk_size=chunk_size, mode="sink_window", sink=sink, window=window,
-                              capture=("k", "q"), split_at=length, positions=positions):
+                              capture=("k", "q"), split_at=length, positions=positions, batch_tokens=batch_tokens):
         if ch.start < length:
             chunk_starts.append(ch.start)
             key_positions[ch.start:ch.end] = ch.rope_positions.cpu()
@@ -304,7 +306,7 @@ class ILRe:
     positions: str = "frame"
 
     def __post_init__(self):
-        from endo_retrieval.backbone import Backbone
+        from endo_retrieval.model.backbone import Backbone
 
         self.backbone = Backbone.of(self.backbone)  # None: the default model; a path: that model, shared
         if self.layer is None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from endo_retrieval.backbone import Backbone
+from endo_retrieval.model.backbone import Backbone
 from endo_retrieval.methods.base import Compressed, Span, check_budget, join_spans
-from endo_retrieval.select import QA_KERNEL
+from endo_retrieval.scoring.select import QA_KERNEL
 
 
 @dataclass
@@ -27,7 +27,7 @@ class _EngineMethod:
     s3_share: ClassVar[float] = 0.5
 
     def prepare(self, context: str):
-        from endo_retrieval.engine import Document, EndoIndex
+        from endo_retrieval.index.engine import Document, EndoIndex
 
         index = EndoIndex(self.backbone, method=self.name, saes=self.saes)  # "bm25" builds no feature postings
         index.add_documents([Document("context", context)])

@@ -22,7 +22,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from endo_retrieval.attention import get_backend
-from endo_retrieval.backbone import Backbone
+from endo_retrieval.model.backbone import Backbone
 
 
 def _text(message: BaseMessage) -> str:

@@ -11,7 +11,7 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from endo_retrieval.engine import Document, EndoIndex
+from endo_retrieval.index.engine import Document, EndoIndex
 from endo_retrieval.integrations import open_index, provenance
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span

@@ -15,7 +15,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from endo_retrieval.attention import get_backend
-from endo_retrieval.backbone import Backbone
+from endo_retrieval.model.backbone import Backbone
 
 
 def to_chat(messages: Sequence[ChatMessage]) -> list[dict]:

@@ -15,7 +15,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeRelationship, NodeWithScore, QueryBundle, TextNode
 
-from endo_retrieval.backbone import Backbone
+from endo_retrieval.model.backbone import Backbone
 from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages, rerank_passages
 from endo_retrieval.methods import DEFAULT_METHOD
 

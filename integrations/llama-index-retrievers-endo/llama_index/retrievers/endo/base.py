@@ -22,7 +22,7 @@ from llama_index.core.schema import (BaseNode, MetadataMode, NodeRelationship, N
 from llama_index.core.tools import RetrieverTool
 from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilters
 
-from endo_retrieval.engine import Document, EndoIndex
+from endo_retrieval.index.engine import Document, EndoIndex
 from endo_retrieval.integrations import PROVENANCE_KEYS, open_index, provenance
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span

@@ -1,0 +1,78 @@
+"""ILRe's time to its allocation at long lengths, stage by stage, for `endo bench perf --sections ilre`.
+
+ILRe's work for one context: tokenise it (host), stream it to l_R (the forward, [ILRe Alg. 1]'s prefill), A^C at
+l_R ([ILRe Eq. 4-5], `context_scores`) and the multi-kernel allocation ([ILRe Alg. 1], on the host). Each stage is
+timed alone, after the accelerator has finished it. Two rows per length, side by side in one run: the streamed
+chunks forwarded several to a batch (`ilre`, the library's default) and one chunk per forward (`ilre-unbatched`).
+The FLOPs are counted from the chunks the stream forwards (each with its sink + window frame): linear maps
+2 * parameters * tokens, attention 4 * heads * head_dim * n(n+1)/2 per layer; `peak_share` divides their rate by
+the accelerator's dense bf16 peak (--peak-tflops).
+"""
+from __future__ import annotations
+
+from endo_bench.measure import clock, peak_accel_mb, reset_peak, row
+
+VARIANTS = {"ilre": 16384, "ilre-unbatched": 0}  # method -> batch_tokens of the stream
+
+
+def forward_flops(backbone, length: int, layer: int, chunk_size: int, sink: int, window: int) -> float:
+    """FLOPs of the streamed forward of `length` context tokens to `layer` (inclusive), frames included."""
+    per_layer = sum(p.numel() for p in backbone.model.model.layers[0].parameters())
+    flops = 0.0
+    for s in range(0, length, chunk_size):
+        n = min(s + chunk_size, length) - s + min(sink, s) + max(0, min(s - sink, window))  # Backbone.stream
+        flops += (layer + 1) * (2 * per_layer * n + 4 * backbone.n_heads * backbone.head_dim * n * (n + 1) / 2)
+    return flops
+
+
+def time_stages(ilre, text: str, question: str, budget: int, batch_tokens: int) -> dict[str, float]:
+    from endo_retrieval.methods.ilre import context_scores, prefill
+
+    bb, device = ilre.backbone, ilre.backbone.device
+    t0 = clock(device)
+    context_ids = bb.encode(text).ids
+    query_ids = bb.encode(ilre.query_template.format(question=question)).ids
+    t1 = clock(device)
+    states = prefill(bb, context_ids, query_ids, [ilre.layer], sink=ilre.sink, window=ilre.window,
+                     chunk_size=ilre.chunk_size, positions=ilre.positions, batch_tokens=batch_tokens)[ilre.layer]
+    t2 = clock(device)
+    scores = context_scores(bb, states)
+    t3 = clock(device)
+    ilre._allocate(scores, budget)
+    t4 = clock(device)
+    return {"encode": t1 - t0, "prefill": t2 - t1, "scores": t3 - t2, "allocate": t4 - t3, "total": t4 - t0,
+            "tokens": len(context_ids)}
+
+
+def ilre_rows(backbone, source, lengths: list[int], budget: int, layer: int | None, peak_tflops: float,
+              model: str | None = None, note: str = "", bar=None) -> list[dict]:
+    from endo_retrieval.methods.ilre import ILRe
+
+    ilre = ILRe(backbone, layer=layer)
+    device, dev = backbone.device, backbone.device.type
+    warm = source.take(min(lengths))
+    for batch_tokens in VARIANTS.values():  # warm-up, excluded: CUDA graphs are captured here
+        time_stages(ilre, warm, "What is this about?", budget, batch_tokens)
+    rows, extra = [], {"budget": budget, "ilre_layer": ilre.layer, "chunk_size": ilre.chunk_size,
+                       **({"model": model} if model else {})}
+    for n in sorted(lengths):
+        text = source.take(n)
+        for method, batch_tokens in VARIANTS.items():
+            reset_peak(device)
+            t = time_stages(ilre, text, "What is this about?", budget, batch_tokens)
+            flops = forward_flops(backbone, t["tokens"], ilre.layer, ilre.chunk_size, ilre.sink, ilre.window)
+            common = dict(section="ilre", method=method, n=n, device=dev, note=" ".join(filter(None, [note,
+                          source.note(n)])), **extra)
+            for stage in ("encode", "prefill", "scores", "allocate"):
+                rows.append(row(metric=f"stage_{stage}_ms", value=1e3 * t[stage], unit="ms",
+                                share=t[stage] / t["total"], **common))
+            rows += [row(metric="total_ms", value=1e3 * t["total"], unit="ms", **common),
+                     row(metric="tokens_per_s", value=t["tokens"] / t["total"], unit="tokens/s", **common),
+                     row(metric="prefill_tflops", value=flops / t["prefill"] / 1e12, unit="TFLOP/s", **common),
+                     row(metric="peak_share", value=flops / t["prefill"] / (peak_tflops * 1e12), unit="fraction",
+                         **common),
+                     row(metric="peak_accel_mb", value=peak_accel_mb(device), unit="MiB", **common)]
+        if bar is not None:
+            bar.update()
+    return rows
+

@@ -1,0 +1,230 @@
+"""`endo calibrate-ilre`: find ILRe's retrieval layer l_R with the passkey task of ILRe's appendix A.1.
+
+Numeric passkeys of several lengths sit behind 'key id' phrases ("blue-cup-red-33") at the start of each of 20
+equal segments of a filler text; the query part asks for that key id. A sample counts when every token of the
+passkey is kept at budget 1024 (exact match). One streaming pass per sample captures all candidate layers at
+once; each layer is scored with the default kernels and with one max + one avg kernel (Table 5's One-Max-Avg).
+l_R is the smallest layer with the highest default-kernel recall (section 3.2); it goes into the model's profile.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from endo_retrieval.cli.commands import model_argument
+from endo_retrieval.methods.ilre import (DEFAULT_AVG_KERNELS, DEFAULT_MAX_KERNELS, ILReError, POSITIONS, allocate,
+                                         context_scores, prefill)
+from endo_retrieval.model.profiles import ilre_profile_path
+
+DEFAULT_FILLER = Path(__file__).resolve().parents[3] / "shared" / "data" / "pg_essays"
+KEY_WORDS = ("dog", "cat", "yellow", "red", "blue", "cup", "green", "tree", "house", "apple", "river", "stone",
+             "bird", "moon", "sun", "book", "chair", "lamp", "fish", "road", "cloud", "horse", "salt", "door")
+N_SEGMENTS = 20
+KERNEL_SETS = {"default": (DEFAULT_MAX_KERNELS, DEFAULT_AVG_KERNELS), "one-max-avg": ((4,), (5,))}
+
+
+@dataclass
+class PasskeySample:
+    context: str
+    query: str
+    passkey: str
+    key_id: str
+    value_chars: tuple[int, int]  # where the passkey digits sit in `context`
+    length: int  # target context tokens
+    key_length: int  # digits
+    segment: int  # 0..19: the key opens this segment
+
+
+def key_id(rng: random.Random) -> str:
+    """Three common words and a two-digit number joined by hyphens, e.g. blue-cup-red-33 (appendix A.1)."""
+    return "-".join(rng.sample(KEY_WORDS, 3) + [f"{rng.randrange(100):02d}"])
+
+
+def load_filler(folder: Path) -> str:
+    files = sorted(Path(folder).glob("*.txt"))
+    if not files:
+        raise ILReError(f"No .txt files in {folder}: give --data a folder of plain-text filler (e.g. essays).")
+    return "\n\n".join(f.read_text(encoding="utf-8", errors="replace").strip() for f in files)
+
+
+def make_sample(backbone, filler_ids: np.ndarray, filler_offsets: np.ndarray, filler: str, length: int,
+                key_length: int, segment: int, rng: random.Random) -> PasskeySample:
+    """A context of about `length` tokens: filler with the passkey phrase at the start of segment `segment`."""
+    kid = key_id(rng)
+    passkey = f"{rng.randrange(10 ** key_length):0{key_length}d}"  # zero-padded to exactly key_length digits
+    needle_head = f"\n\nThe {kid} magic passkey is "
+    needle = f"{needle_head}{passkey}.\n"
+    n_filler = length - backbone.count_tokens(needle)
+    if n_filler > len(filler_ids):
+        raise ILReError(f"The filler has {len(filler_ids)} tokens, fewer than the {length} asked for: "
+                        "give --data a larger folder or ask for shorter --lengths.")
+    start = rng.randrange(len(filler_ids) - n_filler + 1)
+    cut = start + (segment * n_filler) // N_SEGMENTS  # the segment's first filler token
+    c0, c_cut, c1 = filler_offsets[start, 0], filler_offsets[cut, 0], filler_offsets[start + n_filler - 1, 1]
+    before, after = filler[c0:c_cut], filler[c_cut:c1]
+    context = before + needle + after
+    value_start = len(before) + len(needle_head)
+    query = f"\n\n# What's the {kid} magic passkey?\n\nThe {kid} magic passkey is "
+    return PasskeySample(context, query, passkey, kid, (value_start, value_start + key_length), length,
+                         key_length, segment)
+
+
+def passkey_tokens(offsets: np.ndarray, chars: tuple[int, int]) -> np.ndarray:
+    """Indices of the tokens that overlap the passkey's characters."""
+    return np.flatnonzero((offsets[:, 0] < chars[1]) & (offsets[:, 1] > chars[0]))
+
+
+def segments_for(n_depths: int) -> list[int]:
+    """`n_depths` of the 20 segment starts, evenly spread (all 20 by default)."""
+    return sorted({round(i * N_SEGMENTS / n_depths) for i in range(n_depths)})
+
+
+def parse_ints(text: str, upper: int | None = None) -> list[int]:
+    """'8192,32768' or '0-14,20' -> sorted unique ints; 'all' -> range(upper)."""
+    if text == "all":
+        return list(range(upper))
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(out)
+
+
+def calibrate(backbone, filler: str, lengths: list[int], layers: list[int], key_lengths: list[int],
+              n_depths: int = N_SEGMENTS, budget: int = 1024, seed: int = 0, progress: bool = True,
+              positions: str = "frame") -> dict:
+    """Run the passkey task; returns {"layer": l_R, "recall": {layer: x}, ...} (the profile's body).
+    `positions`: the prefill's RoPE layout (ILRe.positions; "dca" adds [ILRe Eq. 7] at every layer scored)."""
+    filler_enc = backbone.encode(filler)
+    rng = random.Random(seed)
+    jobs = [(n, k, s) for n in lengths for k in key_lengths for s in segments_for(n_depths)]
+    hits = {name: {l: [] for l in layers} for name in KERNEL_SETS}  # name -> layer -> [(length, key_len, hit)]
+    from tqdm.auto import tqdm
+
+    started = time.time()
+    for length, key_length, segment in tqdm(jobs, desc="calibrate-ilre", disable=not progress):
+        sample = make_sample(backbone, filler_enc.ids, filler_enc.offsets, filler, length, key_length, segment, rng)
+        enc = backbone.encode(sample.context)
+        needed = passkey_tokens(enc.offsets, sample.value_chars)
+        states = prefill(backbone, enc.ids, backbone.encode(sample.query).ids, layers, positions=positions)
+        for layer in layers:
+            scores = context_scores(backbone, states[layer], dca=positions == "dca")
+            for name, (max_k, avg_k) in KERNEL_SETS.items():
+                kept = allocate(scores, budget, 4, max_k, avg_k)
+                hits[name][layer].append((length, key_length, bool(np.isin(needed, kept).all())))
+        del states
+    return summarise(backbone, hits, lengths, key_lengths, n_depths, budget, seed, time.time() - started) | {
+        "positions": positions}
+
+
+def summarise(backbone, hits: dict, lengths, key_lengths, n_depths, budget, seed, seconds) -> dict:
+    def recall(rows, length=None, key_length=None):
+        sel = [h for n, k, h in rows if length in (None, n) and key_length in (None, k)]
+        return round(float(np.mean(sel)), 4)
+
+    default = hits["default"]
+    overall = {str(l): recall(rows) for l, rows in default.items()}
+    best = max(overall.values())
+    layer = min(int(l) for l, r in overall.items() if r == best)  # smallest layer with the highest recall
+    return {
+        "model": backbone.model_id, "model_hash": backbone.model_hash, "layer": layer, "recall": overall,
+        "recall_by_setting": {name: {f"{n}/{k}": {str(l): recall(rows, n, k) for l, rows in per_layer.items()}
+                                     for n in lengths for k in key_lengths}
+                              for name, per_layer in hits.items()},
+        "task": {"lengths": lengths, "key_lengths": key_lengths, "segments": segments_for(n_depths),
+                 "budget": budget, "seed": seed, "samples": len(next(iter(default.values()))),
+                 "kernel_sets": {k: [list(m), list(a)] for k, (m, a) in KERNEL_SETS.items()},
+                 "seconds": round(seconds, 1), "device": str(backbone.device)},
+    }
+
+
+def plot(profile: dict, path: Path) -> bool:
+    """Recall per layer, one line per (kernel set, length/key length), as Figure 2. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, settings in profile["recall_by_setting"].items():
+        for setting, per_layer in settings.items():
+            layers = sorted(per_layer, key=int)
+            ax.plot([int(l) for l in layers], [per_layer[l] for l in layers], marker="o", markersize=3,
+                    linestyle="-" if name == "default" else "--", label=f"{name} {setting} tok/digits")
+    ax.axvline(profile["layer"], color="grey", linewidth=0.8)
+    ax.set(xlabel="layer", ylabel="passkey recall", ylim=(-0.02, 1.02),
+           title=f"ILRe layer calibration, {profile['model']} (l_R = {profile['layer']})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", default=str(DEFAULT_FILLER), help="folder of .txt filler (default: %(default)s)")
+    model_argument(parser)
+    parser.add_argument("--lengths", default="8192", help="context lengths in tokens, e.g. 8192,32768")
+    parser.add_argument("--layers", default="all", help="candidate layers, e.g. all or 0-14 (default: all)")
+    parser.add_argument("--key-lengths", default="8,32", help="passkey lengths in digits (default: %(default)s)")
+    parser.add_argument("--depths", type=int, default=N_SEGMENTS,
+                        help="how many of the 20 segment starts to use, evenly spread (default: all 20)")
+    parser.add_argument("--budget", type=int, default=1024, help="token budget (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--positions", choices=POSITIONS, default="frame",
+                        help="RoPE layout of the prefill: frame (default), dca [ILRe Eq. 6-7] or absolute (no DCA); "
+                             "other than frame needs --out, so the shipped profile stays as calibrated")
+    parser.add_argument("--out", default=None, help="profile JSON (default: where ILRe looks for the model's profile)")
+    parser.add_argument("--plot", default=None, help="PNG of recall per layer (default: beside the profile)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from endo_retrieval.model.backbone import Backbone
+
+    backbone = Backbone.default() if args.model is None else Backbone(args.model)
+    if not 1 <= args.depths <= N_SEGMENTS:
+        raise ILReError(f"--depths must lie in 1..{N_SEGMENTS}, got {args.depths}.")
+    if args.budget <= 4:
+        raise ILReError(f"--budget must exceed the 4 sink tokens, got {args.budget}.")
+    try:
+        lengths, key_lengths = parse_ints(args.lengths), parse_ints(args.key_lengths)
+        layers = parse_ints(args.layers, backbone.n_layers)
+    except ValueError:
+        raise ILReError("--lengths, --key-lengths and --layers take comma lists of ints or ranges (0-14), "
+                        "--layers also 'all'.") from None
+    if not layers or min(layers) < 0 or max(layers) >= backbone.n_layers:
+        raise ILReError(f"--layers must lie in 0..{backbone.n_layers - 1}.")
+    if min(lengths) <= args.budget:
+        raise ILReError(f"Every --lengths value must exceed the budget {args.budget}.")
+    if args.positions != "frame" and not args.out:
+        raise ILReError("--positions other than 'frame' needs --out FILE: the shipped profile is calibrated "
+                        "with 'frame' and ILRe reads it with that layout.")
+    filler = load_filler(Path(args.data))
+    profile = calibrate(backbone, filler, lengths, layers, key_lengths, args.depths, args.budget, args.seed,
+                        progress=not args.no_progress and sys.stderr.isatty(), positions=args.positions)
+    out = Path(args.out) if args.out else ilre_profile_path(backbone)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    png = Path(args.plot) if args.plot else out.with_suffix(".png")
+    plotted = plot(profile, png)
+    print(f"l_R = {profile['layer']} (recall {profile['recall'][str(profile['layer'])]:.2f}); profile: {out}"
+          + (f"; plot: {png}" if plotted else "; no plot (pip install matplotlib)"))
+    for layer, r in profile["recall"].items():
+        print(f"  layer {layer:>3}: {r:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="endo calibrate-ilre", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    raise SystemExit(run(p.parse_args()))

@@ -1,0 +1,150 @@
+"""`endo calibrate-pipeline`: the `endo` pipeline's settings fitted on labelled questions over a corpus.
+
+Every paragraph of a HotpotQA-layout file is pooled into one corpus (one document per title) and each question
+asks it, as `endo bench corpus` does. For every candidate depth, tokens read per candidate and reading order, the
+stage scores of each question's candidates are computed once; then the weights of the fusion are searched on a grid
+of the simplex (BM25 alone is a corner, so the fit never falls below stage 1 on this data). The setting with the
+best mean of paragraph recall@2 and recall@5 is written into the model's heads profile (`pipeline`); ties go to the
+cheaper setting.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from endo_retrieval.scoring.fusion import fuse
+from endo_retrieval.methods.endo import simplex
+
+STAGES = ("bm25", "heads", "hop2")
+ORDERS = {"best-last": True, "first-stage": False}
+KS = (2, 5, 10)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from endo_retrieval.cli.commands import model_argument
+    from endo_retrieval.cli.commands import int_list
+
+    p.add_argument("--data", required=True, help="HotpotQA-layout JSON with gold supporting facts (e.g. fit300.json)")
+    p.add_argument("--limit", type=int, default=None, help="first N questions (the corpus is every paragraph)")
+    p.add_argument("--depths", type=int_list, default=[10, 20, 30], help="candidate depths to try (default 10,20,30)")
+    p.add_argument("--read-tokens", type=int_list, default=[64, 128, 256],
+                   help="tokens read per candidate to try (default 64,128,256)")
+    p.add_argument("--orders", nargs="+", choices=list(ORDERS), default=list(ORDERS))
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="profile to update (default: the model's heads profile)")
+    p.add_argument("--dump", default=None, help="also write every question's stage scores here (.npz)")
+    model_argument(p)
+
+
+def recall_at(ranked_docs: list[str], gold: set[str], k: int) -> float:
+    """Share of the gold documents among the first k distinct documents of a ranking."""
+    seen: list[str] = []
+    for d in ranked_docs:
+        if d not in seen:
+            seen.append(d)
+        if len(seen) == k:
+            break
+    return len(gold & set(seen)) / max(1, len(gold))
+
+
+def objective(items: list[tuple[dict, list[str], set[str]]], weights: dict) -> dict[int, float]:
+    """Mean paragraph recall@k over the items [(stage scores, candidate documents, gold documents)]."""
+    out = {k: [] for k in KS}
+    for signals, docs, gold in items:
+        fused = fuse(signals, weights)
+        ranked = [docs[i] for i in np.lexsort((np.arange(len(docs)), -fused))]
+        for k in KS:
+            out[k].append(recall_at(ranked, gold, k))
+    return {k: float(np.mean(v)) for k, v in out.items()}
+
+
+def fit(items, step: float = 0.1) -> tuple[dict, dict]:
+    """(weights, recall@k) maximising the mean of recall@2 and recall@5; the corners come first, so a tie keeps
+    the simpler fusion."""
+    best_w, best, best_r = None, -1.0, None
+    for w in sorted(simplex(list(STAGES), step), key=lambda w: (-max(w.values()), -w["bm25"])):
+        r = objective(items, w)
+        if (r[2] + r[5]) / 2 > best + 1e-9:
+            best_w, best, best_r = w, (r[2] + r[5]) / 2, r
+    return best_w, best_r
+
+
+def run(args) -> dict:
+    from endo_retrieval.model.backbone import Backbone
+    from endo_retrieval.calibration.datasets import hotpotqa_corpus
+    from endo_retrieval.model.profiles import heads_profile_path
+
+    start = time.perf_counter()
+    bb = Backbone.of(args.model, device=args.device)
+    titles, paragraphs, questions = hotpotqa_corpus(args.data, args.limit)
+    out = Path(args.out) if args.out else heads_profile_path(bb)
+    profile = json.loads(out.read_text()) if out.exists() else {}
+    best, table, dump = fit_settings(bb, titles, paragraphs, questions, args.depths, args.read_tokens, args.orders,
+                                     heads=profile.get("heads"))
+    profile["pipeline"] = section(best, table, Path(args.data).name, len(questions), time.perf_counter() - start)
+    write_json(profile, out)
+    if args.dump:
+        np.savez_compressed(args.dump, **dump)
+    print(json.dumps({k: v for k, v in profile["pipeline"].items() if k != "fit"} | {"recall": best["recall"]}))
+    return profile
+
+
+def fit_settings(bb, titles: list[str], paragraphs: list[str], questions: list[dict], depths, read_tokens, orders,
+                 *, heads=None, progress=None, cache: Path | None = None) -> tuple[dict, list[dict], dict]:
+    """(best row, every row, the stage scores) over a corpus of `paragraphs` (one document per title) and
+    `questions` ({"question", "supporting_facts": [[title, i], ...]}: HotpotQA's, or zero_label.py's). `heads`: the
+    retrieval heads to read with (None: the model's profile); `progress`, `cache`: as heads_calibrate.calibrate."""
+    from endo_retrieval.index.engine import Document, EndoIndex
+    from endo_retrieval.calibration.heads import cached_arrays, steps
+    from endo_retrieval.index.pipeline import EndoPipeline
+
+    index = EndoIndex(bb, method="endo")
+    index.add_documents([Document(t, p) for t, p in zip(titles, paragraphs)])
+    corpus, passages = index.corpus, index.passages()
+    doc_of = {int(p): corpus.span_text(int(p), int(p) + 1)[0] for p in passages.starts}
+    table, dump = [], {}
+    for depth in sorted(depths):
+        for n_read in sorted(read_tokens):
+            for order in orders:
+                pipe = EndoPipeline(bb, depth=depth, read_tokens=n_read, best_last=ORDERS[order],
+                                    weights=dict.fromkeys(STAGES, 1.0), heads=heads)
+                items = []
+                for q_i, q in enumerate(steps(questions, f"depth {depth}, {n_read} tokens, {order}", progress)):
+                    key = f"stage/{bb.model_hash}/{pipe.heads}/{depth}/{n_read}/{order}/{len(titles)}/{q['question']}"
+                    got = cached_arrays(cache, key, lambda: _stage(pipe, corpus, passages, q["question"], doc_of))
+                    signals = {name: got[name] for name in STAGES if name in got}
+                    docs = [str(d) for d in got["docs"]]
+                    items.append((signals, docs, {t for t, _ in q["supporting_facts"]}))
+                    key = f"{depth}/{n_read}/{order}/{q_i}"
+                    dump |= {f"{key}/{name}": s for name, s in signals.items()}
+                    dump |= {f"{key}/docs": np.array(docs), f"{key}/gold": np.array(sorted(items[-1][2]))}
+                weights, recall = fit(items)
+                table.append({"depth": depth, "read_tokens": n_read, "order": order, "weights": weights,
+                              "recall": {f"@{k}": round(r, 4) for k, r in recall.items()},
+                              "stage1": {f"@{k}": round(r, 4) for k, r in objective(items, {"bm25": 1.0}).items()}})
+                if progress is None:
+                    print(json.dumps(table[-1]))
+    best = max(table, key=lambda r: ((r["recall"]["@2"] + r["recall"]["@5"]) / 2, -r["depth"], -r["read_tokens"]))
+    return best, table, dump
+
+
+def _stage(pipe, corpus, passages, question: str, doc_of: dict) -> dict[str, np.ndarray]:
+    top, signals, _ = pipe.stage_scores(corpus, passages, question)
+    return signals | {"docs": np.array([doc_of[int(passages.starts[i])] for i in top])}
+
+
+def section(best: dict, table: list[dict], data: str, n_questions: int, seconds: float) -> dict:
+    """The profile's `pipeline` section: the best setting, and the fit that chose it."""
+    return {"depth": best["depth"], "read_tokens": best["read_tokens"], "best_last": ORDERS[best["order"]],
+            "weights": best["weights"], "fit": {"data": data, "n_questions": n_questions, "recall": best["recall"],
+                                                "table": table, "wall_s": round(seconds, 1)}}
+
+
+def write_json(profile: dict, out: Path) -> None:
+    tmp = Path(out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile, indent=1))
+    tmp.replace(out)

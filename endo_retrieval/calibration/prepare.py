@@ -1,0 +1,242 @@
+"""`endo prepare`: everything the default pipeline needs for a model, in one command, from the user's own documents
+and no labels.
+
+Phases, each skipped when what it makes exists (`--force` makes it again):
+  load      the model (a GGUF file is converted once, into the cache)
+  tasks     zero-label tasks made from the documents (zero_label.py), kept beside the profile
+  sae       the SAEs, only when `--methods` names s3 or s3-hybrid (`endo train-sae` on the documents)
+  ilre      ILRe's layer, only when `--methods` names ilre (`endo calibrate-ilre` with passkeys in the documents)
+  heads     the retrieval heads and the fused ranking's weights, on the tasks' haystacks (`endo calibrate-heads`'s
+            calibration)
+  pipeline  the corpus pipeline's settings and weights, every chunk of the documents one candidate
+            (`endo calibrate-pipeline`'s fit)
+Each finished phase is written atomically and recorded in a small state file; within `heads` and `pipeline` each
+finished item is kept, so a run stopped part way resumes where it stopped. One progress bar covers both
+calibrations, with its estimate of the time left.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+METHODS = ("endo", "heads", "s3", "s3-hybrid", "ilre", "bm25")
+# sizes of the calibration per device kind: a CPU reads about a hundred times fewer tokens per second
+SIZES = {"cpu": {"tasks": 40, "passkeys": 4, "questions": 40, "context_tokens": [1024]},
+         "cuda": {"tasks": 128, "passkeys": 8, "questions": 200, "context_tokens": [4096]}}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from endo_retrieval.cli.commands import model_argument
+    from endo_retrieval.cli.commands import int_list
+
+    model_argument(p)
+    p.add_argument("--documents", metavar="DIR", default=None,
+                   help="your own text files (a folder of .txt/.md/.rst, or one file): the calibration makes its "
+                   "questions from them; no labels needed")
+    p.add_argument("--methods", default="endo", help="methods to make ready, comma-separated (default endo, which "
+                   f"also readies heads): {', '.join(METHODS)}")
+    p.add_argument("--profile", default=None, metavar="PATH", help="the heads profile to write (default: where the "
+                   "library looks for the model's; another path is used when $ENDO_HEADS_PROFILE names it)")
+    p.add_argument("--tasks", type=int, default=None, help="haystacks for the heads (default: 40 on a CPU, 128 on "
+                   "a GPU)")
+    p.add_argument("--passkeys", type=int, default=None, help="passkey haystacks added to them (default 4 / 8)")
+    p.add_argument("--questions", type=int, default=None, help="questions for the pipeline's fit (default 40 / 200)")
+    p.add_argument("--context-tokens", type=int_list, default=None,
+                   help="haystack lengths for the heads, comma-separated (default 1024 on a CPU, 4096 on a GPU); "
+                   "the fusion is fitted at an eighth of each as the budget")
+    p.add_argument("--depths", type=int_list, default=[20], help="pipeline candidate depths to try (default 20)")
+    p.add_argument("--read-tokens", type=int_list, default=[128], help="tokens read per candidate to try "
+                   "(default 128)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="make every asked-for artefact again")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--timings", default=None, metavar="FILE.json", help="also write each phase's seconds here")
+
+
+def ready_methods(backbone) -> list[str]:
+    """The methods whose per-model files the model has (bm25 needs none)."""
+    from endo_retrieval.model.profiles import ProfileError, heads_profile, ilre_profile, sae_card
+
+    out = ["bm25"]
+    if sae_card(backbone):
+        out += ["s3", "s3-hybrid"]
+    try:
+        ilre = ilre_profile(backbone)
+        heads = heads_profile(backbone)
+    except ProfileError:
+        return out
+    if ilre:
+        out.append("ilre")
+    if heads:
+        out.append("heads")
+        weights = (heads.get("fusion") or {}).get("weights") or {}
+        if ilre or not weights.get("ilre"):
+            out.append("endo" if heads.get("pipeline") else "endo (corpus pipeline on general settings)")
+    return out
+
+
+def _state(path: Path, model_hash: str) -> dict:
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) and state.get("model_hash") == model_hash else {}
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def _sub_args(module, argv: list[str]) -> argparse.Namespace:
+    """Another command's arguments, as its own parser reads them (its defaults for the rest)."""
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from endo_retrieval.calibration import heads as heads_calibrate, ilre as ilre_calibrate, \
+        pipeline as pipeline_calibrate, train_sae, zero_label
+    from endo_retrieval.model.backbone import Backbone
+    from endo_retrieval.model.profiles import (ASSETS, ProfileError, _read_profile, heads_profile_path, ilre_profile,
+                                         sae_card, user_artefacts)
+
+    start = time.perf_counter()
+    timings: dict[str, float] = {}
+    methods = {m.strip() for m in args.methods.split(",") if m.strip()}
+    if methods - set(METHODS):
+        raise ValueError(f"Unknown method(s) {sorted(methods - set(METHODS))}; prepare knows {', '.join(METHODS)}.")
+    bb = Backbone.of(args.model, device=args.device)
+    timings["load"] = time.perf_counter() - start
+    sizes = SIZES["cuda" if bb.device.type == "cuda" else "cpu"]
+    n_tasks = sizes["tasks"] if args.tasks is None else args.tasks
+    n_passkeys = sizes["passkeys"] if args.passkeys is None else args.passkeys
+    n_questions = sizes["questions"] if args.questions is None else args.questions
+    lengths = args.context_tokens or sizes["context_tokens"]
+
+    out = Path(args.profile) if args.profile else heads_profile_path(bb)
+    shipped = ASSETS.resolve() in out.resolve().parents
+    state_dir = (user_artefacts(bb) if shipped else out.parent) / f"{out.stem}.prepare"
+    state_path = state_dir / "state.json"
+    try:
+        existing = _read_profile(bb, out, "heads")
+    except ProfileError:  # damaged: made again
+        existing = None
+    need = {"sae": bool(methods & {"s3", "s3-hybrid"}) and (args.force or sae_card(bb) is None),
+            "ilre": "ilre" in methods and (args.force or ilre_profile(bb) is None),
+            "heads": bool(methods & {"endo", "heads"}) and (args.force or existing is None)}
+    need["pipeline"] = "endo" in methods and (need["heads"] or "pipeline" not in (existing or {}))
+    if shipped and (need["heads"] or need["pipeline"]):
+        raise ValueError(f"The package ships {out.name} for {bb.model_id}; to make another, pass --profile PATH "
+                         "(and set ENDO_HEADS_PROFILE=PATH to use it).")
+    asked = {"sae": bool(methods & {"s3", "s3-hybrid"}), "ilre": "ilre" in methods,
+             "heads": bool(methods & {"endo", "heads"}), "pipeline": "endo" in methods}
+    for phase in need:
+        if asked[phase] and not need[phase]:
+            print(f"[prepare] {phase}: already made, skipped")
+    if not any(need.values()):
+        print(f"[prepare] {bb.model_id} is ready for: {', '.join(ready_methods(bb))}")
+        _finish(args, timings, start, state_path if state_path.exists() else None, bb)
+        return 0
+    if not args.documents:
+        raise ValueError("prepare makes its calibration tasks from your documents: pass --documents DIR (a folder "
+                         "of .txt/.md files, the kind of text you will search).")
+
+    t = time.perf_counter()
+    documents = zero_label.read_documents(args.documents)
+    settings = [n_tasks, n_passkeys, n_questions, lengths, args.seed]
+    fingerprint = f"{zero_label.fingerprint(documents)}/{settings}"
+    state = {} if args.force else _state(state_path, bb.model_hash)
+    if state.get("fingerprint") != fingerprint:  # other documents or sizes: nothing of an earlier run applies
+        shutil.rmtree(state_dir, ignore_errors=True)
+        state = {"model_hash": bb.model_hash, "fingerprint": fingerprint, "phases": {}}
+    chunks = zero_label.chunk_documents(documents, bb.count_tokens)
+    tasks_path = state_dir / "tasks.json"
+    if "tasks" in state["phases"] and tasks_path.exists():
+        tasks = [zero_label.Task(**t) for t in json.loads(tasks_path.read_text())]
+    else:
+        made = zero_label.make_tasks(chunks, 8 * (n_tasks + n_questions), args.seed)
+        tasks = zero_label.balanced(made, chunks, n_tasks + n_questions, depth=max(args.depths))
+        _write(tasks_path, [vars(t) for t in tasks])
+    if len(tasks) < 4:
+        raise ValueError(f"{args.documents}: too little text to make calibration tasks from ({len(tasks)} made); "
+                         "give a few pages of sentences at least.")
+    n_heads = min(n_tasks, max(1, len(tasks) * n_tasks // max(1, n_tasks + n_questions)))  # fewer made: shared
+    heads_tasks, pipeline_tasks = tasks[:n_heads], tasks[n_heads:]
+    _phase_done(state, state_path, "tasks", time.perf_counter() - t, timings,
+                {"documents": len(documents), "chunks": len(chunks), "tasks": len(tasks)})
+
+    if need["sae"]:
+        t = time.perf_counter()
+        train_sae.run(_sub_args(train_sae, ["--corpus", args.documents, "--heldout", "none"]
+                                + _model_args(args)))
+        _phase_done(state, state_path, "sae", time.perf_counter() - t, timings)
+    if need["ilre"]:
+        t = time.perf_counter()
+        ilre_calibrate.run(_sub_args(ilre_calibrate, ["--data", args.documents] + _model_args(args)))
+        _phase_done(state, state_path, "ilre", time.perf_counter() - t, timings)
+
+    cells = []
+    if need["heads"]:
+        for L in lengths:
+            examples = zero_label.haystacks(heads_tasks, chunks, bb.count_tokens, L, args.seed)
+            examples += zero_label.passkey_tasks(chunks, n_passkeys, L, bb.count_tokens, args.seed)
+            cells.append((L // 8, examples))
+    n_settings = len(args.depths) * len(args.read_tokens)
+    total = 2 * sum(len(e) for _, e in cells) + (len(pipeline_tasks) * n_settings if need["pipeline"] else 0)
+    items = state_dir / "items"
+    with tqdm(total=total, desc="calibrating", unit="item", disable=None) as bar:
+        if need["heads"]:
+            t = time.perf_counter()
+            profile, _ = heads_calibrate.calibrate(bb, cells, progress=bar, cache=items)
+            profile |= {"data": ["zero-label"], "distractors": "zero-label", "context_tokens": lengths,
+                        "budgets": [b for b, _ in cells], "seed": args.seed,
+                        "zero_label": {"documents": len(documents), "chunks": len(chunks),
+                                       "tasks": len(heads_tasks), "passkeys": n_passkeys * len(lengths)},
+                        "wall_s": round(time.perf_counter() - t, 1)}
+            heads_calibrate.write_profile(profile, out)
+            _phase_done(state, state_path, "heads", time.perf_counter() - t, timings)
+        if need["pipeline"]:
+            t = time.perf_counter()
+            profile = json.loads(out.read_text())
+            titles, texts, questions = zero_label.corpus_questions(pipeline_tasks, chunks)
+            best, table, _ = pipeline_calibrate.fit_settings(
+                bb, titles, texts, questions, args.depths, args.read_tokens, ["best-last"], heads=profile["heads"],
+                progress=bar, cache=items)
+            profile["pipeline"] = pipeline_calibrate.section(best, table, "zero-label", len(questions),
+                                                             time.perf_counter() - t)
+            pipeline_calibrate.write_json(profile, out)
+            _phase_done(state, state_path, "pipeline", time.perf_counter() - t, timings)
+    shutil.rmtree(items, ignore_errors=True)  # every phase is written; the items are not needed again
+    print(f"[prepare] wrote {out}")
+    print(f"[prepare] {bb.model_id} is ready for: {', '.join(ready_methods(bb))}")
+    _finish(args, timings, start, state_path, bb)
+    return 0
+
+
+def _model_args(args) -> list[str]:
+    return (["--model", args.model] if args.model else []) + (["--device", args.device] if args.device else [])
+
+
+def _phase_done(state: dict, path: Path, phase: str, seconds: float, timings: dict, extra: dict | None = None):
+    state["phases"][phase] = {"s": round(seconds, 1), **(extra or {})}
+    _write(path, state)
+    timings[phase] = seconds
+    print(f"[prepare] {phase}: {seconds:.1f} s" + (f" {json.dumps(extra)}" if extra else ""))
+
+
+def _finish(args, timings: dict, start: float, state_path: Path | None, bb) -> None:
+    timings["total"] = time.perf_counter() - start
+    report = {"model": bb.model_id, "device": str(bb.device),
+              "phases_s": {k: round(v, 1) for k, v in timings.items()}}
+    print(json.dumps(report))
+    if args.timings:
+        _write(Path(args.timings), report)

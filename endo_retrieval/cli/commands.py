@@ -1,0 +1,155 @@
+"""`endo index`, `endo query`, `endo compress`: the engine from the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
+
+
+def _method_help() -> str:
+    from endo_retrieval.methods import REGISTRY
+
+    return ", ".join(REGISTRY)
+
+
+def _files(paths: list[str]) -> list[Path]:
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"{p} does not exist; pass text files or folders of .txt/.md files.")
+    if not out:
+        raise ValueError(f"No text files found under {', '.join(paths)} (looked for {sorted(TEXT_SUFFIXES)}).")
+    return out
+
+
+def _read(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text (binary or another encoding); convert it or leave it out."
+                         ) from None
+
+
+def model_argument(p) -> None:
+    """`--model`, the same on every command that runs a model."""
+    p.add_argument("--model", default=None, metavar="PATH", help="a local model: a Hugging Face folder or a GGUF "
+                   "file of the llama, mistral, qwen2 or qwen3 family (default: the embedded SmolLM2-135M-Instruct)")
+
+
+# ---- endo index --------------------------------------------------------------------------------------------
+def index_add_arguments(p) -> None:
+    p.add_argument("paths", nargs="+", metavar="PATH", help="text files or folders (.txt, .md, .rst)")
+    p.add_argument("--out", required=True, metavar="DIR", help="index folder (written atomically)")
+    p.add_argument("--append", action="store_true", help="add to the index already in DIR instead of replacing it")
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=SEARCH_METHODS,
+                   help=f"default search method stored with the index (default {DEFAULT_METHOD}; s3 and s3-hybrid "
+                   "need the slower SAE pass, and an index built for them serves every method)")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="build with Ray workers (the `ray` extra), one per GPU or CPU slot: join the cluster at "
+                   "ADDRESS (e.g. auto, or HEAD:6379 from `ray start --head`), or start a local one without it")
+    p.add_argument("--workers", type=int, default=None, help="Ray workers (default: one per GPU, else per CPU)")
+    model_argument(p)
+
+
+def index_run(args) -> int:
+    from endo_retrieval.index.engine import Document, EndoIndex
+    from endo_retrieval.index.files import writer_lock
+
+    files = _files(args.paths)
+    out = Path(args.out)
+    docs = [Document(str(f), _read(f), {"path": str(f.resolve())}) for f in files]
+    if args.ray is not None:
+        from endo_retrieval import distributed
+        from endo_retrieval.index import segments
+
+        if args.method not in ("s3-hybrid", "s3"):
+            raise ValueError(f"--ray builds S3 feature postings on workers; an index for {args.method!r} only "
+                             "tokenises, which one process does quickly: drop --ray, or pass --method s3-hybrid.")
+
+        distributed.connect(args.ray or None)
+        distributed.RayIndexer(args.workers, setup=distributed.ModelRecipe(args.model), method=args.method
+                               ).build(out, docs, append=args.append)
+        parts = segments.listed_committed(out)
+        print(f"indexed {len(docs)} document(s) on Ray workers -> {out} ({len(parts)} segment(s), "
+              f"{sum(p['tokens'] for p in parts)} tokens in all)")
+        return 0
+    with writer_lock(out):  # from load to save: a second writer gets IndexBusyError, no append is lost
+        idx = EndoIndex.load(out, args.model) if args.append else EndoIndex(args.model, method=args.method)
+        idx.add_documents(docs, progress=sys.stderr.isatty())
+        idx.save(out)
+    print(f"indexed {len(docs)} document(s), {idx.corpus.n_tokens} tokens, {idx.index.n_postings} postings "
+          f"({idx.index.bytes_per_posting():.2f} bytes/posting on disk) -> {out}")
+    return 0
+
+
+# ---- endo query ------------------------------------------------------------------------------------------------
+def query_add_arguments(p) -> None:
+    p.add_argument("index", metavar="DIR", help="an index folder made by `endo index`")
+    p.add_argument("question")
+    p.add_argument("--k", type=int, default=4, help="number of evidence spans (default 4)")
+    p.add_argument("--budget", type=int, default=None, help="token budget over all spans (default 128 per span)")
+    p.add_argument("--method", default=None, choices=SEARCH_METHODS, help="default: the index's own")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    model_argument(p)  # the index's own model: an index answers only with the model that built it
+
+
+def span_json(s) -> dict:
+    return {"doc_id": s.doc_id, "char_start": s.char_start, "char_end": s.char_end, "tokens": [s.start, s.end],
+            "score": s.score, "signals": list(s.signals), "text": s.text, "metadata": s.metadata,
+            **({"stage_scores": s.stage_scores, "stage_ms": s.stage_ms} if s.stage_scores else {})}
+
+
+def query_run(args) -> int:
+    from endo_retrieval.index.engine import EndoIndex
+
+    index = EndoIndex.load(args.index, args.model)
+    hits = index.search(args.question, k=args.k, budget=args.budget, method=args.method)
+    if args.json:
+        print(json.dumps([span_json(h) for h in hits], indent=2, ensure_ascii=False))
+        return 0
+    for rank, h in enumerate(hits, 1):
+        print(f"[{rank}] {h.doc_id} chars {h.char_start}-{h.char_end}  score {h.score:.3f}  "
+              f"({'+'.join(h.signals)})\n    {' '.join(h.text.split())}")
+    return 0
+
+
+# ---- endo compress ---------------------------------------------------------------------------------------------
+def compress_add_arguments(p) -> None:
+    p.add_argument("--context", required=True, metavar="FILE", help="the long context (UTF-8 text file, - for stdin)")
+    p.add_argument("--question", required=True)
+    p.add_argument("--budget", type=int, default=1024, help="at most this many tokens are kept (default 1024)")
+    p.add_argument("--method", default=DEFAULT_METHOD,
+                   help=f"one of: {_method_help()} (default {DEFAULT_METHOD}, the best measured)")
+    p.add_argument("--json", action="store_true", help="print JSON with the spans")
+    model_argument(p)
+
+
+def compress_run(args) -> int:
+    from endo_retrieval.methods import compress
+
+    context = sys.stdin.read() if args.context == "-" else _read(Path(args.context))
+    out = compress(context, args.question, budget=args.budget, method=args.method, backbone=args.model)
+    if args.json:
+        print(json.dumps({"method": out.method, "budget": out.budget, "n_tokens": out.n_tokens, "text": out.text,
+                          "spans": [span_json(s) for s in out.spans]}, indent=2, ensure_ascii=False))
+    else:
+        print(out.text)
+    return 0
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type of a comma-separated list of whole numbers, e.g. 4096,8192."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, e.g. 4096,8192; got {text!r}")

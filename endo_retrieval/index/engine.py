@@ -1,0 +1,630 @@
+"""The S3-Attention engine (S3 sections 3.4-3.6, [S3 Alg. 1]) over a corpus of documents.
+
+Phase 1 [S3 Eq. 4-5]: documents stream through the backbone (early exit at the deepest target layer, independent
+chunks of 2048 as in Table 6); each chunk's pre-RoPE keys are encoded by the layer's SAE and appended to the
+`FeatureIndex` as postings; the chunk is then dropped, so accelerator memory is bounded by the chunk.
+Phase 2 [S3 Eq. 6-7/9]: the question's pre-RoPE queries go through the same SAEs; S[t] sums w_q * IDF over shared
+features; a Conv1D density and NMS pick peaks, grown to sentences, per document (select.py).
+Phase 3 [S3 Eq. 8]: the S3 peaks, BM25 peaks over sentence windows and a lead/tail bias share one token budget.
+
+One engine serves both uses: `EndoIndex` for a persistent corpus (RAG retriever) and `compress()` for one long
+context and one question (the paper's setting), which indexes the context as a one-document corpus.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import json
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from endo_retrieval.model.backbone import PIECES_PER_BATCH, Backbone, Encoding, as_text
+from endo_retrieval.scoring.bm25 import SentenceBM25
+from endo_retrieval.model.chunk_graph import MIN_REPLAYS, side_stream
+from endo_retrieval.scoring.fusion import RRF_K
+from endo_retrieval.index.corpus import CorpusMap, split_sentences
+from endo_retrieval.index.files import atomic_write, read_folder, replacing_folder, writer_lock
+from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
+                                           IndexVersionError, sorted_postings)
+from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
+from endo_retrieval.methods.base import check_budget
+from endo_retrieval.methods.base import Span
+from endo_retrieval.index.rwlock import ReadWriteLock, locked
+from endo_retrieval.scoring.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
+from endo_retrieval.model.sae import SAEError
+
+FORMAT = "endo-index"
+VERSION = 1
+HEADER = "endo-index.json"
+HEADER_FIELDS = {"format": str, "version": int, "model": str, "model_hash": str, "method": str, "chunk_size": int,
+                 "sae_layers": list}  # and "prune": a share in (0, 1] or null
+S3_METHODS = ("s3-hybrid", "s3")  # the methods that need the SAE feature postings
+CHUNK = 2048  # Table 6: streaming chunk size
+GROUP_CHUNKS = MIN_REPLAYS  # whole chunks per stream call while the text arrives: a call replays these shapes
+HANDOFF_TOKENS = SEGMENT_TOKENS  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers,
+# k 16; 64k: its sort's buffers, ~40 MiB, were most of the peak once the forward ran from CUDA graphs). Each hand-off
+# is one index segment, which queries read without a merge
+AHEAD_PIECES = 2 * PIECES_PER_BATCH  # pieces tokenised ahead of the stream: the next batch while one is streamed
+# indexed positions from which a CUDA backbone sums [S3 Eq. 9] on the accelerator: below, the host's sum is as fast
+# (docs/perf/perf_h100_query_s8.json; docs/papers.md, queries)
+SCORE_ON_ACCELERATOR = 1 << 18
+
+
+@dataclass
+class Document:
+    """A document to index: its id, text, and JSON-serialisable metadata carried to every span it yields."""
+
+    doc_id: str
+    text: str
+    metadata: dict = field(default_factory=dict)
+
+
+class EndoIndex:
+    """A persistent endogenous index over documents: the corpus map, BM25 over its passages and sentences, and
+    for S3 the feature postings. `method`: how `search` ranks by default. `endo` (the default pipeline:
+    pipeline.py) and `bm25` need only the corpus map, so an index built for them holds no feature postings
+    and cannot search with S3; one built for `s3` or `s3-hybrid` serves every method.
+    `int8_queries`: forward questions through int8-quantized linear maps (None: on a CPU backbone, where it halves
+    the question's forward at unchanged S3-Hybrid recall on dev30, README 'Performance'); documents stay fp32/bf16."""
+
+    def __init__(self, backbone: Backbone | None = None, method: str = DEFAULT_METHOD, saes=None,
+                 chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None,
+                 int8_queries: bool | None = None):
+        self.backbone = Backbone.of(backbone)  # None: the default model; a folder or GGUF path: that model
+        on_cpu = self.backbone.device.type == "cpu"
+        if int8_queries and not on_cpu:
+            raise ValueError("int8_queries runs on a CPU backbone only; on a GPU the bf16 question forward is faster")
+        self.int8_queries = on_cpu if int8_queries is None else bool(int8_queries)
+        self.method = _check_method(method)
+        self.saes = saes or _model_saes(self.backbone, self.method)
+        self.chunk_size = chunk_size
+        self.prune = prune
+        self.index = FeatureIndex(self.saes.layers, self.saes.card["d_latent"], stop_freq=stop_freq,
+                                  meta={"model_hash": self.backbone.model_hash})
+        self.corpus = CorpusMap()
+        self._rw = ReadWriteLock()  # queries share the index, an add or remove has it alone
+
+    # ---- phase 1: streaming semantic indexing [S3 Eq. 4-5] ------------------------------------------------------
+    @locked("write")
+    def add_documents(self, docs: Iterable[Document | str], progress: bool | None = None) -> list[str]:
+        """Index documents one after another; returns their ids. A bad document raises before anything is added.
+        `progress`: a progress bar (None: when standard error is a terminal)."""
+        docs = [d if isinstance(d, Document) else Document(f"doc-{len(self.corpus) + i}", d)
+                for i, d in enumerate(docs)]
+        if not docs:
+            raise ValueError("No documents given; pass at least one Document or text.")
+        seen = set(self.doc_ids)
+        checked = []
+        for d in docs:  # validate all first, so a bad document leaves the index untouched
+            if d.doc_id in seen:
+                raise ValueError(f"Duplicate document id {d.doc_id!r}; ids must be unique (remove the old one first).")
+            seen.add(d.doc_id)
+            try:
+                text = _unicode(as_text(d.text))
+            except ValueError as e:
+                raise ValueError(f"Document {d.doc_id!r}: {e}") from None
+            if not text:
+                raise ValueError(f"Document {d.doc_id!r} is empty; skip empty documents.")
+            if "\x00" in text:
+                raise ValueError(f"Document {d.doc_id!r} contains NUL bytes and looks binary; pass extracted text.")
+            try:
+                json.dumps(d.metadata)
+            except TypeError as e:
+                raise ValueError(f"Document {d.doc_id!r}: metadata must be JSON-serialisable ({e}).") from None
+            checked.append((d, text))
+        bar = _progress(sum(len(text) for _, text in checked), "indexing",
+                        sys.stderr.isatty() if progress is None else progress)
+        for d, text in checked:
+            start, pieces, sentences = self.corpus.n_positions, [], []
+
+            def tokenised(text=text, pieces=pieces, sentences=sentences) -> Iterator[Encoding]:
+                # the pieces are tokenised and their sentences split a batch ahead, in a thread, while the stream
+                # launches the chunks before them (the Rust tokenizer runs without the GIL)
+                split = ((a, b, enc, split_sentences(text, a, b)) for a, b, enc in self.backbone.encode_pieces(text))
+                for a, b, enc, starts in _ahead(split, AHEAD_PIECES):
+                    pieces.append(enc)
+                    sentences.append(starts)
+                    bar.update(b - a)
+                    yield enc
+
+            stream = tokenised()
+            try:
+                if self.method not in S3_METHODS:  # BM25 and endo read only the corpus map: no SAE pass
+                    list(stream)
+                else:
+                    self._index_tokens(stream, start)
+                self.corpus.add_document(d.doc_id, text, np.concatenate([p.offsets for p in pieces]), d.metadata,
+                                         sentence_chars=np.concatenate(sentences))
+            except BaseException:  # a document half indexed (NaN keys, out of memory, Ctrl-C) leaves no trace
+                stream.close()  # stops the tokenising thread now, not when the traceback is freed
+                if d.doc_id in self.corpus:
+                    self.corpus.remove_document(d.doc_id)
+                self.index.remove_range(start, start + sum(len(p) for p in pieces))
+                raise
+        bar.close()
+        return [d.doc_id for d in docs]
+
+    def _index_tokens(self, pieces: Iterable[Encoding], start: int) -> None:
+        """Stream the document's tokens as its pieces arrive, encode each chunk's keys [S3 Eq. 4] and append postings
+        [S3 Eq. 5], with no wait for the accelerator until the end (with the forward replayed from CUDA graphs,
+        the host is idle while it runs). The chunks are those of one stream over the whole document. The
+        features stay on the accelerator until HANDOFF_TOKENS of them wait, are sorted into postings there, and
+        copied to the host without waiting; the host adds them one hand-off later, when they have arrived."""
+        layers = self.saes.layers
+        waiting: list[tuple[int, int, dict[int, torch.Tensor]]] = []  # positions in the document, features
+        sent: list[_HandOff] = []  # on their way to the host
+        finite = torch.ones((), dtype=torch.bool, device=self.backbone.device)  # every key seen so far
+        main, encoder = _index_streams(self.backbone.device)
+        on_encoder = torch.cuda.stream(encoder) if encoder is not None else contextlib.nullcontext()
+
+        def hand_off() -> None:
+            if waiting:
+                positions = np.concatenate([np.arange(start + s, start + e, dtype=np.int64) for s, e, _ in waiting])
+                postings = []  # sorted on the accelerator, a layer at a time (each sort's buffers freed before
+                for layer in layers:  # the next one's): the host only appends
+                    sorted_ = sorted_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
+                    postings.append(tuple(_to_host(t) for t in sorted_))
+                sent.append(_HandOff(waiting[0][0], waiting[-1][1], positions, postings, _to_host(finite),
+                                     _recorded_event() if finite.is_cuda else None))  # the copies are async
+                waiting.clear()
+
+        def receive() -> None:
+            h = sent.pop(0)
+            h.arrived()
+            if not h.finite:
+                raise SAEError(f"The model's key states hold NaN or inf at or before tokens {h.start}-{h.end} of "
+                               "the document, which was not indexed. Check the model's weights and dtype (float16 "
+                               "can overflow; use bfloat16 or float32).")
+            for layer, (counts, rows, keep) in zip(layers, h.postings):
+                self.index.add_postings(layer, h.positions, counts.numpy(), rows.numpy()[keep.numpy()])
+
+        for first, ids in _whole_chunks(pieces, self.chunk_size):
+            for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
+                if encoder is not None:  # the SAE encodes this chunk while the next one's forward runs
+                    encoder.wait_stream(main)
+                features = {}
+                with on_encoder:
+                    for layer in layers:
+                        keys = chunk.keys[layer]
+                        if encoder is not None:
+                            keys.record_stream(encoder)  # not reused by the forward before the SAE has read it
+                        finite &= torch.isfinite(keys).all()  # read at hand-off: here it would wait for the device
+                        feat, act = self.saes.encode_keys(layer, keys, check_finite=False)
+                        # padding of tokens with fewer than k active features; int16 holds any id below 2**15
+                        features[layer] = torch.where(act > 0, feat, -1).to(
+                            torch.int16 if self.index.d_latent < 2**15 else torch.int32)
+                    waiting.append((first + chunk.start, first + chunk.end, features))
+                    if sum(e - s for s, e, _ in waiting) >= HANDOFF_TOKENS:
+                        hand_off()
+                if len(sent) > 1:  # the hand-off before the last one: the accelerator is long past it
+                    receive()
+        with on_encoder:
+            hand_off()
+        while sent:
+            receive()
+
+    @locked("write")
+    def remove_document(self, doc_id: str) -> None:
+        start, end = self.corpus.remove_document(doc_id)
+        self.index.remove_range(start, end)
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    @property
+    def doc_ids(self) -> list[str]:
+        return [d.doc_id for d in self.corpus.documents()]
+
+    # ---- phase 2: endogenous scores [S3 Eq. 6-7/9] --------------------------------------------------------------
+    def query_features(self, question: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """[S3 Eq. 6]: the question's pre-RoPE queries through the same SAEs -> {layer: (feature ids, weights)}."""
+        states = self.backbone.query_states(question, self.saes.layers, int8=self.int8_queries)
+        out = {}
+        for layer, q in states.items():
+            feat, act = self.saes.encode_queries(layer, q)
+            keep = act > 0
+            out[layer] = (feat[keep].cpu().numpy(), act[keep].float().cpu().numpy())
+        return out
+
+    @locked("read")
+    def s3_scores(self, question: str) -> np.ndarray:
+        """S[t] = sum_l sum_f w_{q,f} IDF(f) 1[t in I_l[f]] [S3 Eq. 7/9], vectorised over postings."""
+        if self.method not in S3_METHODS:
+            raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings; "
+                             "build it with method='s3' or 's3-hybrid' to search with S3.")
+        n, device = self.corpus.n_positions, self.backbone.device
+        return self.index.score(self.query_features(question), n_positions=n, prune=self.prune,
+                                device=device if device.type == "cuda" and n >= SCORE_ON_ACCELERATOR else None)
+
+    @locked("read")
+    def bm25_scores(self, question: str) -> np.ndarray:
+        return self._of_corpus_state("_bm25", SentenceBM25.build).token_scores(question)
+
+    def _of_corpus_state(self, name: str, build: Callable):
+        """`build(corpus)`, made once per corpus state (an add or remove changes the key) and reused by every query."""
+        key = (self.corpus.n_positions, len(self.corpus))
+        if getattr(self, name, None) is None or getattr(self, name)[0] != key:
+            setattr(self, name, (key, build(self.corpus)))
+        return getattr(self, name)[1]
+
+    # ---- phase 3: selection and fusion [S3 Eq. 8] ---------------------------------------------------------------
+    def signal_scores(self, question: str, method: str | None = None) -> dict[str, np.ndarray]:
+        """The per-position score arrays `method` fuses: {"s3": S[t], "bm25": ...}."""
+        method = _check_method(method or self.method)
+        question = _unicode(as_text(question))
+        out = {}
+        if method in ("s3", "s3-hybrid"):
+            out["s3"] = self.s3_scores(question)
+        if method in ("bm25", "s3-hybrid"):
+            out["bm25"] = self.bm25_scores(question)
+        return out
+
+    @locked("read")
+    def select(self, question: str, budget: int, method: str | None = None, lead_tail: int = 0,
+               kernel: int = QA_KERNEL, s3_share: float = 0.5, scores: dict[str, np.ndarray] | None = None
+               ) -> list[Span]:
+        """Spans (source order) under `budget` tokens chosen by `method`; documents are scored independently
+        (density and peaks never cross a document bound). `scores`: precomputed `signal_scores()`."""
+        if not len(self.corpus):
+            raise ValueError("The index is empty; add documents first.")
+        check_budget(budget)
+        method = self.check_method(method)
+        if method == "endo":
+            raise ValueError("select() fills a budget with sentences by s3-hybrid, s3 or bm25; the endo pipeline "
+                             "ranks passages: use search().")
+        bounds = self.corpus.segment_bounds()
+        scores = scores if scores is not None else self.signal_scores(question, method)
+        # BM25 scores are already one value per sentence: smoothing would only blur the peak into a neighbour
+        width = {name: 1 if name == "bm25" else kernel for name in scores}
+        streams = {name: iter_peaks(density(s, width[name], bounds), width[name], bounds)
+                   for name, s in scores.items()}
+        taken: list[tuple[str, int]] = []  # (signal, peak) in the order they were offered to the budget
+        kept = np.zeros(self.corpus.n_positions, dtype=bool)
+        if method == "s3-hybrid" and lead_tail > 0:  # M_Bias of [S3 Eq. 8]: the first and last tokens of each document
+            for doc in self.corpus.documents():
+                n = min(lead_tail, doc.n_tokens // 2)
+                kept[doc.start: doc.start + n] = kept[doc.end - n: doc.end] = True
+                taken += [("lead", doc.start), ("tail", doc.end - 1)]
+            if kept.sum() > budget:
+                raise ValueError(f"lead/tail of {lead_tail} tokens per document exceeds the budget of {budget}.")
+        sentences = self.corpus.sentence_starts()
+        peaks = _interleave(streams, taken, s3_share, lambda p: int(np.searchsorted(sentences, p, side="right")))
+        spans = spans_from_peaks(peaks, sentences, self.corpus.n_positions, budget, bounds, covered=kept)
+        offered: dict[str, list[int]] = {}  # each signal's peaks in the order it offered them (= its ranks)
+        for sig, p in taken:
+            offered.setdefault(sig, []).append(p)
+        ranked = {sig: np.asarray(ps) for sig, ps in offered.items()}
+        return [self._span(a, b, ranked) for a, b in spans]
+
+    def _span(self, a: int, b: int, ranked: dict[str, np.ndarray]) -> Span:
+        """A selected token range as a Span. Its score is reciprocal-rank fusion over the signals that chose it,
+        sum_s 1 / (RRF_K + rank_s), rank_s being the rank of signal s's best peak inside it: evidence that both
+        S3 and BM25 picked ranks above evidence only one of them picked."""
+        doc_id, c0, c1, text = self.corpus.span_text(a, b)
+        score, signals = span_rrf(a, b, ranked)
+        return Span(a, b, c0, c1, text, score, signals, doc_id, self.corpus.doc(doc_id).metadata)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods this index can search with: all of them where it holds S3 feature postings."""
+        return SEARCH_METHODS if self.method in S3_METHODS else tuple(m for m in SEARCH_METHODS if m not in S3_METHODS)
+
+    def check_method(self, method: str | None) -> str:
+        """`method` (None: the index's own) when this index can search with it, else a ValueError naming those it
+        can."""
+        method = _check_method(method or self.method)
+        if method not in self.methods:
+            raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings, so "
+                             f"it cannot search with {method!r}; it searches with {', '.join(self.methods)}. Build "
+                             "it with method='s3-hybrid' to search with every method.")
+        if method == "endo":
+            self.pipeline()  # a model without retrieval heads fails here, with the command that makes them
+        return method
+
+    @locked("read")
+    def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None,
+               where: Callable[[dict], bool] | None = None) -> list[Span]:
+        """The k best evidence spans, best first (by score, higher is better). `endo` returns whole passages
+        (under `budget` tokens in all when given, each cut to its best part); the other methods sentence spans
+        under `budget` tokens (default 128 per span). `where(metadata)`: only documents it accepts can come back
+        (for `endo` they are the only candidates; the other methods drop the rest, so fewer than k may come)."""
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
+        method = self.check_method(method)
+        if method == "endo":
+            if not len(self.corpus):
+                raise ValueError("The index is empty; add documents first.")
+            if budget is not None:
+                check_budget(budget)
+            return self.pipeline().search(self.corpus, self.passages(), _unicode(as_text(question)), k, budget,
+                                          where=where)
+        spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
+        return sorted(spans, key=lambda s: -s.score)[:k]
+
+    def pipeline(self):
+        """The `endo` pipeline over this index's model (its settings from the model's profile), made once."""
+        if getattr(self, "_pipeline", None) is None:
+            from endo_retrieval.index.pipeline import EndoPipeline
+
+            self._pipeline = EndoPipeline(self.backbone)
+        return self._pipeline
+
+    @locked("read")
+    def passages(self):
+        """The corpus's candidate passages with BM25 over them (pipeline.py), built once per corpus state."""
+        from endo_retrieval.index.pipeline import Passages
+
+        return self._of_corpus_state("_passages", Passages.build)
+
+    # ---- persistence ---------------------------------------------------------------------------------------
+    @locked("read")
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write the index atomically: a new folder beside `directory` is filled, then swapped in (files.py), by one
+        writer at a time (IndexBusyError for another). A crash leaves the old index or the new one."""
+        directory = Path(directory)
+        header = json.dumps({"format": FORMAT, "version": VERSION, "model": self.backbone.model_id,
+                             "model_hash": self.backbone.model_hash, "method": self.method,
+                             "chunk_size": self.chunk_size, "sae_layers": self.saes.layers, "prune": self.prune},
+                            indent=1)
+        with writer_lock(directory):
+            if directory.is_dir() and any(directory.iterdir()) and not (directory / HEADER).exists():
+                raise ValueError(f"{directory} exists and holds no endo index (no {HEADER}); refusing to replace "
+                                 "it. Pass a new folder, or delete that one first.")
+            with replacing_folder(directory) as tmp:
+                self.index.save(tmp / "features")
+                self.corpus.save(tmp / "corpus.npz")
+                atomic_write(tmp / HEADER, lambda p: p.write_text(header))
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, backbone: Backbone | None = None, saes=None,
+             int8_queries: bool | None = None) -> "EndoIndex":
+        """The index saved in `directory`, read as one state even while a writer replaces it. Every failure is an
+        IndexCorruptError (a ValueError) whose message says what to do."""
+        directory = Path(directory)
+
+        def read(open_file):
+            with open_file(HEADER) as f:
+                meta = _check_header(f.read(), directory / HEADER)
+            if "segments" in meta:
+                return meta, None, None
+            with open_file(f"features/{INDEX_FILE}") as f:
+                index = FeatureIndex.read(f, directory / "features" / INDEX_FILE)
+            with open_file("corpus.npz") as f:
+                return meta, index, CorpusMap.read(f, directory / "corpus.npz")
+
+        try:
+            meta, index, corpus = read_folder(directory, read)
+        except FileNotFoundError as err:
+            if err.filename not in (None, HEADER, str(directory)):
+                raise IndexCorruptError(f"the index in {directory} is damaged: {err.filename} is missing; delete "
+                                        "the folder and rebuild the index with `endo index PATH... --out DIR`."
+                                        ) from None
+            raise IndexCorruptError(f"{directory} holds no endo index (no {HEADER}); build one with "
+                                    "`endo index PATH... --out DIR` or EndoIndex.save().") from None
+        except IsADirectoryError as err:
+            raise IndexCorruptError(f"the index in {directory} is damaged ({err}); delete the folder and rebuild "
+                                    "the index.") from None
+        if "segments" in meta:  # a manifest of index segments (`segments.commit`: Ray workers' builds)
+            from endo_retrieval.index.segments import load_segments
+
+            return load_segments(cls, directory, meta, backbone, saes, int8_queries)
+        backbone = Backbone.of(backbone)
+        if meta["model_hash"] != backbone.model_hash:
+            raise IndexCorruptError(f"The index in {directory} was built with model {meta['model']} "
+                                    f"({meta['model_hash'][:12]}), not with the loaded {backbone.model_id} "
+                                    f"({backbone.model_hash[:12]}); load that model or rebuild the index.")
+        self = cls(backbone, meta["method"], saes=saes, chunk_size=meta["chunk_size"], prune=meta.get("prune"),
+                   int8_queries=int8_queries)
+        if self.method in S3_METHODS and (self.saes.layers != meta["sae_layers"] or index.layers != meta["sae_layers"]
+                                          or index.d_latent != self.saes.card["d_latent"]):
+            raise IndexCorruptError(f"The index in {directory} holds SAE layers {index.layers} of {index.d_latent} "
+                                    f"latents (header: {meta['sae_layers']}); the loaded SAEs have {self.saes.layers} "
+                                    f"of {self.saes.card['d_latent']}; load those SAEs or rebuild the index.")
+        if index.positions_span > corpus.n_positions:
+            raise IndexCorruptError(f"the index in {directory} is damaged (postings past the corpus map's "
+                                    f"{corpus.n_positions} positions); delete the folder and rebuild the index.")
+        self.index, self.corpus = index, corpus
+        return self
+
+
+def _model_saes(backbone: Backbone, method: str):
+    """The model's SAEs; for a method that reads none (bm25, endo), a model without them gets a stand-in of one
+    untrained layer, so only an index for s3 or s3-hybrid needs `endo train-sae` first."""
+    from endo_retrieval.model.sae import SAEBank, SAEError, TopKSAE
+
+    try:
+        return SAEBank.for_backbone(backbone)
+    except SAEError:
+        if method in S3_METHODS:
+            raise
+        return SAEBank({0: TopKSAE(backbone.head_dim, 64, 1)}, {"d_latent": 64, "k": 1, "stand_in": True,
+                                                                "model_hash": backbone.model_hash})
+
+
+def _check_header(raw: bytes, path: Path) -> dict:
+    """endo-index.json with every field checked: IndexCorruptError names what is wrong and says what to do."""
+    damaged = f"{path} is damaged ({{}}); delete the index folder and rebuild it with `endo index PATH... --out DIR`."
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except ValueError as err:  # not UTF-8, not JSON
+        raise IndexCorruptError(damaged.format(f"{type(err).__name__}: {err}")) from None
+    if not isinstance(meta, dict):
+        raise IndexCorruptError(damaged.format("not a JSON object"))
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise IndexVersionError(f"{path.parent} is not a version-{VERSION} endo index (format "
+                                f"{meta.get('format')!r}, version {meta.get('version')!r}); rebuild it with this "
+                                "version: `endo index PATH... --out DIR`.")
+    if "segments" in meta:  # a manifest of segments: its own loader checks the rest
+        return meta
+    for key, kind in HEADER_FIELDS.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise IndexCorruptError(damaged.format(f"{key!r} is {meta.get(key)!r}, not a {kind.__name__}"))
+    prune = meta.get("prune")
+    checks = {"method": meta["method"] in SEARCH_METHODS, "chunk_size": 0 < meta["chunk_size"] < 1 << 31,
+              "sae_layers": all(type(l) is int and 0 <= l < 1 << 16 for l in meta["sae_layers"]),
+              "prune": prune is None or (type(prune) in (int, float) and 0 < prune <= 1)}
+    for key, ok in checks.items():
+        if not ok:
+            raise IndexCorruptError(damaged.format(f"{key!r} is {meta.get(key)!r}"))
+    return meta
+
+
+def _unicode(text: str) -> str:
+    """`text`, refused with a ValueError where it holds a lone surrogate (not Unicode; the tokenizer cannot take it)."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the text holds a lone surrogate at character {e.start}, which is not valid Unicode; "
+                             "decode its bytes with errors='replace' first.") from None
+    return text
+
+
+def _check_method(method: str) -> str:
+    if method not in SEARCH_METHODS:
+        raise ValueError(f"Unknown method {method!r}; the index searches with one of {', '.join(SEARCH_METHODS)}.")
+    return method
+
+
+def span_rrf(a: int, b: int, ranked: dict[str, np.ndarray]) -> tuple[float, tuple[str, ...]]:
+    """Reciprocal-rank fusion of the span [a, b): sum over the signals whose peaks fall inside it of 1 / (RRF_K +
+    rank of the signal's best peak there), and those signals."""
+    best: dict[str, int] = {}
+    for sig, peaks in ranked.items():
+        inside = (peaks >= a) & (peaks < b)
+        if inside.any():
+            best[sig] = int(inside.argmax())
+    return sum(1.0 / (RRF_K + r) for r in best.values()), tuple(sorted(best))
+
+
+def _interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float, sentence_of: Callable[[int], int]
+                ) -> Iterator[int]:
+    """Yield the signals' peaks alternately by rank for one shared budget (the union of [S3 Eq. 8]): S3 gets `s3_share`
+    of the turns. A turn must bring a sentence no signal offered yet: a peak inside an offered sentence is only
+    recorded in `taken` (as (signal, peak), so the span credits both signals) and the same signal pulls again."""
+    credit = {name: 0.0 for name in streams}
+    share = {"s3": s3_share, "bm25": 1.0 - s3_share} if len(streams) == 2 else {n: 1.0 for n in streams}
+    live = dict(streams)
+    offered: set[int] = set()
+    while live:
+        for name in live:
+            credit[name] += share[name]
+        name = max(live, key=lambda n: credit[n])
+        credit[name] -= 1.0
+        for p in live[name]:
+            taken.append((name, p))
+            sentence = sentence_of(p)
+            if sentence not in offered:
+                offered.add(sentence)
+                yield p
+                break
+        else:
+            del live[name]
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="char", unit_scale=True, disable=not enabled, leave=False)
+
+
+def _whole_chunks(pieces: Iterable[Encoding], chunk_size: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first position, ids) of GROUP_CHUNKS or more whole chunks as the pieces arrive, then the rest: the chunks of
+    one stream over the whole document. The next piece is asked for only once these chunks are queued."""
+    ids, first = np.zeros(0, np.int64), 0
+    for piece in pieces:
+        ids = np.concatenate([ids, piece.ids])
+        whole = len(ids) // chunk_size * chunk_size
+        if whole >= GROUP_CHUNKS * chunk_size:
+            yield first, ids[:whole]
+            ids, first = ids[whole:], first + whole
+    if len(ids):
+        yield first, ids
+
+
+def _ahead(items: Iterator, depth: int) -> Iterator:
+    """`items`, produced up to `depth` ahead in a daemon thread. An exception there is raised here, and closing
+    this generator (the consumer failed or stopped) stops the thread at its next item."""
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop, end = threading.Event(), object()
+
+    def put(entry) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(entry, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put((item, None)):
+                    return
+            put((end, None))
+        except BaseException as e:  # handed to the consumer, which raises it
+            put((end, e))
+
+    worker = threading.Thread(target=produce, name="endo-tokenise", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if item is end:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        stop.set()
+        worker.join()
+
+
+def _index_streams(device: torch.device) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
+    """(the stream the forward runs on, the one the index work runs on) on CUDA, else (None, None). The SAE encode,
+    the postings' sort and their copies run beside the forward: the SAE kernel fills 32 programs of a 2048-token
+    chunk, and the forward's small kernels leave most of the accelerator free."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.current_stream(device), side_stream("index", device)
+
+
+def _recorded_event() -> torch.cuda.Event:
+    """An event on the current stream, after the work queued on it so far."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy on the host that does not wait for the accelerator (pinned memory; read it after `_HandOff.arrived`)."""
+    return t.to("cpu", non_blocking=True) if t.is_cuda else t
+
+
+@dataclass
+class _HandOff:
+    """One hand-off's postings per layer (`sorted_postings`: counts, rows, keep) on their way to the host, with the
+    NaN flag so far."""
+    start: int
+    end: int
+    positions: np.ndarray
+    postings: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    finite_flag: torch.Tensor
+    event: torch.cuda.Event | None  # recorded after the copies on an accelerator; None on the CPU
+
+    def arrived(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    @property
+    def finite(self) -> bool:
+        return bool(self.finite_flag)

@@ -1,0 +1,127 @@
+"""BM25: one tokenizer rule (`words`), rank-bm25's Okapi scores over term postings, and BM25 over a corpus's
+sentences and sentence windows (the lexical signal of S3-Hybrid [S3 Eq. 8] and of `endo`).
+
+`BM25Okapi.get_scores` walks every document once per query term in Python, which dominated a query over the
+sentences of more than 256k tokens (docs/papers.md). `OkapiPostings` keeps rank-bm25 as the source of the model (its
+idf with the epsilon floor, k1, b, document lengths) and only changes how the sum is taken: per query term, over the
+documents that hold it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from endo_retrieval.index.corpus import CorpusMap
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+_STOP = frozenset("a an and are as at be by did do does for from had has have he her his how i in is it its of on "
+                  "or she that the their them they this to was were what when where which who whom whose why will "
+                  "with you".split())
+
+
+# scripts written without spaces between words: Chinese, Japanese kana and kanji, Korean hangul
+_NO_SPACES = re.compile(r"([\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+)")
+
+
+def words(text: str) -> list[str]:
+    """The one tokenizer rule of every BM25 here: lowercased runs of Unicode word characters, English stop words
+    dropped; a run in a script written without spaces gives each character and each pair of neighbours (the usual
+    unigram + bigram terms for Chinese and Japanese), so a query term need not match a whole unsegmented clause."""
+    out = []
+    for w in _WORD.findall(text.lower()):
+        if w in _STOP:
+            continue
+        if not _NO_SPACES.search(w):
+            out.append(w)
+            continue
+        for part in filter(None, _NO_SPACES.split(w)):
+            if _NO_SPACES.fullmatch(part):
+                out += list(part) + [part[i:i + 2] for i in range(len(part) - 1)]
+            else:
+                out.append(part)
+    return out
+
+
+@dataclass
+class OkapiPostings:
+    okapi: object          # rank_bm25.BM25Okapi
+    terms: dict[str, int]  # term -> row of the postings
+    indptr: np.ndarray     # (n_terms + 1,) CSR row starts
+    docs: np.ndarray       # (n_postings,) document of each posting
+    tf: np.ndarray         # (n_postings,) the term's count in that document
+    norm: np.ndarray       # (n_docs,) k1 * (1 - b + b * |d| / avgdl)
+
+    @classmethod
+    def build(cls, corpus: list[list[str]]) -> "OkapiPostings":
+        from rank_bm25 import BM25Okapi
+
+        okapi = BM25Okapi(corpus)
+        terms: dict[str, int] = {}
+        term_ids, docs, tf = [], [], []
+        for d, freqs in enumerate(okapi.doc_freqs):
+            term_ids += [terms.setdefault(w, len(terms)) for w in freqs]
+            tf += freqs.values()
+            docs += [d] * len(freqs)
+        order = np.argsort(np.asarray(term_ids, dtype=np.int64), kind="stable")
+        counts = np.bincount(np.asarray(term_ids, dtype=np.int64), minlength=len(terms))
+        doc_len = np.asarray(okapi.doc_len, dtype=np.float64)
+        return cls(okapi, terms, np.concatenate(([0], np.cumsum(counts))), np.asarray(docs, np.int64)[order],
+                   np.asarray(tf, np.float64)[order], okapi.k1 * (1 - okapi.b + okapi.b * doc_len / okapi.avgdl))
+
+    def get_scores(self, query: list[str]) -> np.ndarray:
+        """Equal to `BM25Okapi.get_scores(query)`: sum over query terms (repeats count) of
+        idf(q) * tf (k1 + 1) / (tf + k1 (1 - b + b |d| / avgdl))."""
+        score = np.zeros(self.okapi.corpus_size)
+        for q in query:
+            row = self.terms.get(q)
+            if row is None:
+                continue
+            a, b = self.indptr[row], self.indptr[row + 1]
+            docs, tf = self.docs[a:b], self.tf[a:b]
+            score[docs] += self.okapi.idf[q] * (tf * (self.okapi.k1 + 1) / (tf + self.norm[docs]))
+        return score
+
+
+@dataclass
+class SentenceBM25:
+    """BM25 (rank-bm25 Okapi) over a corpus's sentences and sentence windows, built once per corpus state."""
+
+    bounds: list[np.ndarray]  # per document: sentence start positions + its end
+    sentences: OkapiPostings  # rank-bm25 Okapi over single sentences
+    windows: OkapiPostings  # ... over each sentence with `window` neighbours each side
+    n_positions: int
+
+    @classmethod
+    def build(cls, corpus: CorpusMap, window: int = 1) -> "SentenceBM25":
+        bounds, own_all, windows = [], [], []
+        for doc in corpus.documents():
+            starts = np.append(doc.sentence_starts, doc.end)
+            own = [words(corpus.span_text(a, b)[3]) for a, b in zip(starts[:-1], starts[1:])]
+            bounds.append(starts)
+            own_all += own
+            windows += [sum(own[max(0, i - window): i + window + 1], []) for i in range(len(own))]
+        return cls(bounds, OkapiPostings.build(own_all), OkapiPostings.build(windows), corpus.n_positions)
+
+    def sentence_scores(self, question: str, context_weight: float = 0.5) -> np.ndarray:
+        """Each sentence's own score plus `context_weight` times its window's: the own score puts the peak on the
+        matching sentence; the window lets a neighbour (a title line) lend context."""
+        query = words(question)
+        if not query:
+            return np.zeros(self.sentences.okapi.corpus_size)
+        return np.maximum(self.sentences.get_scores(query), 0.0) + \
+            context_weight * np.maximum(self.windows.get_scores(query), 0.0)
+
+    def token_scores(self, question: str, context_weight: float = 0.5) -> np.ndarray:
+        """`sentence_scores` spread over each sentence's tokens."""
+        scores = np.zeros(self.n_positions, dtype=np.float32)
+        if not words(question):
+            return scores
+        per_sentence = self.sentence_scores(question, context_weight)
+        i = 0
+        for starts in self.bounds:
+            n = len(starts) - 1
+            scores[starts[0]: starts[-1]] = np.repeat(per_sentence[i: i + n], np.diff(starts))
+            i += n
+        return scores
