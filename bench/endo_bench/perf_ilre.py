@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from endo_bench.measure import clock, peak_accel_mb, reset_peak, row
 
-VARIANTS = {"ilre": 16384, "ilre-unbatched": 0}  # method -> batch_tokens of the stream
+VARIANTS = {"ilre": None, "ilre-unbatched": 0}  # method -> batch_tokens of the stream (None: the default)
 
 
 def forward_flops(backbone, length: int, layer: int, chunk_size: int, sink: int, window: int) -> float:
@@ -25,7 +25,7 @@ def forward_flops(backbone, length: int, layer: int, chunk_size: int, sink: int,
     return flops
 
 
-def time_stages(ilre, text: str, question: str, budget: int, batch_tokens: int) -> dict[str, float]:
+def time_stages(ilre, text: str, question: str, budget: int, batch_tokens: int | None) -> dict[str, float]:
     from endo_retrieval.methods.ilre import context_scores, prefill
 
     bb, device = ilre.backbone, ilre.backbone.device
@@ -34,7 +34,8 @@ def time_stages(ilre, text: str, question: str, budget: int, batch_tokens: int) 
     query_ids = bb.encode(ilre.query_template.format(question=question)).ids
     t1 = clock(device)
     states = prefill(bb, context_ids, query_ids, [ilre.layer], sink=ilre.sink, window=ilre.window,
-                     chunk_size=ilre.chunk_size, positions=ilre.positions, batch_tokens=batch_tokens)[ilre.layer]
+                     chunk_size=ilre.chunk_size, positions=ilre.positions,
+                     **({} if batch_tokens is None else {"batch_tokens": batch_tokens}))[ilre.layer]
     t2 = clock(device)
     scores = context_scores(bb, states)
     t3 = clock(device)

@@ -9,6 +9,8 @@ are gathered back to source text. l_R comes from the passkey calibration (`endo 
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
@@ -20,6 +22,7 @@ from endo_retrieval.model.profiles import ilre_profile, ilre_profile_path, missi
 
 DEFAULT_MAX_KERNELS = (2, 4, 8)
 DEFAULT_AVG_KERNELS = tuple(range(1, 17))
+PARALLEL_FROM = 65536  # context tokens from which the allocation ranks its kernel combinations in threads
 POSITIONS = ("frame", "dca", "absolute")  # RoPE layouts of the streaming prefill (ILRe.positions)
 
 
@@ -89,20 +92,28 @@ def allocate(scores: np.ndarray | torch.Tensor, budget: int, sink: int = 4,
     n = len(a)
     if n <= budget:
         return np.arange(n, dtype=np.int64)
+    scored = a[sink:]
+    combinations = [(m, size) for m in max_kernels for size in avg_kernels]
+    pooled = {m: max_pool(scored, m) for m in max_kernels}
+
+    def ranking(combination: tuple[int, int]) -> np.ndarray:  # K_m = B/m + 1 windows give > B tokens
+        m, size = combination
+        return _top_ranked(avg_pool_same(pooled[m], size), math.ceil((budget - sink) / m) + 1)
+
+    # each combination's ranking is independent of the others (numpy runs them without the GIL), so a long
+    # context ranks them on several cores; only taking their tokens is sequential
+    if n >= PARALLEL_FROM:
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            rankings = list(pool.map(ranking, combinations))
+    else:
+        rankings = [ranking(c) for c in combinations]
     taken = np.zeros(n, dtype=bool)
     taken[:sink] = True  # I starts with the sink indices
-    scored = a[sink:]
-    shares = iter(combination_budgets(budget, sink, len(max_kernels) * len(avg_kernels)))
-    for m in max_kernels:
-        k_m = math.ceil((budget - sink) / m) + 1  # K_m = B/m + 1 windows give > B tokens: enough after skips
-        pooled = max_pool(scored, m)
-        for size in avg_kernels:
-            b_c = next(shares)
-            windows = _top_ranked(avg_pool_same(pooled, size), k_m)
-            tokens = (sink + windows[:, None] * m + np.arange(m)).ravel()  # map back to indices of C
-            tokens = tokens[tokens < n]
-            fresh = tokens[~taken[tokens]][:b_c]  # already-allocated tokens are skipped
-            taken[fresh] = True
+    for (m, _), windows, b_c in zip(combinations, rankings, combination_budgets(budget, sink, len(combinations))):
+        tokens = (sink + windows[:, None] * m + np.arange(m)).ravel()  # map back to indices of C
+        tokens = tokens[tokens < n]
+        fresh = tokens[~taken[tokens]][:b_c]  # already-allocated tokens are skipped
+        taken[fresh] = True
     return np.flatnonzero(taken).astype(np.int64)
 
 

@@ -270,7 +270,7 @@ class Backbone:
         self = cls.__new__(cls)
         self._set_device(config, device, dtype)
         self.tokenizer = cls.default(device).tokenizer if tokenizer_from is None else \
-            AutoTokenizer.from_pretrained(tokenizer_from)
+            AutoTokenizer.from_pretrained(locate_model(tokenizer_from)[0])  # a GGUF file: its converted folder
         if len(self.tokenizer) > config.vocab_size:
             raise UnsupportedModelError(f"The tokenizer has {len(self.tokenizer)} ids; the config's vocabulary "
                                         f"holds {config.vocab_size}. Raise vocab_size.")
@@ -431,9 +431,9 @@ class Backbone:
     @contextlib.contextmanager
     def run_to(self, last_layer: int, layers: Sequence[int], capture: Sequence[str], int8: bool = False):
         """Truncate the decoder to layers 0..last_layer (early exit) and hook the K/Q projections of `layers`,
-        yielding {"k"|"q": {layer: pre-RoPE states (batch, heads, T, head_dim)}} that fills as the model runs; int8: run the int8-quantized copy
-        of the layers instead. Public for readers that drive the model themselves (reading a context in segments
-        with its cache, `methods.heads.read`); hold `lock` around it."""
+        yielding {"k"|"q": {layer: pre-RoPE states (batch, heads, T, head_dim)}} that fills as the model runs;
+        int8: run the int8-quantized copy of the layers instead. Public for readers that drive the model
+        themselves (reading a context in segments with its cache, `methods.heads.read`); hold `lock` around it."""
         store: dict[str, dict[int, torch.Tensor]] = {"k": {}, "q": {}}
         body = self.model.model
         full = body.layers

@@ -24,7 +24,9 @@ FILLER = ("The river ran past the old mill and the children counted stones on th
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_allocate_matches_naive_reference(seed):
+def test_allocate_matches_naive_reference(seed, monkeypatch):
+    if seed % 4 == 0:  # the threaded ranking of long contexts, on short ones
+        monkeypatch.setattr("endo_retrieval.methods.ilre.PARALLEL_FROM", 1)
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 400))
     budget = int(rng.integers(1, 150))
