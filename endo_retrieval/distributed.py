@@ -32,11 +32,12 @@ import numpy as np
 import torch
 
 from endo_retrieval.index import segments
-from endo_retrieval.index.engine import CHUNK, Document, EndoIndex, _check_method, _interleave, span_rrf
+from endo_retrieval.index.engine import (CHUNK, Document, EndoIndex, check_search_method, interleave, peak_width,
+                                         scored_spans)
 from endo_retrieval.index.files import writer_lock
 from endo_retrieval.index.inverted import FeatureIndex
 from endo_retrieval.methods.base import Span, check_budget
-from endo_retrieval.scoring.select import QA_KERNEL, _enclosing, density, ranked_peaks, runs
+from endo_retrieval.scoring.select import QA_KERNEL, density, enclosing, ranked_peaks, runs
 
 SIGNALS = {"s3": ["s3"], "bm25": ["bm25"], "s3-hybrid": ["s3", "bm25"]}  # in EndoIndex.signal_scores's order
 PEAK_BATCH = 64  # peaks a shard sends per signal and round trip (a budget of 512 tokens takes ~10-30)
@@ -123,7 +124,7 @@ class ModelWorker:
         return (torch.cat(queries, dim=1).cpu(), torch.cat(query_pos)) if last else None
 
     def ilre_logsumexp(self, queries: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
-        from endo_retrieval.methods.ilre import ContextLogits
+        from endo_retrieval.scoring.attention import ContextLogits
 
         keys, key_pos = self._part
         self._logits = ContextLogits(keys, queries.to(self.backbone.device), key_pos, query_positions,
@@ -164,7 +165,7 @@ class RayIndexer:
                  chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None,
                  shares_per_worker: int = 1):
         self.workers = workers if isinstance(workers, list) else start_workers(workers, setup)
-        self.settings = {"method": _check_method(method), "chunk_size": chunk_size, "stop_freq": stop_freq,
+        self.settings = {"method": check_search_method(method), "chunk_size": chunk_size, "stop_freq": stop_freq,
                          "prune": prune}
         self.shares_per_worker = shares_per_worker
 
@@ -287,7 +288,7 @@ class Shard:
         for name in signals:
             scores = self.index.score(features, n_positions=n, prune=self.prune) if name == "s3" else \
                 self.bm25.token_scores(question)
-            width = 1 if name == "bm25" else kernel  # as EndoIndex.select
+            width = peak_width(name, kernel)
             curve = density(scores, width, bounds)
             streams[name] = self._records(ranked_peaks(curve, width, bounds), sentences, bounds, n, curve)
         self.streams[qid] = streams
@@ -296,8 +297,8 @@ class Shard:
     def _records(self, peaks, sentences, bounds, n, curve) -> Iterator[tuple]:
         """(-density, candidate, centre, sentence start, sentence end, document start, document end), global."""
         for c, p in peaks:
-            start, end = _enclosing(sentences, p, n)
-            doc_start, doc_end = _enclosing(bounds, p, n)
+            start, end = enclosing(sentences, p, n)
+            doc_start, doc_end = enclosing(bounds, p, n)
             yield (-float(curve[c]), c, p, max(start, doc_start), min(end, doc_end), doc_start, doc_end)
 
     def more(self, qid: str, names: list[str] | None = None, batch: int = PEAK_BATCH) -> dict:
@@ -352,7 +353,7 @@ class ShardedIndex:
 
         ray = _ray()
         check_budget(budget)
-        method, question, qid = _check_method(method or self.method), as_text(question), uuid.uuid4().hex
+        method, question, qid = check_search_method(method or self.method), as_text(question), uuid.uuid4().hex
         signals = SIGNALS[method]
         features = self.encoder.query_features(question) if "s3" in signals else None
         first = ray.get([s.open.remote(qid, features, question, signals, kernel) for s in self.shards])
@@ -360,21 +361,13 @@ class ShardedIndex:
             records: dict[int, tuple] = {}
             streams = {name: self._merged(qid, name, [f[name] for f in first], records) for name in signals}
             taken: list[tuple[str, int]] = []
-            peaks = _interleave(streams, taken, s3_share, lambda p: records[p][1])  # the sentence's start
+            peaks = interleave(streams, taken, s3_share, lambda p: records[p][1])  # the sentence's start
             spans = _fill(peaks, records, budget)
         finally:
             for s in self.shards:
                 s.close.remote(qid)
-        offered: dict[str, list[int]] = {}
-        for sig, p in taken:
-            offered.setdefault(sig, []).append(p)
-        ranked = {sig: np.asarray(ps) for sig, ps in offered.items()}
         texts = ray.get([self.shards[self._owner(records, a)].span.remote(a, b) for a, b in spans])
-        out = []
-        for (a, b), (doc_id, c0, c1, text, metadata) in zip(spans, texts):
-            score, sigs = span_rrf(a, b, ranked)
-            out.append(Span(a, b, c0, c1, text, score, sigs, doc_id, metadata))
-        return out
+        return scored_spans(spans, texts, taken)
 
     def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None) -> list[Span]:
         if k < 1:

@@ -30,6 +30,11 @@ def peak_accel_mb(device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
 
 
+def accel_mb(device) -> float | None:
+    """Accelerator memory allocated now (MiB); None on a CPU."""
+    return torch.cuda.memory_allocated() / 2**20 if device.type == "cuda" else None
+
+
 def row(section: str, metric: str, method: str | None, n: int | None, value, unit: str, device: str,
         **extra) -> dict:
     """One result row of the GUIDE contract; `value` None means not measured (the note says why)."""

@@ -2,8 +2,9 @@
 
 ILRe's work for one context: tokenise it (host), stream it to l_R (the forward, [ILRe Alg. 1]'s prefill), A^C at
 l_R ([ILRe Eq. 4-5], `context_scores`) and the multi-kernel allocation ([ILRe Alg. 1], on the host). Each stage is
-timed alone, after the accelerator has finished it. Two rows per length, side by side in one run: the streamed
-chunks forwarded several to a batch (`ilre`, the library's default) and one chunk per forward (`ilre-unbatched`).
+timed alone, after the accelerator has finished it. Three rows per length, side by side in one run: the streamed
+chunks forwarded several to a batch (`ilre`, the library's default), one chunk per forward (`ilre-unbatched`), and
+the sink + window frame cached per layer instead of recomputed (`ilre-cached`, one chunk per forward).
 The FLOPs are counted from the chunks the stream forwards (each with its sink + window frame): linear maps
 2 * parameters * tokens, attention 4 * heads * head_dim * n(n+1)/2 per layer; `peak_share` divides their rate by
 the accelerator's dense bf16 peak (--peak-tflops).
@@ -12,20 +13,27 @@ from __future__ import annotations
 
 from endo_bench.measure import clock, peak_accel_mb, reset_peak, row
 
-VARIANTS = {"ilre": None, "ilre-unbatched": 0}  # method -> batch_tokens of the stream (None: the default)
+# method -> how the stream runs: chunks batched (the default), one chunk per forward, the frame cached
+VARIANTS = {"ilre": {}, "ilre-unbatched": {"batch_tokens": 0}, "ilre-cached": {"frames": "cache"}}
 
 
-def forward_flops(backbone, length: int, layer: int, chunk_size: int, sink: int, window: int) -> float:
-    """FLOPs of the streamed forward of `length` context tokens to `layer` (inclusive), frames included."""
+def forward_flops(backbone, length: int, layer: int, chunk_size: int, sink: int, window: int,
+                  cached: bool = False) -> float:
+    """FLOPs of the streamed forward of `length` context tokens to `layer` (inclusive): each chunk with its frame
+    recomputed, or (cached) the chunk alone, its queries reading the frame's keys too."""
     per_layer = sum(p.numel() for p in backbone.model.model.layers[0].parameters())
     flops = 0.0
     for s in range(0, length, chunk_size):
-        n = min(s + chunk_size, length) - s + min(sink, s) + max(0, min(s - sink, window))  # Backbone.stream
-        flops += (layer + 1) * (2 * per_layer * n + 4 * backbone.n_heads * backbone.head_dim * n * (n + 1) / 2)
+        t = min(s + chunk_size, length) - s
+        frame = min(sink, s) + max(0, min(s - sink, window))  # Backbone.stream
+        n = t if cached else t + frame
+        pairs = t * frame + t * (t + 1) / 2  # causal query-key pairs of the chunk's queries (and the frame's)
+        pairs += 0 if cached else frame * (frame + 1) / 2
+        flops += (layer + 1) * (2 * per_layer * n + 4 * backbone.n_heads * backbone.head_dim * pairs)
     return flops
 
 
-def time_stages(ilre, text: str, question: str, budget: int, batch_tokens: int | None) -> dict[str, float]:
+def time_stages(ilre, text: str, question: str, budget: int, stream: dict) -> dict[str, float]:
     from endo_retrieval.methods.ilre import context_scores, prefill
 
     bb, device = ilre.backbone, ilre.backbone.device
@@ -34,8 +42,7 @@ def time_stages(ilre, text: str, question: str, budget: int, batch_tokens: int |
     query_ids = bb.encode(ilre.query_template.format(question=question)).ids
     t1 = clock(device)
     states = prefill(bb, context_ids, query_ids, [ilre.layer], sink=ilre.sink, window=ilre.window,
-                     chunk_size=ilre.chunk_size, positions=ilre.positions,
-                     **({} if batch_tokens is None else {"batch_tokens": batch_tokens}))[ilre.layer]
+                     chunk_size=ilre.chunk_size, positions=ilre.positions, **stream)[ilre.layer]
     t2 = clock(device)
     scores = context_scores(bb, states)
     t3 = clock(device)
@@ -52,16 +59,17 @@ def ilre_rows(backbone, source, lengths: list[int], budget: int, layer: int | No
     ilre = ILRe(backbone, layer=layer)
     device, dev = backbone.device, backbone.device.type
     warm = source.take(min(lengths))
-    for batch_tokens in VARIANTS.values():  # warm-up, excluded: CUDA graphs are captured here
-        time_stages(ilre, warm, "What is this about?", budget, batch_tokens)
+    for stream in VARIANTS.values():  # warm-up, excluded: CUDA graphs are captured here
+        time_stages(ilre, warm, "What is this about?", budget, stream)
     rows, extra = [], {"budget": budget, "ilre_layer": ilre.layer, "chunk_size": ilre.chunk_size,
                        **({"model": model} if model else {})}
     for n in sorted(lengths):
         text = source.take(n)
-        for method, batch_tokens in VARIANTS.items():
+        for method, stream in VARIANTS.items():
             reset_peak(device)
-            t = time_stages(ilre, text, "What is this about?", budget, batch_tokens)
-            flops = forward_flops(backbone, t["tokens"], ilre.layer, ilre.chunk_size, ilre.sink, ilre.window)
+            t = time_stages(ilre, text, "What is this about?", budget, stream)
+            flops = forward_flops(backbone, t["tokens"], ilre.layer, ilre.chunk_size, ilre.sink, ilre.window,
+                                  cached="frames" in stream)
             common = dict(section="ilre", method=method, n=n, device=dev, note=" ".join(filter(None, [note,
                           source.note(n)])), **extra)
             for stage in ("encode", "prefill", "scores", "allocate"):

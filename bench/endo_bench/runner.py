@@ -24,7 +24,7 @@ import torch
 
 from endo_bench import metrics
 from endo_retrieval.calibration.datasets import Example, load_examples
-from endo_bench.measure import peak_accel_mb, peak_rss_mb, reset_peak
+from endo_bench.measure import accel_mb, peak_accel_mb, peak_rss_mb, reset_peak
 from endo_retrieval.methods import REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -344,7 +344,8 @@ class Evaluator:
             overhead = len(prompt.prefill) - n_context
             selected_text, n_selected = None, max(scored.kv_kept - overhead, 1)
         else:
-            reset_peak(self.bb.device)  # the method's own peak (index and query): the weights plus what it holds
+            reset_peak(self.bb.device)  # the method's own peak (index and query) over what the run holds already
+            held = accel_mb(self.bb.device)
             start = time.perf_counter()
             if hasattr(method, "prepare"):  # two stages: index the context, then answer the question
                 prepared, latency["index"] = self.prepared(method, example, context_tokens)
@@ -353,7 +354,8 @@ class Evaluator:
             else:
                 compressed = method.compress(example.context, example.question, budget)
             latency["query"] = (time.perf_counter() - start) * 1e3
-            record["peak_accel_mb"] = peak_accel_mb(self.bb.device)
+            if held is not None:
+                record["method_accel_mb"] = peak_accel_mb(self.bb.device) - held
             selected_text, n_selected = compressed.text, compressed.n_tokens
             if getattr(method, "name", None) == "full":
                 scored = self.whole_prompt(example, context_tokens)[1]["full", None]

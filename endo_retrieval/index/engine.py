@@ -82,7 +82,7 @@ class EndoIndex:
         if int8_queries and not on_cpu:
             raise ValueError("int8_queries runs on a CPU backbone only; on a GPU the bf16 question forward is faster")
         self.int8_queries = on_cpu if int8_queries is None else bool(int8_queries)
-        self.method = _check_method(method)
+        self.method = check_search_method(method)
         self.saes = saes or _model_saes(self.backbone, self.method)
         self.chunk_size = chunk_size
         self.prune = prune
@@ -257,7 +257,7 @@ class EndoIndex:
     # ---- phase 3: selection and fusion [S3 Eq. 8] ---------------------------------------------------------------
     def signal_scores(self, question: str, method: str | None = None) -> dict[str, np.ndarray]:
         """The per-position score arrays `method` fuses: {"s3": S[t], "bm25": ...}."""
-        method = _check_method(method or self.method)
+        method = check_search_method(method or self.method)
         question = _unicode(as_text(question))
         out = {}
         if method in ("s3", "s3-hybrid"):
@@ -281,8 +281,7 @@ class EndoIndex:
                              "ranks passages: use search().")
         bounds = self.corpus.segment_bounds()
         scores = scores if scores is not None else self.signal_scores(question, method)
-        # BM25 scores are already one value per sentence: smoothing would only blur the peak into a neighbour
-        width = {name: 1 if name == "bm25" else kernel for name in scores}
+        width = {name: peak_width(name, kernel) for name in scores}
         streams = {name: iter_peaks(density(s, width[name], bounds), width[name], bounds)
                    for name, s in scores.items()}
         taken: list[tuple[str, int]] = []  # (signal, peak) in the order they were offered to the budget
@@ -295,21 +294,10 @@ class EndoIndex:
             if kept.sum() > budget:
                 raise ValueError(f"lead/tail of {lead_tail} tokens per document exceeds the budget of {budget}.")
         sentences = self.corpus.sentence_starts()
-        peaks = _interleave(streams, taken, s3_share, lambda p: int(np.searchsorted(sentences, p, side="right")))
+        peaks = interleave(streams, taken, s3_share, lambda p: int(np.searchsorted(sentences, p, side="right")))
         spans = spans_from_peaks(peaks, sentences, self.corpus.n_positions, budget, bounds, covered=kept)
-        offered: dict[str, list[int]] = {}  # each signal's peaks in the order it offered them (= its ranks)
-        for sig, p in taken:
-            offered.setdefault(sig, []).append(p)
-        ranked = {sig: np.asarray(ps) for sig, ps in offered.items()}
-        return [self._span(a, b, ranked) for a, b in spans]
-
-    def _span(self, a: int, b: int, ranked: dict[str, np.ndarray]) -> Span:
-        """A selected token range as a Span. Its score is reciprocal-rank fusion over the signals that chose it,
-        sum_s 1 / (RRF_K + rank_s), rank_s being the rank of signal s's best peak inside it: evidence that both
-        S3 and BM25 picked ranks above evidence only one of them picked."""
-        doc_id, c0, c1, text = self.corpus.span_text(a, b)
-        score, signals = span_rrf(a, b, ranked)
-        return Span(a, b, c0, c1, text, score, signals, doc_id, self.corpus.doc(doc_id).metadata)
+        texts = [self.corpus.span_text(a, b) for a, b in spans]
+        return scored_spans(spans, [t + (self.corpus.doc(t[0]).metadata,) for t in texts], taken)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -319,7 +307,7 @@ class EndoIndex:
     def check_method(self, method: str | None) -> str:
         """`method` (None: the index's own) when this index can search with it, else a ValueError naming those it
         can."""
-        method = _check_method(method or self.method)
+        method = check_search_method(method or self.method)
         if method not in self.methods:
             raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings, so "
                              f"it cannot search with {method!r}; it searches with {', '.join(self.methods)}. Build "
@@ -488,10 +476,32 @@ def _unicode(text: str) -> str:
     return text
 
 
-def _check_method(method: str) -> str:
+def check_search_method(method: str) -> str:
     if method not in SEARCH_METHODS:
         raise ValueError(f"Unknown method {method!r}; the index searches with one of {', '.join(SEARCH_METHODS)}.")
     return method
+
+
+def peak_width(signal: str, kernel: int) -> int:
+    """The density kernel and NMS radius of a signal: BM25 scores are already one value per sentence, so smoothing
+    would only blur the peak into a neighbour."""
+    return 1 if signal == "bm25" else kernel
+
+
+def scored_spans(ranges: list[tuple[int, int]], texts: list[tuple], taken: list[tuple[str, int]]) -> list[Span]:
+    """The token ranges a budget took as Spans, each scored by reciprocal-rank fusion over the signals that chose it
+    (`span_rrf`): evidence that both S3 and BM25 picked ranks above evidence only one of them picked. `texts`:
+    (doc_id, char start, char end, text, metadata) per range; `taken`: (signal, peak) in the order the peaks were
+    offered to the budget, so each signal's peaks come in its rank order."""
+    offered: dict[str, list[int]] = {}
+    for sig, p in taken:
+        offered.setdefault(sig, []).append(p)
+    ranked = {sig: np.asarray(ps) for sig, ps in offered.items()}
+    out = []
+    for (a, b), (doc_id, c0, c1, text, metadata) in zip(ranges, texts):
+        score, signals = span_rrf(a, b, ranked)
+        out.append(Span(a, b, c0, c1, text, score, signals, doc_id, metadata))
+    return out
 
 
 def span_rrf(a: int, b: int, ranked: dict[str, np.ndarray]) -> tuple[float, tuple[str, ...]]:
@@ -505,8 +515,8 @@ def span_rrf(a: int, b: int, ranked: dict[str, np.ndarray]) -> tuple[float, tupl
     return sum(1.0 / (RRF_K + r) for r in best.values()), tuple(sorted(best))
 
 
-def _interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float, sentence_of: Callable[[int], int]
-                ) -> Iterator[int]:
+def interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float, sentence_of: Callable[[int], int]
+               ) -> Iterator[int]:
     """Yield the signals' peaks alternately by rank for one shared budget (the union of [S3 Eq. 8]): S3 gets `s3_share`
     of the turns. A turn must bring a sentence no signal offered yet: a peak inside an offered sentence is only
     recorded in `taken` (as (signal, peak), so the span credits both signals) and the same signal pulls again."""

@@ -175,6 +175,11 @@ def scatter_scores(total: torch.Tensor, positions: np.ndarray, run_mass: np.ndar
     total.index_add_(0, index, weights)
 
 
+def idf(freq: np.ndarray) -> np.ndarray:
+    """IDF(f) = 1 / (log(1 + freq(f)) + 1) [S3 Eq. 10]."""
+    return 1.0 / (np.log1p(freq) + 1.0)
+
+
 class FeatureIndex:
     """Per-layer inverted index: feature id -> sorted token positions [S3 Eq. 5], scored by [S3 Eq. 7/9] with
     [S3 Eq. 10] IDF."""
@@ -340,8 +345,8 @@ class FeatureIndex:
         return sum((np.diff(s.indptr) for s in self._segments(layer)), np.zeros(self.d_latent, np.int64))
 
     def idf(self, layer: int) -> np.ndarray:
-        """IDF(f) = 1 / (log(1 + freq(f)) + 1) [S3 Eq. 10]."""
-        return 1.0 / (np.log1p(self.freq(layer)) + 1.0)
+        """IDF(f) of every feature at `layer` [S3 Eq. 10]."""
+        return idf(self.freq(layer))
 
     def n_tokens(self, layer: int) -> int:
         """Token positions indexed at `layer` (also those whose features were all absent)."""
@@ -401,7 +406,7 @@ class FeatureIndex:
             valid = ids >= 0
             w = np.bincount(ids[valid], weights=weights[valid], minlength=self.d_latent)  # sum repeated features
             freq = self.freq(layer)
-            mass = w * (1.0 / (np.log1p(freq) + 1.0))  # [S3 Eq. 10]
+            mass = w * idf(freq)
             feats = np.flatnonzero((mass != 0) & (freq > 0) & (freq <= self.stop_threshold(layer)))
             if prune is not None and len(feats):
                 feats = feats[np.argsort(-np.abs(mass[feats]), kind="stable")]

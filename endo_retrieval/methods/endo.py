@@ -22,11 +22,12 @@ from typing import ClassVar
 import numpy as np
 
 from endo_retrieval.scoring.fusion import fuse, rrf, standardise
-from endo_retrieval.methods.base import Compressed, check_budget
+from endo_retrieval.scoring.select import sentence_spans, sentences_in_budget
+from endo_retrieval.methods.base import BaseMethod
 from endo_retrieval.methods.heads import (HeadsError, Prepared, RetrievalHeads, calibrated_attention,
-                                          calibrated_scores, fit_sentences, sentence_max)
+                                          calibrated_scores, sentence_max)
 from endo_retrieval.model.profiles import heads_profile, ilre_profile
-from endo_retrieval.methods.ilre import attention_scores
+from endo_retrieval.scoring.attention import attention_scores
 
 SIGNALS = ("bm25", "heads", "hop2", "ilre")
 HOP_SENTENCES = 2  # first-hop sentences the second hop re-reads
@@ -35,9 +36,8 @@ GRID_STEP = 0.05
 
 def kept_in_budget(scores: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
     """bool per sentence: taken when whole sentences go in score order into `budget` tokens."""
-    order = np.argsort(-scores, kind="stable")
     kept = np.zeros(len(scores), dtype=bool)
-    kept[order[np.cumsum(lengths[order]) <= budget]] = True
+    kept[sentences_in_budget(np.argsort(-scores, kind="stable"), lengths, budget)] = True
     return kept
 
 
@@ -116,21 +116,21 @@ class Endo(RetrievalHeads):
     def signals(self, prepared: Prepared, question: str) -> dict[str, np.ndarray]:
         return signals(self.backbone, prepared, question, self.heads, self.ilre_layer, self.second_hop)
 
-    def select(self, prepared: Prepared, question: str, budget: int) -> Compressed:
+    def rank(self, prepared: Prepared, question: str, budget: int):
         from endo_retrieval.methods.heads import _question
 
         sig = self.signals(prepared, _question(question))
         score = fuse(sig, self.weights)
         order = np.argsort(-score, kind="stable")
         lengths = np.diff(np.append(prepared.sentence_starts, prepared.corpus.n_positions))
-        k = max(1, int(np.searchsorted(np.cumsum(lengths[order]), budget, side="right")))
+        k = max(1, len(sentences_in_budget(order, lengths, budget)))
         chose: dict[int, list[str]] = {}
         for s, w in self.weights.items():  # which signals would have chosen the sentence alone, same budget
             if w and s in sig:
                 for i in np.argsort(-sig[s], kind="stable")[:k]:
                     chose.setdefault(int(i), []).append(s)
-        return fit_sentences(prepared, order, budget, self.backbone, self.name,
-                             {i: tuple(v) for i, v in chose.items()}, score)
+        chose = {i: tuple(v) for i, v in chose.items()}
+        return lambda target: sentence_spans(prepared.corpus, order, target, self.name, chose, score)
 
 
 def signals(backbone, prepared: Prepared, question: str, heads, ilre_layer: int | None = None,
@@ -153,7 +153,7 @@ def signals(backbone, prepared: Prepared, question: str, heads, ilre_layer: int 
 
 
 @dataclass
-class TwoStageEndo:
+class TwoStageEndo(BaseMethod):
     """`endo` over one context read in two stages, as over a corpus (pipeline.py): the context's runs of whole
     sentences of at most `window_tokens` are the candidates; BM25 keeps the best, the model reads them and the
     question, and the fused stage scores rank them. The budget takes whole sentences of the candidates in that
@@ -173,21 +173,22 @@ class TwoStageEndo:
         self.backbone = Backbone.of(self.backbone)
         self.pipeline = self.pipeline or EndoPipeline(self.backbone)
 
-    def compress(self, context: str, question: str, budget: int = 1024) -> Compressed:
-        from types import SimpleNamespace
-
-        from endo_retrieval.scoring.bm25 import words
+    def prepare(self, context: str):
         from endo_retrieval.index.corpus import CorpusMap
-        from endo_retrieval.methods.heads import _question
         from endo_retrieval.index.pipeline import Passages
 
-        check_budget(budget)
         if not isinstance(context, str) or not context.strip():
             raise HeadsError("The context is empty; give the text to retrieve from.")
-        question = _question(question)
         corpus = CorpusMap()
         corpus.add_document("context", context, self.backbone.encode(context).offsets)
-        passages = Passages.build(corpus, self.window_tokens)
+        return corpus, Passages.build(corpus, self.window_tokens)
+
+    def rank(self, prepared, question: str, budget: int):
+        from endo_retrieval.scoring.bm25 import words
+        from endo_retrieval.methods.heads import _question
+
+        corpus, passages = prepared
+        question = _question(question)
         top, stage, _ = self.pipeline.stage_scores(corpus, passages, question)
         fused = fuse(stage, self.pipeline.weights)
         ranked = top[np.lexsort((np.arange(len(top)), -fused))]
@@ -200,7 +201,7 @@ class TwoStageEndo:
         score = np.full(len(starts), -np.inf)
         for p, s in zip(top, fused):
             score[first[p]:last[p]] = s
+        score = np.where(np.isfinite(score), score, 0.0)
         chose = {i: tuple(sorted(w for w, v in self.pipeline.weights.items() if v))
                  for p in top for i in range(first[p], last[p])}
-        return fit_sentences(SimpleNamespace(corpus=corpus, sentence_starts=starts), sentences, budget,
-                             self.backbone, self.name, chose, np.where(np.isfinite(score), score, 0.0))
+        return lambda target: sentence_spans(corpus, sentences, target, self.name, chose, score)

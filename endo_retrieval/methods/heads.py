@@ -18,7 +18,6 @@ the frame at the lower layers and the heads rank worse (docs/papers.md has both 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
@@ -27,9 +26,10 @@ import torch
 
 from endo_retrieval.index.corpus import CorpusMap
 from endo_retrieval.scoring.bm25 import SentenceBM25
-from endo_retrieval.methods.base import Compressed, Span, check_budget
+from endo_retrieval.methods.base import BaseMethod
 from endo_retrieval.model.profiles import heads_profile
-from endo_retrieval.scoring.select import spans_from_peaks
+from endo_retrieval.scoring.attention import logits
+from endo_retrieval.scoring.select import sentence_spans
 
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 NULL_QUESTION = "N/A"  # In-Context Re-ranking's content-free query
@@ -174,18 +174,14 @@ def ask(backbone, reading: Reading, query_ids: np.ndarray, layers: Sequence[int]
 
 def head_attention(reading: Reading, queries: list[dict[int, torch.Tensor]], heads: Sequence[tuple[int, int]],
                    rows: slice = slice(None)) -> torch.Tensor:
-    """Per head (layer, h): softmax over a segment's keys of q K^T / sqrt(d) ([ILRe Eq. 4]'s softmax_C), averaged
-    over the query part's `rows`, segment after segment: (len(heads), L); each segment's part of a row is a
-    distribution over that segment. GQA: query head h reads kv head h // (n_heads / n_kv)."""
+    """Per head (layer, h): softmax over a segment's keys of q K^T / sqrt(d) ([ILRe Eq. 4]'s softmax_C, `logits`),
+    averaged over the query part's `rows`, segment after segment: (len(heads), L); each segment's part of a row is
+    a distribution over that segment."""
     out = []
     for segment, q_by_layer in zip(reading.segments, queries):
-        rows_of_segment = []
-        for layer, h in heads:
-            keys, q = segment.keys[layer], q_by_layer[layer][h, rows]
-            kv = keys[h // (q_by_layer[layer].shape[0] // keys.shape[0])].to(q.device)
-            logits = (q.float() @ kv.float().T) / math.sqrt(q.shape[-1])
-            rows_of_segment.append(logits.softmax(-1).mean(0))
-        out.append(torch.stack(rows_of_segment))
+        by_layer = {layer: logits(q_by_layer[layer][:, rows], segment.keys[layer]).softmax(-1).mean(1)
+                    for layer in {layer for layer, _ in heads}}
+        out.append(torch.stack([by_layer[layer][h] for layer, h in heads]))
     return torch.cat(out, dim=1)
 
 
@@ -268,35 +264,6 @@ def calibrated_scores(backbone, prepared: Prepared, heads: Sequence[tuple[int, i
     return per_sentence if per_head else per_sentence.sum(0)
 
 
-def fit_sentences(prepared: Prepared, order: Sequence[int], budget: int, backbone, name: str,
-                  chose: dict[int, tuple[str, ...]] | None = None, score: np.ndarray | None = None) -> Compressed:
-    """Whole sentences in rank `order` into `budget` tokens (the first that does not fit is trimmed to the rest),
-    returned in source order. Spans cut inside words can re-tokenise longer: the budget shrinks until it fits."""
-    from endo_retrieval.methods.base import join_spans
-
-    corpus, starts = prepared.corpus, prepared.sentence_starts
-    n = corpus.n_positions
-    check_budget(budget)
-    sentence_of = lambda p: int(np.searchsorted(starts, p, side="right")) - 1  # noqa: E731
-    target = budget
-    for _ in range(8):
-        peaks = [int(starts[i]) for i in order] if n > target else [0]
-        ranges = spans_from_peaks(peaks, starts, n, min(target, n), corpus.segment_bounds())
-        spans = []
-        for a, b in ranges:
-            doc_id, c0, c1, text = corpus.span_text(a, b)
-            ids = range(sentence_of(a), sentence_of(b - 1) + 1)
-            signals = tuple(sorted({s for i in ids for s in (chose or {}).get(i, ())})) or (name,)
-            best = max((float(score[i]) for i in ids), default=0.0) if score is not None else 0.0
-            spans.append(Span(a, b, c0, c1, text, best, signals, doc_id))
-        out = join_spans(spans, name, budget)
-        out.n_tokens = backbone.count_tokens(out.text)
-        if out.n_tokens <= budget:
-            return out
-        target -= out.n_tokens - budget
-    raise HeadsError(f"could not fit the selection into {budget} tokens")  # pragma: no cover
-
-
 def profile_heads(backbone) -> list[tuple[int, int]]:
     from endo_retrieval.model.profiles import heads_profile_path, missing
 
@@ -311,7 +278,7 @@ def profile_heads(backbone) -> list[tuple[int, int]]:
 
 
 @dataclass
-class RetrievalHeads:
+class RetrievalHeads(BaseMethod):
     """`heads`: sentences in the order of their calibrated retrieval-head attention (QRHead + ICR), whole
     sentences into the budget. heads None takes the model's calibrated heads (`endo calibrate-heads`)."""
 
@@ -349,14 +316,10 @@ class RetrievalHeads:
     def sentence_scores(self, prepared: Prepared, question: str) -> np.ndarray:
         return calibrated_scores(self.backbone, prepared, self.heads, _question(question))
 
-    def select(self, prepared: Prepared, question: str, budget: int) -> Compressed:
+    def rank(self, prepared: Prepared, question: str, budget: int):
         score = self.sentence_scores(prepared, question)
         order = np.argsort(-score, kind="stable")
-        return fit_sentences(prepared, order, budget, self.backbone, self.name, score=score)
-
-    def compress(self, context: str, question: str, budget: int = 1024) -> Compressed:
-        check_budget(budget)
-        return self.select(self.prepare(context), question, budget)
+        return lambda target: sentence_spans(prepared.corpus, order, target, self.name, score=score)
 
 
 def _question(question: str) -> str:

@@ -19,6 +19,8 @@ import torch
 
 from endo_retrieval.methods.base import Compressed, Span, check_budget
 from endo_retrieval.model.profiles import ilre_profile, ilre_profile_path, missing
+from endo_retrieval.scoring.attention import attention_scores
+from endo_retrieval.scoring.select import runs
 
 DEFAULT_MAX_KERNELS = (2, 4, 8)
 DEFAULT_AVG_KERNELS = tuple(range(1, 17))
@@ -149,61 +151,6 @@ def allocate_reference(scores, budget: int, sink: int = 4, max_kernels=DEFAULT_M
 # ---------------------------------------------------------------- [ILRe Eq. 4-5]: query-to-context attention at l_R
 
 
-def attention_scores(keys: torch.Tensor, queries: torch.Tensor, key_positions: torch.Tensor,
-                     query_positions: torch.Tensor, rope, block: int = 8192) -> np.ndarray:
-    """A^C = max over heads h and query positions q of softmax_C(q K^T / sqrt(d)) [ILRe Eq. 4-5], shape (L,).
-
-    keys (n_kv, L, d) and queries (n_heads, Lq, d) are pre-RoPE; `rope(x, positions)` rotates them [ILRe Eq. 1, 3]
-    (rope=None: both are rotated already, and the positions are not used).
-    GQA: query head h reads kv head h // (n_heads / n_kv). The softmax runs over the whole context in blocks of
-    `block` keys, two passes (logsumexp, then probabilities), so memory is n_heads x Lq x block, not x L.
-    """
-    logits = ContextLogits(keys, queries, key_positions, query_positions, rope, block)
-    return logits.probabilities(logits.logsumexp())
-
-
-@dataclass
-class ContextLogits:
-    """q K^T / sqrt(d) of [ILRe Eq. 4] over some of the context's keys, a block at a time. [ILRe Eq. 5]'s softmax
-    runs over the whole context: keys held in parts (one per GPU) each give `logsumexp()`, the parts' values are
-    combined with torch.logaddexp, and each part's `probabilities(lse)` is then exactly its slice of A^C."""
-
-    keys: torch.Tensor
-    queries: torch.Tensor
-    key_positions: torch.Tensor
-    query_positions: torch.Tensor
-    rope: object
-    block: int = 8192
-
-    def __post_init__(self):
-        n_kv, _, d = self.keys.shape
-        n_heads, n_q, _ = self.queries.shape
-        if self.rope is None:
-            self.rope = lambda x, _positions: x
-            self.key_positions = self.query_positions = torch.zeros(0)  # unused
-        q = self.rope(self.queries.float(), self.query_positions.to(self.queries.device)) / math.sqrt(d)
-        self.q = q.reshape(n_kv, (n_heads // n_kv) * n_q, d)  # heads of one kv group side by side
-
-    def _blocks(self):
-        device, length = self.q.device, self.keys.shape[1]
-        for s in range(0, length, self.block):
-            e = min(s + self.block, length)
-            k = self.rope(self.keys[:, s:e].to(device, torch.float32), self.key_positions[s:e].to(device))
-            yield s, e, self.q @ k.transpose(1, 2)  # (n_kv, group x Lq, block)
-
-    def logsumexp(self) -> torch.Tensor:
-        lse = torch.full(self.q.shape[:2], -math.inf, device=self.q.device)
-        for *_, logits in self._blocks():
-            lse = torch.logaddexp(lse, logits.logsumexp(-1))
-        return lse
-
-    def probabilities(self, lse: torch.Tensor) -> np.ndarray:
-        out = torch.empty(self.keys.shape[1])
-        for s, e, logits in self._blocks():
-            out[s:e] = (logits - lse.to(logits.device)[..., None]).exp().amax(dim=(0, 1)).cpu()
-        return out.numpy()
-
-
 def dca_key_positions(key_positions: torch.Tensor, chunk_starts: Sequence[int]) -> torch.Tensor:
     """[ILRe Eq. 7]: re-RoPE the l_R keys of chunk i < N_C - 1 by D_i, the distance to chunk N_C - 1 (the one before the
     last, which may be short), so every key lies within two chunks of the query part."""
@@ -239,15 +186,16 @@ def _preallocate(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Sequence[int], *, sink: int = 4,
-            window: int = 512, chunk_size: int = 1024, positions: str = "frame", batch_tokens: int = 16384
-            ) -> dict[int, LayerStates]:
+            window: int = 512, chunk_size: int = 1024, positions: str = "frame", batch_tokens: int = 16384,
+            frames: str = "recompute") -> dict[int, LayerStates]:
     """One streaming chunked prefill of context + query part, run only up to max(layers) (early exit).
 
     Lower layers see sink + window tokens (the Lambda-shaped mask); each layer in `layers` keeps its full-length
     context keys and the query part's queries. The query part is its own chunk (split_at = len(context)).
     Passing several layers captures them all in one pass (the calibration does this). `positions`: the RoPE
     layout of `Backbone.stream` ("frame", "absolute", or "dca" for [ILRe Eq. 6]); `batch_tokens`: chunks forwarded
-    together (each still sees only its own frame; 0: one chunk per forward).
+    together (each still sees only its own frame; 0: one chunk per forward); `frames`: "recompute" the sink + window
+    frame with each chunk, or "cache" it per layer as [ILRe section 3.4] does (`Backbone.stream`).
     """
     length = len(context_ids)
     shape = (backbone.n_kv_heads, length, backbone.head_dim)
@@ -257,7 +205,8 @@ def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Se
     query_positions, chunk_starts = [], []
     ids = np.concatenate([np.asarray(context_ids), np.asarray(query_ids)])
     for ch in backbone.stream(ids, layers, chunk_size=chunk_size, mode="sink_window", sink=sink, window=window,
-                              capture=("k", "q"), split_at=length, positions=positions, batch_tokens=batch_tokens):
+                              capture=("k", "q"), split_at=length, positions=positions, batch_tokens=batch_tokens,
+                              frames=frames):
         if ch.start < length:
             chunk_starts.append(ch.start)
             key_positions[ch.start:ch.end] = ch.rope_positions.cpu()
@@ -280,16 +229,6 @@ def context_scores(backbone, states: LayerStates, dca: bool = False) -> np.ndarr
 
 
 # ---------------------------------------------------------------- the method
-
-
-def token_runs(indices: np.ndarray) -> list[tuple[int, int]]:
-    """Sorted token indices -> maximal contiguous runs [start, end)."""
-    if len(indices) == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(indices) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [len(indices)]])
-    return [(int(indices[s]), int(indices[e - 1]) + 1) for s, e in zip(starts, ends)]
 
 
 @dataclass
@@ -315,6 +254,10 @@ class ILRe:
     # construction (our default: 1.0 passkey recall to 128k, docs/ilre.md); "dca" is the paper's Dual Chunk
     # Attention ([ILRe Eq. 6] in the lower layers, [ILRe Eq. 7] at l_R); "absolute" is the paper's ILRe without DCA.
     positions: str = "frame"
+    # the sink + window frame: "recompute" it with each chunk (chunks are then independent, and a small model
+    # forwards them in batches), or "cache" its keys and values per layer as [ILRe section 3.4] does (1/1.5 of the
+    # arithmetic at 1024-token chunks: the faster choice for a large model; docs/ilre.md)
+    frames: str = "recompute"
 
     def __post_init__(self):
         from endo_retrieval.model.backbone import Backbone
@@ -337,7 +280,7 @@ class ILRe:
         """A^C at l_R [ILRe Eq. 5] of the context tokens for this query part: one early-exit streaming prefill."""
         self._check_query(query_ids)
         states = prefill(self.backbone, context_ids, query_ids, [self.layer], sink=self.sink, window=self.window,
-                         chunk_size=self.chunk_size, positions=self.positions)[self.layer]
+                         chunk_size=self.chunk_size, positions=self.positions, frames=self.frames)[self.layer]
         return context_scores(self.backbone, states, dca=self.positions == "dca")
 
     def _check_query(self, query_ids: np.ndarray) -> None:
@@ -394,7 +337,7 @@ class ILRe:
     def _compressed(self, text: str, enc, keep: np.ndarray, budget: int, scores: np.ndarray | None = None
                     ) -> Compressed:
         spans = []
-        for start, end in token_runs(np.asarray(keep)):
+        for start, end in runs(np.asarray(keep)):
             cs, ce = int(enc.offsets[start, 0]), int(enc.offsets[end - 1, 1])
             score = float(scores[start:end].max(initial=0.0)) if scores is not None else 0.0
             spans.append(Span(start, end, cs, ce, text[cs:ce], score=score, signals=("ilre",),

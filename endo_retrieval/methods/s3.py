@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from endo_retrieval.model.backbone import Backbone
-from endo_retrieval.methods.base import Compressed, Span, check_budget, join_spans
+from endo_retrieval.methods.base import BaseMethod, Compressed, Span, check_budget, fit_to_budget
 from endo_retrieval.scoring.select import QA_KERNEL
 
 
 @dataclass
-class _EngineMethod:
+class _EngineMethod(BaseMethod):
     """Two stages, timed apart by the bench: `prepare` indexes the context as a one-document corpus, `select`
     answers a question from it. S3 and S3-Hybrid build the same index (`index_kind`); BM25 needs no SAE pass."""
 
@@ -40,23 +40,13 @@ class _EngineMethod:
             doc = index.corpus.doc("context")
             whole = Span(0, n, 0, len(doc.text), doc.text, 1.0, ("all",), "context")
             return Compressed(doc.text, [whole], n, self.name, budget)
+        # the index holds the backbone (self.backbone may be None: the default model)
+        return fit_to_budget(self.rank(index, question, budget), budget, index.backbone, self.name)
+
+    def rank(self, index, question: str, budget: int):
         scores = index.signal_scores(question, self.name)
-        target = budget
-        for _ in range(8):  # spans cut inside words re-tokenise longer: shrink until the text itself fits
-            spans = index.select(question, target, self.name, lead_tail=min(self.lead_tail, target // 8),
-                                 kernel=self.kernel, s3_share=self.s3_share, scores=scores)
-            out = join_spans(spans, self.name, budget)
-            n = index.backbone.count_tokens(out.text)
-            if n <= budget:
-                out.n_tokens = n
-                return out
-            target -= n - budget
-        raise RuntimeError(f"could not fit the selection into {budget} tokens")  # pragma: no cover
-
-    def compress(self, context: str, question: str, budget: int = 1024) -> Compressed:
-        check_budget(budget)  # before the indexing work
-        return self.select(self.prepare(context), question, budget)
-
+        return lambda target: index.select(question, target, self.name, lead_tail=min(self.lead_tail, target // 8),
+                                           kernel=self.kernel, s3_share=self.s3_share, scores=scores)
 
 
 class S3(_EngineMethod):

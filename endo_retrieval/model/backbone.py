@@ -463,7 +463,7 @@ class Backbone:
     def stream(self, ids, layers: Sequence[int], *, chunk_size: int = 1024, mode: str = "independent",
                sink: int = 4, window: int = 512, capture: Sequence[str] = ("k",),
                split_at: int | None = None, positions: str = "frame", int8: bool = False, start: int = 0,
-               batch_tokens: int = 16384) -> Iterator[Chunk]:
+               batch_tokens: int = 16384, frames: str = "recompute") -> Iterator[Chunk]:
         """Forward `ids` chunk by chunk up to max(layers) only, yielding each chunk's pre-RoPE states.
 
         mode="independent": every chunk alone at positions 0..T-1 (S3-Attention appendix I).
@@ -480,6 +480,8 @@ class Backbone:
         `batch_tokens` (sink_window): consecutive chunks of one length are forwarded together, as a batch of at
         most this many tokens, on CUDA (a small model is bound by launches, not arithmetic, at one chunk per
         forward; a CPU gains nothing).
+        `frames` (sink_window): "recompute" forwards each chunk behind its frame; "cache" keeps the frame's keys and
+        values per layer, as ILRe section 3.4 does (frame_cache.py): one chunk per forward, 1/1.5 of the tokens.
         """
         ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
         if ids.ndim != 1 or len(ids) == 0:
@@ -493,6 +495,11 @@ class Backbone:
         if not set(capture) <= {"k", "q"}:
             raise BackboneError("capture takes 'k' and/or 'q'.")
         layers = self._check_layers(layers)
+        if frames not in ("recompute", "cache"):
+            raise BackboneError(f"Unknown frames {frames!r}; use 'recompute' or 'cache'.")
+        if frames == "cache" and (mode != "sink_window" or positions == "dca" or start or int8):
+            raise BackboneError("frames='cache' streams one whole sink_window pass with 'frame' or 'absolute' "
+                                "positions (no dca, start or int8).")
         if self.device.type == "cuda":  # pinned, so each chunk's ids go over without waiting for the device
             ids = ids.pin_memory()
         parts = [0, split_at, len(ids)] if split_at is not None and 0 < split_at < len(ids) else [0, len(ids)]
@@ -502,6 +509,9 @@ class Backbone:
         # (absolute positions past an 8k window lost every passkey at 32k: docs/ilre.md).
         spans = [((min(sink, s), min(s, max(sink, s - window))) if mode == "sink_window" else (0, s)) + (s, e)
                  for s, e in zip(bounds[:-1], bounds[1:])]
+        if frames == "cache":
+            yield from self._stream_cached(ids, bounds, layers, capture, sink, window, positions)
+            return
         graphed = self.chunk_graphs and self.device.type == "cuda" and not int8
         batched = mode == "sink_window" and self.device.type == "cuda"  # a CPU is bound by arithmetic already
         for batch in self._batches(spans, start, batch_tokens if batched else 0):
@@ -523,6 +533,22 @@ class Backbone:
                 n = n_sink + s - w0
                 yield Chunk(s, e, pos[b, n:], keys={l: k[b, :, n:] for l, k in store["k"].items()},
                             queries={l: q[b, :, n:] for l, q in store["q"].items()})
+
+    def _stream_cached(self, ids, bounds: list[int], layers: list[int], capture: Sequence[str], sink: int,
+                       window: int, positions: str) -> Iterator[Chunk]:
+        """`stream` with the frame cached (frame_cache.py): each chunk forwards its own tokens only."""
+        from endo_retrieval.model.frame_cache import FrameCache
+
+        frame = FrameCache(self, sink, window, positions)
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            pos = torch.arange(frame.length, frame.length + e - s) if positions == "frame" else torch.arange(s, e)
+            x = ids[s:e].to(self.device, non_blocking=True)[None]
+            with self.lock, torch.inference_mode(), self.run_to(layers[-1], layers, capture) as store, \
+                    frame.attending():
+                self.model.model(input_ids=x, position_ids=pos.to(self.device)[None], use_cache=False)
+                frame.advance(s, e)
+            yield Chunk(s, e, pos, keys={l: k[0] for l, k in store["k"].items()},
+                        queries={l: q[0] for l, q in store["q"].items()})
 
     @staticmethod
     def _frame_positions(i: int, n_sink: int, w0: int, e: int, chunk_size: int, mode: str, positions: str

@@ -146,8 +146,7 @@ class TopKSAE(nn.Module):
     @classmethod
     def load(cls, directory: str | os.PathLike, expect_model_hash: str | None = None,
              device: str | torch.device = "cpu") -> "TopKSAE":
-        directory = Path(directory)
-        card = _open_card(directory, expect_model_hash)
+        directory, card = _open_card(directory, expect_model_hash)
         tensors = _read_weights(directory / WEIGHTS_FILE, card.get("weights_sha256"))
         shapes = {"W_enc": (card["d_latent"], card["d_in"]), "W_dec": (card["d_latent"], card["d_in"]),
                   "b_enc": (card["d_latent"],), "b_dec": (card["d_in"],)}
@@ -166,11 +165,12 @@ def _write_card(directory: Path, card: dict) -> Path:
     return directory
 
 
-def _open_card(directory: Path, expect_model_hash: str | None) -> dict:
-    """The folder's card, checked (and checked to belong to the expected model)."""
+def _open_card(directory: str | os.PathLike, expect_model_hash: str | None) -> tuple[Path, dict]:
+    """The folder and its card, checked (and checked to belong to the expected model)."""
+    directory = Path(directory)
     card = _read_card(directory / CARD_FILE)
     _check_model(card, expect_model_hash, directory)
-    return card
+    return directory, card
 
 
 def _read_card(path: Path) -> dict:
@@ -281,8 +281,7 @@ class SAEBank:
     @classmethod
     def load(cls, directory: str | os.PathLike, expect_model_hash: str | None = None,
              device: str | torch.device = "cpu") -> "SAEBank":
-        directory = Path(directory)
-        card = _open_card(directory, expect_model_hash)
+        directory, card = _open_card(directory, expect_model_hash)
         saes = {int(l): TopKSAE.load(directory / f"layer_{int(l):02d}", expect_model_hash, device)
                 for l in card.get("layers", [])}
         if not saes:

@@ -9,14 +9,15 @@ sentence that does not fit is trimmed around its peak to exactly the tokens left
 never exceeded. Fewer tokens come back only when the peaks run out: with `fill=True` (default) NMS keeps going past
 the top N centres until the budget is met or no position with positive density is left; with `fill=False` it
 stops at N, as the paper does. A sentence longer than the whole budget is likewise trimmed around its peak.
+Methods that rank whole sentences (heads, endo) fill the budget by the same rule, in rank order (`sentence_spans`).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from endo_retrieval.methods.base import check_budget
+from endo_retrieval.methods.base import Span, check_budget
 
 QA_KERNEL = 8  # Table 6, "Convolution Kernel Size for QA"
 DEFAULT_KERNEL = 48  # Table 6
@@ -181,8 +182,8 @@ def spans_from_peaks(peaks: Iterable[int], sentence_starts: np.ndarray, n_positi
     for p in peaks if left > 0 else ():
         if not 0 <= p < n_positions:
             raise ValueError(f"peak {p} lies outside [0, {n_positions})")
-        start, end = _enclosing(sentences, p, n_positions)
-        seg_start, seg_end = _enclosing(segments, p, n_positions)
+        start, end = enclosing(sentences, p, n_positions)
+        seg_start, seg_end = enclosing(segments, p, n_positions)
         start, end = max(start, seg_start), min(end, seg_end)
         if max_span is not None and end - start > max_span:
             start = min(max(p - max_span // 2, start), end - max_span)
@@ -197,10 +198,44 @@ def spans_from_peaks(peaks: Iterable[int], sentence_starts: np.ndarray, n_positi
     return runs(np.flatnonzero(covered), breaks=segments)
 
 
-def _enclosing(bounds: np.ndarray, p: int, n_positions: int) -> tuple[int, int]:
+def enclosing(bounds: np.ndarray, p: int, n_positions: int) -> tuple[int, int]:
     """[last bound <= p, first bound > p) within [0, n_positions); `bounds` is sorted."""
     i = int(np.searchsorted(bounds, p, side="right"))
     return (int(bounds[i - 1]) if i > 0 else 0), (int(bounds[i]) if i < len(bounds) else n_positions)
+
+
+def sentences_in_budget(order: Sequence[int], lengths: np.ndarray, budget: int) -> np.ndarray:
+    """The sentences of `order` (a ranking of sentence indices) taken whole when they go in rank order into `budget`
+    tokens: the rank order up to the first sentence that does not fit."""
+    order = np.asarray(order, dtype=np.int64)
+    return order[np.cumsum(lengths[order]) <= budget]
+
+
+def sentence_spans(corpus, order: Sequence[int], target: int, name: str, chose: dict | None = None,
+                   score: np.ndarray | None = None) -> list[Span]:
+    """Whole sentences of `corpus` in rank `order` into `target` tokens (`sentences_in_budget`), the first that does
+    not fit cut to the tokens left. A span names the signals that `chose` (sentence -> signals) gives its sentences,
+    else the method, and scores its best sentence's `score`."""
+    starts, n = corpus.sentence_starts(), corpus.n_positions
+    lengths = np.diff(np.append(starts, n))
+    order = np.asarray(order, dtype=np.int64)
+    order = order[np.sort(np.unique(order, return_index=True)[1])]  # a sentence ranked twice counts once
+    whole = sentences_in_budget(order, lengths, target)
+    keep = np.zeros(n, dtype=bool)
+    for i in whole:
+        keep[starts[i]:starts[i] + lengths[i]] = True
+    left = target - int(lengths[whole].sum())
+    if left > 0 and len(whole) < len(order):
+        keep[starts[order[len(whole)]]:][:left] = True
+    sentence_of = lambda p: int(np.searchsorted(starts, p, side="right")) - 1  # noqa: E731
+    spans = []
+    for a, b in runs(np.flatnonzero(keep), breaks=corpus.segment_bounds()):
+        doc_id, c0, c1, text = corpus.span_text(a, b)
+        ids = range(sentence_of(a), sentence_of(b - 1) + 1)
+        signals = tuple(sorted({s for i in ids for s in (chose or {}).get(i, ())})) or (name,)
+        best = max((float(score[i]) for i in ids), default=0.0) if score is not None else 0.0
+        spans.append(Span(a, b, c0, c1, text, best, signals, doc_id))
+    return spans
 
 
 def select_spans(scores: np.ndarray, sentence_starts: np.ndarray, budget: int, kernel: int = QA_KERNEL,

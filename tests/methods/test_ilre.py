@@ -12,9 +12,10 @@ import torch
 from endo_retrieval.calibration.ilre import (DEFAULT_FILLER, N_SEGMENTS, calibrate, load_filler, make_sample,
                                            parse_ints, passkey_tokens, segments_for, summarise)
 from endo_retrieval.methods.ilre import (ILRe, ILReError, allocate, allocate_reference, attention_scores,
-                                        combination_budgets, context_scores, dca_key_positions, prefill,
-                                        token_runs)
+                                        combination_budgets, context_scores, dca_key_positions, prefill)
+from endo_retrieval.model.backbone import BackboneError
 from endo_retrieval.model.profiles import ilre_profile
+from endo_retrieval.scoring.select import runs
 
 FILLER = ("The river ran past the old mill and the children counted stones on the bank. "
           "In the evening the lamp in the window was lit and a cat slept on the warm chair. ") * 40
@@ -76,9 +77,9 @@ def test_allocate_short_and_bad_input():
         allocate(np.ones(10), 3, sink=4)
 
 
-def test_token_runs():
-    assert token_runs(np.array([0, 1, 2, 5, 7, 8])) == [(0, 3), (5, 6), (7, 9)]
-    assert token_runs(np.array([], dtype=np.int64)) == []
+def test_kept_tokens_become_runs():
+    assert runs(np.array([0, 1, 2, 5, 7, 8])) == [(0, 3), (5, 6), (7, 9)]
+    assert runs(np.array([], dtype=np.int64)) == []
 
 
 # ---------------------------------------------------------------- [ILRe Eq. 4-5] and [ILRe Eq. 7]
@@ -192,6 +193,39 @@ def test_batched_chunks_give_each_chunk_its_own_states(tiny_backbone, positions)
     reference = context_scores(bb, alone_states[2], dca=positions == "dca")
     np.testing.assert_allclose(scores, reference, rtol=1e-4, atol=1e-7)
     assert np.array_equal(allocate(scores, 200), allocate(reference, 200))
+
+
+def test_cached_frames_hold_against_recomputed_ones(tiny_backbone):
+    """frames="cache" ([ILRe section 3.4]: the sink + window keys and values kept per layer) against the recomputed
+    frame: identical when the window holds everything before a chunk; with no sink, "frame" positions (the window
+    rotated down by its shift) give what "absolute" ones give (RoPE sees only distances); with the paper's window,
+    near today's scores and allocation, and a different computation (window tokens saw their own past)."""
+    bb = tiny_backbone
+    ids = bb.encode(FILLER[:6000]).ids[:1500]
+    query = bb.encode("Question: where did the cat sleep?\nAnswer:").ids
+    whole = np.concatenate([ids, query])
+    kw = dict(layers=[2], chunk_size=128, mode="sink_window", capture=("k", "q"), split_at=len(ids))
+
+    def stream(**more):
+        return list(bb.stream(whole, **kw, **more))
+
+    for positions in ("frame", "absolute"):
+        for a, b in zip(stream(sink=4, window=10**6, positions=positions),
+                        stream(sink=4, window=10**6, positions=positions, frames="cache")):
+            assert torch.equal(a.rope_positions, b.rope_positions)
+            torch.testing.assert_close(b.keys[2], a.keys[2], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(b.queries[2], a.queries[2], rtol=1e-4, atol=1e-5)
+    for a, b in zip(stream(sink=0, window=100, positions="frame", frames="cache"),
+                    stream(sink=0, window=100, positions="absolute", frames="cache")):
+        torch.testing.assert_close(a.keys[2], b.keys[2], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a.queries[2], b.queries[2], rtol=1e-4, atol=1e-5)
+    recomputed = ILRe(bb, layer=2, chunk_size=128).scores(ids, query)
+    cached = ILRe(bb, layer=2, chunk_size=128, frames="cache").scores(ids, query)
+    assert not np.allclose(recomputed, cached)
+    assert np.corrcoef(recomputed, cached)[0, 1] > 0.95
+    assert len(np.intersect1d(allocate(recomputed, 200), allocate(cached, 200))) >= 0.7 * 200
+    with pytest.raises(BackboneError, match="frames"):
+        next(bb.stream(whole, [2], mode="sink_window", positions="dca", frames="cache"))
 
 
 def test_compressed_text_is_a_subsequence_of_the_source(tiny_backbone):
