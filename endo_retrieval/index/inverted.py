@@ -114,7 +114,7 @@ def _position_dtype(max_position: int) -> type:
 
 
 @dataclass
-class _Segment:
+class _PostingBlock:
     """[S3 Eq. 5]'s postings of a run of tokens, grouped by feature (CSR): one add(), or the merge of several."""
     tokens: np.ndarray  # int64, the positions indexed (in any order; the merge sorts what is not streamed)
     indptr: np.ndarray  # int64 (d_latent + 1,)
@@ -131,7 +131,7 @@ class _Segment:
 
 @dataclass
 class _LayerPostings:
-    segments: list[_Segment] = field(default_factory=list)
+    segments: list[_PostingBlock] = field(default_factory=list)
     streamed: bool = True  # each segment's tokens ascend and start after the segment before: queries need no merge
 
     @property
@@ -235,7 +235,7 @@ class FeatureIndex:
         store.streamed &= bool(positions[0] > store.last_token and np.all(positions[1:] > positions[:-1]))
         # stored as the merged layer will hold them (uint32 below 2**32): half the bytes for a merge to move
         indptr = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
-        store.segments.append(_Segment(positions, indptr,
+        store.segments.append(_PostingBlock(positions, indptr,
                                        positions.astype(_position_dtype(int(positions.max())))[rows]))
 
     def extend(self, other: "FeatureIndex", offset: int) -> None:
@@ -251,12 +251,12 @@ class FeatureIndex:
             tokens = part.tokens + offset
             store.streamed &= bool(tokens[0] > store.last_token)
             dtype = _position_dtype(int(tokens[-1]))
-            store.segments.append(_Segment(tokens, part.indptr, part.positions.astype(dtype) + dtype(offset)))
+            store.segments.append(_PostingBlock(tokens, part.indptr, part.positions.astype(dtype) + dtype(offset)))
 
-    def _merge(self, blocks: list[_Segment], streamed: bool) -> _Segment:
+    def _merge(self, blocks: list[_PostingBlock], streamed: bool) -> _PostingBlock:
         """Segments merged into one CSR (sorted within each feature, duplicates dropped)."""
         if not blocks:
-            merged = _Segment(np.zeros(0, np.int64), np.zeros(self.d_latent + 1, np.int64), np.zeros(0, np.uint32))
+            merged = _PostingBlock(np.zeros(0, np.int64), np.zeros(self.d_latent + 1, np.int64), np.zeros(0, np.uint32))
         elif streamed:
             # every segment lies after the ones before it, so each feature's postings are its runs in the segments,
             # segment after segment; one gather lays them out (no sort)
@@ -270,7 +270,7 @@ class FeatureIndex:
             source = np.repeat(shift, counts.T.ravel())
             source += np.arange(indptr[-1])  # in place: one temporary fewer
             tokens = np.concatenate([b.tokens for b in blocks])
-            merged = _Segment(tokens, indptr, np.concatenate([b.positions for b in blocks])[source])
+            merged = _PostingBlock(tokens, indptr, np.concatenate([b.positions for b in blocks])[source])
         else:  # general case: sort (feature, position) keys, dropping duplicates
             tokens = np.unique(np.concatenate([b.tokens for b in blocks]))
             span = int(tokens[-1]) + 1
@@ -281,18 +281,18 @@ class FeatureIndex:
             keys = np.unique(feat * span + np.concatenate([b.positions.astype(np.int64) for b in blocks]))
             feat, positions = np.divmod(keys, span)
             indptr = np.concatenate(([0], np.cumsum(np.bincount(feat, minlength=self.d_latent))))
-            merged = _Segment(tokens, indptr, positions)
+            merged = _PostingBlock(tokens, indptr, positions)
         last = int(merged.tokens[-1]) if len(merged.tokens) else 0
         merged.positions = merged.positions.astype(_position_dtype(last), copy=False)
         return merged
 
-    def _merged(self, store: _LayerPostings) -> _Segment:
+    def _merged(self, store: _LayerPostings) -> _PostingBlock:
         """The layer as one CSR segment, merged once and kept."""
         if not (len(store.segments) == 1 and store.streamed):
             store.segments, store.streamed = [self._merge(store.segments, store.streamed)], True
         return store.segments[0]
 
-    def _segments(self, layer: int) -> list[_Segment]:
+    def _segments(self, layer: int) -> list[_PostingBlock]:
         """The layer's segments as queries read them. Streamed, each run of segments smaller than SEGMENT_TOKENS
         is merged until it reaches that size (many small documents would otherwise mean many small gathers per
         query), and larger ones, like a long document's hand-offs, stay as they are; not streamed, all are merged."""
@@ -543,7 +543,7 @@ def _decode_layer(payload: np.ndarray, entry: dict, d_latent: int) -> _LayerPost
     if np.any(token_deltas[1:] == 0) or np.count_nonzero(deltas == 0) > np.count_nonzero(deltas[firsts] == 0) or \
             (len(positions) and positions.max() > max_pos):
         raise IndexCorruptError(f"layer {entry['layer']}: positions are not ascending or not among the tokens")
-    return _LayerPostings([_Segment(tokens, indptr, positions.astype(_position_dtype(max_pos)))])
+    return _LayerPostings([_PostingBlock(tokens, indptr, positions.astype(_position_dtype(max_pos)))])
 
 
 def _is_int(value) -> bool:

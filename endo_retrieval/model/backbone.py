@@ -433,7 +433,7 @@ class Backbone:
         """Truncate the decoder to layers 0..last_layer (early exit) and hook the K/Q projections of `layers`,
         yielding {"k"|"q": {layer: pre-RoPE states (batch, heads, T, head_dim)}} that fills as the model runs;
         int8: run the int8-quantized copy of the layers instead. Public for readers that drive the model
-        themselves (reading a context in segments with its cache, `methods.heads.read`); hold `lock` around it."""
+        themselves (reading a context in segments with its cache, `model.reading.read`); hold `lock` around it."""
         store: dict[str, dict[int, torch.Tensor]] = {"k": {}, "q": {}}
         body = self.model.model
         full = body.layers

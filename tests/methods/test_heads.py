@@ -43,7 +43,8 @@ def test_segments_are_each_a_distribution_over_their_tokens(tiny):
     cuts = [s.start for s in prepared.reading.segments] + [n]
     assert len(prepared.reading.segments) > 1 and cuts[0] == 0
     assert set(cuts[1:-1]) <= set(prepared.sentence_starts.tolist())  # cut at sentence starts
-    from endo_retrieval.methods.heads import ask, query_part
+    from endo_retrieval.methods.heads import query_part
+    from endo_retrieval.model.reading import ask
 
     ids, rows = query_part(tiny, "Where was Curie born?")
     attention = head_attention(prepared.reading, ask(tiny, prepared.reading, ids, [1, 2, 3]), tiny_heads(tiny), rows)
@@ -55,7 +56,8 @@ def test_segments_are_each_a_distribution_over_their_tokens(tiny):
 def test_one_segment_matches_the_whole_forward_and_the_cache_is_restored(tiny):
     """The queries read after the cached context equal those of one forward over context + query part, and
     asking leaves the cache as it was (a second ask gives the same)."""
-    from endo_retrieval.methods.heads import ask, query_part
+    from endo_retrieval.methods.heads import query_part
+    from endo_retrieval.model.reading import ask
 
     enc = tiny.encode(HAYSTACK)
     reading = read(tiny, enc.ids, [2])
