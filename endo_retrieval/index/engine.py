@@ -16,8 +16,6 @@ import contextlib
 import sys
 import json
 import os
-import queue
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -27,7 +25,7 @@ import torch
 
 from endo_retrieval.model.backbone import PIECES_PER_BATCH, Backbone, Encoding, as_text
 from endo_retrieval.scoring.bm25 import SentenceBM25
-from endo_retrieval.model.chunk_graph import MIN_REPLAYS, side_stream
+from endo_retrieval.model.chunk_graph import MIN_REPLAYS
 from endo_retrieval.scoring.fusion import RRF_K
 from endo_retrieval.index.corpus import CorpusMap, split_sentences
 from endo_retrieval.index.files import atomic_write, read_folder, replacing_folder, writer_lock
@@ -36,6 +34,8 @@ from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIn
 from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
 from endo_retrieval.methods.base import check_budget
 from endo_retrieval.methods.base import Span
+from endo_retrieval.index.indexing import (HandOff, ahead, index_streams, progress_bar, recorded_event, to_host,
+                                           whole_chunks)
 from endo_retrieval.index.rwlock import ReadWriteLock, locked
 from endo_retrieval.scoring.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
 from endo_retrieval.model.sae import SAEError
@@ -119,8 +119,8 @@ class EndoIndex:
             except TypeError as e:
                 raise ValueError(f"Document {d.doc_id!r}: metadata must be JSON-serialisable ({e}).") from None
             checked.append((d, text))
-        bar = _progress(sum(len(text) for _, text in checked), "indexing",
-                        sys.stderr.isatty() if progress is None else progress)
+        bar = progress_bar(sum(len(text) for _, text in checked), "indexing",
+                           sys.stderr.isatty() if progress is None else progress)
         for d, text in checked:
             start, pieces, sentences = self.corpus.n_positions, [], []
 
@@ -128,7 +128,7 @@ class EndoIndex:
                 # the pieces are tokenised and their sentences split a batch ahead, in a thread, while the stream
                 # launches the chunks before them (the Rust tokenizer runs without the GIL)
                 split = ((a, b, enc, split_sentences(text, a, b)) for a, b, enc in self.backbone.encode_pieces(text))
-                for a, b, enc, starts in _ahead(split, AHEAD_PIECES):
+                for a, b, enc, starts in ahead(split, AHEAD_PIECES):
                     pieces.append(enc)
                     sentences.append(starts)
                     bar.update(b - a)
@@ -159,9 +159,9 @@ class EndoIndex:
         copied to the host without waiting; the host adds them one hand-off later, when they have arrived."""
         layers = self.saes.layers
         waiting: list[tuple[int, int, dict[int, torch.Tensor]]] = []  # positions in the document, features
-        sent: list[_HandOff] = []  # on their way to the host
+        sent: list[HandOff] = []  # on their way to the host
         finite = torch.ones((), dtype=torch.bool, device=self.backbone.device)  # every key seen so far
-        main, encoder = _index_streams(self.backbone.device)
+        main, encoder = index_streams(self.backbone.device)
         on_encoder = torch.cuda.stream(encoder) if encoder is not None else contextlib.nullcontext()
 
         def hand_off() -> None:
@@ -170,9 +170,9 @@ class EndoIndex:
                 postings = []  # sorted on the accelerator, a layer at a time (each sort's buffers freed before
                 for layer in layers:  # the next one's): the host only appends
                     sorted_ = sorted_postings(torch.cat([f[layer] for *_, f in waiting]), self.index.d_latent)
-                    postings.append(tuple(_to_host(t) for t in sorted_))
-                sent.append(_HandOff(waiting[0][0], waiting[-1][1], positions, postings, _to_host(finite),
-                                     _recorded_event() if finite.is_cuda else None))  # the copies are async
+                    postings.append(tuple(to_host(t) for t in sorted_))
+                sent.append(HandOff(waiting[0][0], waiting[-1][1], positions, postings, to_host(finite),
+                                     recorded_event() if finite.is_cuda else None))  # the copies are async
                 waiting.clear()
 
         def receive() -> None:
@@ -185,7 +185,7 @@ class EndoIndex:
             for layer, (counts, rows, keep) in zip(layers, h.postings):
                 self.index.add_postings(layer, h.positions, counts.numpy(), rows.numpy()[keep.numpy()])
 
-        for first, ids in _whole_chunks(pieces, self.chunk_size):
+        for first, ids in whole_chunks(pieces, self.chunk_size, GROUP_CHUNKS):
             for chunk in self.backbone.stream(ids, layers, chunk_size=self.chunk_size, mode="independent"):
                 if encoder is not None:  # the SAE encodes this chunk while the next one's forward runs
                     encoder.wait_stream(main)
@@ -538,103 +538,3 @@ def interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float, 
                 break
         else:
             del live[name]
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="char", unit_scale=True, disable=not enabled, leave=False)
-
-
-def _whole_chunks(pieces: Iterable[Encoding], chunk_size: int) -> Iterator[tuple[int, np.ndarray]]:
-    """(first position, ids) of GROUP_CHUNKS or more whole chunks as the pieces arrive, then the rest: the chunks of
-    one stream over the whole document. The next piece is asked for only once these chunks are queued."""
-    ids, first = np.zeros(0, np.int64), 0
-    for piece in pieces:
-        ids = np.concatenate([ids, piece.ids])
-        whole = len(ids) // chunk_size * chunk_size
-        if whole >= GROUP_CHUNKS * chunk_size:
-            yield first, ids[:whole]
-            ids, first = ids[whole:], first + whole
-    if len(ids):
-        yield first, ids
-
-
-def _ahead(items: Iterator, depth: int) -> Iterator:
-    """`items`, produced up to `depth` ahead in a daemon thread. An exception there is raised here, and closing
-    this generator (the consumer failed or stopped) stops the thread at its next item."""
-    ready: queue.Queue = queue.Queue(maxsize=depth)
-    stop, end = threading.Event(), object()
-
-    def put(entry) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(entry, timeout=0.05)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def produce() -> None:
-        try:
-            for item in items:
-                if not put((item, None)):
-                    return
-            put((end, None))
-        except BaseException as e:  # handed to the consumer, which raises it
-            put((end, e))
-
-    worker = threading.Thread(target=produce, name="endo-tokenise", daemon=True)
-    worker.start()
-    try:
-        while True:
-            item, error = ready.get()
-            if item is end:
-                if error is not None:
-                    raise error
-                return
-            yield item
-    finally:
-        stop.set()
-        worker.join()
-
-
-def _index_streams(device: torch.device) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
-    """(the stream the forward runs on, the one the index work runs on) on CUDA, else (None, None). The SAE encode,
-    the postings' sort and their copies run beside the forward: the SAE kernel fills 32 programs of a 2048-token
-    chunk, and the forward's small kernels leave most of the accelerator free."""
-    if device.type != "cuda":
-        return None, None
-    return torch.cuda.current_stream(device), side_stream("index", device)
-
-
-def _recorded_event() -> torch.cuda.Event:
-    """An event on the current stream, after the work queued on it so far."""
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy on the host that does not wait for the accelerator (pinned memory; read it after `_HandOff.arrived`)."""
-    return t.to("cpu", non_blocking=True) if t.is_cuda else t
-
-
-@dataclass
-class _HandOff:
-    """One hand-off's postings per layer (`sorted_postings`: counts, rows, keep) on their way to the host, with the
-    NaN flag so far."""
-    start: int
-    end: int
-    positions: np.ndarray
-    postings: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    finite_flag: torch.Tensor
-    event: torch.cuda.Event | None  # recorded after the copies on an accelerator; None on the CPU
-
-    def arrived(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-
-    @property
-    def finite(self) -> bool:
-        return bool(self.finite_flag)

@@ -214,15 +214,15 @@ def test_a_document_indexed_piece_by_piece_is_indexed_as_in_one_piece(tiny, monk
 
 
 def test_ahead_keeps_order_raises_the_producers_error_and_stops_when_closed():
-    from endo_retrieval.index.engine import _ahead
+    from endo_retrieval.index.indexing import ahead
 
-    assert list(_ahead(iter(range(50)), depth=3)) == list(range(50))
+    assert list(ahead(iter(range(50)), depth=3)) == list(range(50))
 
     def failing():
         yield 1
         raise KeyError("in the thread")
 
-    got = _ahead(failing(), depth=2)
+    got = ahead(failing(), depth=2)
     assert next(got) == 1
     with pytest.raises(KeyError, match="in the thread"):
         next(got)
@@ -233,7 +233,7 @@ def test_ahead_keeps_order_raises_the_producers_error_and_stops_when_closed():
             produced.append(1)
             yield len(produced)
 
-    got = _ahead(endless(), depth=2)
+    got = ahead(endless(), depth=2)
     assert next(got) == 1
     got.close()
     assert not [t for t in threading.enumerate() if t.name == "endo-tokenise"]
@@ -256,8 +256,8 @@ def test_index_work_beside_the_forward_gives_the_same_postings(backbone, monkeyp
         return idx
 
     beside = build()
-    assert engine._index_streams(backbone.device)[1] is not None
-    monkeypatch.setattr(engine, "_index_streams", lambda device: (None, None))
+    assert engine.index_streams(backbone.device)[1] is not None
+    monkeypatch.setattr(engine, "index_streams", lambda device: (None, None))
     one_stream = build()
     assert beside.corpus.n_tokens > 5 * 2048 and beside.index.n_postings > 0  # several hand-offs
     for layer in beside.index.layers:
