@@ -192,13 +192,6 @@ class Encoding:
         return len(self.ids)
 
 
-class _Batch(dict):
-    """Spans forwarded together: stream index -> (n_sink, w0, start, end), all of one forwarded `length`."""
-
-    length: int = 0
-    repeats: int = 0  # how many spans of the stream share this length (a CUDA graph pays off when several do)
-
-
 @dataclass
 class Chunk:
     """One step of the streaming prefill: absolute stream positions [start, end) and what was captured."""
@@ -512,15 +505,16 @@ class Backbone:
         if frames == "cache":
             yield from self._stream_cached(ids, bounds, layers, capture, sink, window, positions)
             return
+        lengths = Counter(n_sink + e - w0 for n_sink, w0, _, e in spans)  # spans forwarded at each length
         graphed = self.chunk_graphs and self.device.type == "cuda" and not int8
         batched = mode == "sink_window" and self.device.type == "cuda"  # a CPU is bound by arithmetic already
         for batch in self._batches(spans, start, batch_tokens if batched else 0):
-            x = torch.stack([torch.cat([ids[:n_sink], ids[w0:e]]) for n_sink, w0, _, e in batch.values()])
+            x = torch.stack([torch.cat([ids[:n_sink], ids[w0:e]]) for _, (n_sink, w0, _, e) in batch])
             pos = torch.stack([self._frame_positions(i, n_sink, w0, e, chunk_size, mode, positions)
-                               for i, (n_sink, w0, _, e) in batch.items()])
+                               for i, (n_sink, w0, _, e) in batch])
             x, device_pos = x.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True)
-            shape = tuple(x.shape)
-            if graphed and (batch.repeats // len(batch) >= MIN_REPLAYS
+            shape = tuple(x.shape)  # a repeated shape (a capture costs about 3 forwards) or one captured before
+            if graphed and (lengths[shape[1]] // shape[0] >= MIN_REPLAYS
                             or self._graph_key(shape, layers, capture) in self._graphs):
                 with self.lock:  # a repeated shape, or one captured before: replayed (chunk_graph.py)
                     store = self._chunk_graph(shape, layers, capture)(x, device_pos)
@@ -529,7 +523,7 @@ class Backbone:
                 with self.lock, torch.inference_mode(), self.run_to(layers[-1], layers, capture, int8) as store:
                     self.model.model(input_ids=x, position_ids=device_pos, attention_mask=torch.ones_like(x),
                                      use_cache=False)
-            for b, (n_sink, w0, s, e) in enumerate(batch.values()):
+            for b, (_, (n_sink, w0, s, e)) in enumerate(batch):
                 n = n_sink + s - w0
                 yield Chunk(s, e, pos[b, n:], keys={l: k[b, :, n:] for l, k in store["k"].items()},
                             queries={l: q[b, :, n:] for l, q in store["q"].items()})
@@ -561,20 +555,21 @@ class Backbone:
         return torch.cat([torch.arange(n_sink) + shift, torch.arange(w0, e)])
 
     @staticmethod
-    def _batches(spans: list[tuple], start: int, batch_tokens: int) -> Iterator["_Batch"]:
-        """Consecutive spans of one forwarded length, up to batch_tokens tokens per forward (at least one span;
-        0: one span each). Sink + window chunks are independent of one another (each recomputes its frame), so a
-        batch of them gives each chunk the states it gets alone, in fewer and larger launches."""
-        lengths = Counter(n_sink + e - w0 for n_sink, w0, _, e in spans)
-        batch = _Batch()
-        for i, span in enumerate(spans):
-            if span[2] < start:
+    def _batches(spans: list[tuple], start: int, batch_tokens: int) -> Iterator[list[tuple[int, tuple]]]:
+        """(stream index, span) of consecutive spans of one forwarded length, up to batch_tokens tokens per forward
+        (at least one span; 0: one span each). Sink + window chunks are independent of one another (each
+        recomputes its frame), so a batch of them gives each chunk the states it gets alone, in fewer and larger
+        launches."""
+        batch, length = [], 0
+        for i, (n_sink, w0, s, e) in enumerate(spans):
+            if s < start:
                 continue
-            n = span[0] + span[3] - span[1]
-            if batch and (batch.length != n or (batch.length * (len(batch) + 1) > batch_tokens)):
+            n = n_sink + e - w0
+            if batch and (n != length or n * (len(batch) + 1) > batch_tokens):
                 yield batch
-                batch = _Batch()
-            batch[i], batch.length, batch.repeats = span, n, lengths[n]
+                batch = []
+            batch.append((i, (n_sink, w0, s, e)))
+            length = n
         if batch:
             yield batch
 
