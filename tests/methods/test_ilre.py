@@ -195,6 +195,87 @@ def test_batched_chunks_give_each_chunk_its_own_states(tiny_backbone, positions)
     assert np.array_equal(allocate(scores, 200), allocate(reference, 200))
 
 
+@pytest.mark.parametrize("positions,window", [("frame", 64), ("absolute", 64), ("frame", 0)])
+def test_cached_frames_batched_give_each_chunk_its_own_states(tiny_backbone, positions, window):
+    """frames="cache" with consecutive chunks in one forward (each builds its frame from the row before it, inside
+    every layer) against one chunk per forward: the same keys, queries and positions, chunk by chunk."""
+    bb = tiny_backbone
+    ids = bb.encode(FILLER[:6000]).ids[:1200]
+    query = bb.encode("Question: where did the cat sleep?\nAnswer:").ids
+    whole = np.concatenate([ids, query])
+    kw = dict(layers=[1, 2], sink=4, window=window, chunk_size=128, capture=("k", "q"), split_at=len(ids),
+              mode="sink_window", positions=positions, frames="cache")
+    forwards = []
+    hook = bb.model.model.register_forward_pre_hook(lambda _m, args, kwargs: forwards.append(1), with_kwargs=True)
+    try:
+        alone = list(bb.stream(whole, batch_tokens=0, **kw))
+        n_alone = len(forwards)
+        batched = list(bb.stream(whole, batch_tokens=4 * 128, **kw))
+    finally:
+        hook.remove()
+    # 10 chunks (9 of 128 tokens, one of 48) and the query part; batched: chunk 0 (its frame is filling), 1-4, 5-8,
+    # the short one, the query part
+    assert (n_alone, len(forwards) - n_alone) == (11, 5)
+    assert [(c.start, c.end) for c in batched] == [(c.start, c.end) for c in alone]
+    for a, b in zip(alone, batched):
+        assert torch.equal(a.rope_positions, b.rope_positions)
+        for l in (1, 2):
+            torch.testing.assert_close(b.keys[l], a.keys[l], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(b.queries[l], a.queries[l], rtol=1e-4, atol=1e-5)
+    states = {bt: prefill(bb, ids, query, [2], sink=4, window=window, chunk_size=128, frames="cache",
+                          batch_tokens=bt)[2] for bt in (0, 4 * 128)}
+    scores = {bt: context_scores(bb, st) for bt, st in states.items()}
+    np.testing.assert_allclose(scores[4 * 128], scores[0], rtol=1e-4, atol=1e-7)
+    assert np.array_equal(allocate(scores[4 * 128], 200), allocate(scores[0], 200))
+
+
+@pytest.mark.parametrize("tiny_backbone", ["llama"], indirect=True)
+def test_compiled_layers_give_the_eager_states(tiny_backbone):
+    """compiled=True (the layers below the captured one through torch.compile) against eager layers, with the frame
+    cached and batched and with it recomputed: the same keys and queries, and the same allocation."""
+    bb = tiny_backbone
+    ids = bb.encode(FILLER[:6000]).ids[:1200]
+    query = bb.encode("Question: where did the cat sleep?\nAnswer:").ids
+    for frames in ("cache", "recompute"):
+        kw = dict(sink=4, window=64, chunk_size=128, frames=frames, batch_tokens=4 * 128)
+        eager, fused = (prefill(bb, ids, query, [2], compiled=c, **kw)[2] for c in (False, True))
+        torch.testing.assert_close(fused.keys, eager.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fused.queries, eager.queries, rtol=1e-4, atol=1e-4)
+        assert np.array_equal(allocate(context_scores(bb, fused), 200), allocate(context_scores(bb, eager), 200))
+    assert set(bb._compiled) == {0, 1}  # the captured layer ran eager, with its hooks
+    with pytest.raises(BackboneError, match="int8"):
+        next(bb.stream(ids, [2], compiled=True, int8=True))
+
+
+def test_ids_arriving_in_pieces_give_what_the_whole_array_gives(tiny_backbone):
+    """frames="cache" reads the ids as they arrive (tokenising overlaps the forwards): pieces cut anywhere give the
+    states, positions and chunks of the whole array, and `compress` (which reads as it tokenises) the allocation
+    of the scores of the whole encoding."""
+    bb = tiny_backbone
+    text = FILLER[:6000]
+    ids, query = bb.encode(text).ids, bb.encode("Question: where did the cat sleep?\nAnswer:").ids
+    kw = dict(sink=4, window=64, chunk_size=128, frames="cache", batch_tokens=4 * 128)
+    whole = prefill(bb, ids, query, [2], **kw)[2]
+    arriving = prefill(bb, iter(np.split(ids, [100, 700, 701])), query, [2], **kw)[2]
+    torch.testing.assert_close(arriving.keys, whole.keys, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(arriving.queries, whole.queries, rtol=1e-4, atol=1e-5)
+    assert torch.equal(arriving.key_positions, whole.key_positions)
+    assert torch.equal(arriving.query_positions, whole.query_positions)
+    assert arriving.chunk_starts == whole.chunk_starts == list(range(0, len(ids), 128))
+    ilre = ILRe(bb, layer=2, window=64, chunk_size=128, frames="cache")
+    out = ilre.compress(text, "where did the cat sleep?", 200)
+    query_part = bb.encode(ilre.query_template.format(question="where did the cat sleep?")).ids
+    expected = ilre._fit(text, bb.encode(text), ilre.scores(ids, query_part), 200)
+    assert out.n_tokens <= 200 and len(out.spans) > 1
+    assert [(s.start, s.end) for s in out.spans] == [(s.start, s.end) for s in expected.spans]
+    with pytest.raises(BackboneError, match="frames='cache'"):
+        next(bb.stream(iter([ids]), [2], mode="sink_window"))
+    with pytest.raises(BackboneError, match="negative"):
+        next(bb.stream(iter([ids]), [2], mode="sink_window", frames="cache", split_at=10))
+    with pytest.raises(BackboneError, match="non-empty"):
+        next(bb.stream(iter([]), [2], mode="sink_window", frames="cache"))
+
+
 def test_cached_frames_hold_against_recomputed_ones(tiny_backbone):
     """frames="cache" ([ILRe section 3.4]: the sink + window keys and values kept per layer) against the recomputed
     frame: identical when the window holds everything before a chunk; with no sink, "frame" positions (the window
