@@ -7,7 +7,8 @@ chunks forwarded several to a batch (`ilre`, the library's default), one chunk p
 sink + window frame cached per layer instead of recomputed (`ilre-cached`, chunks batched too), and that with the
 layers below l_R through torch.compile (`ilre-cached-compiled`; compiled during the warm-up).
 The FLOPs are counted from the chunks the stream forwards (each with its sink + window frame): linear maps
-2 * parameters * tokens, attention 4 * heads * head_dim * n(n+1)/2 per layer; `peak_share` divides their rate by
+2 * parameters * tokens, attention 4 * heads * head_dim * n(n+1)/2 per layer below l_R, and l_R's key and query
+projections; `peak_share` divides their rate by
 the accelerator's dense bf16 peak (--peak-tflops).
 """
 from __future__ import annotations
@@ -21,9 +22,12 @@ VARIANTS = {"ilre": {}, "ilre-unbatched": {"batch_tokens": 0}, "ilre-cached": {"
 
 def forward_flops(backbone, length: int, layer: int, chunk_size: int, sink: int, window: int,
                   cached: bool = False) -> float:
-    """FLOPs of the streamed forward of `length` context tokens to `layer` (inclusive): each chunk with its frame
-    recomputed, or (cached) the chunk alone, its queries reading the frame's keys too."""
+    """FLOPs of the streamed forward of `length` context tokens to `layer`: each chunk with its frame recomputed, or
+    (cached) the chunk alone, its queries reading the frame's keys too. Layers below `layer` run whole; of `layer`
+    only the key and query projections run (`backbone.Projections`)."""
     per_layer = sum(p.numel() for p in backbone.model.model.layers[0].parameters())
+    attn = backbone.model.model.layers[0].self_attn
+    projections = attn.k_proj.weight.numel() + attn.q_proj.weight.numel()
     flops = 0.0
     for s in range(0, length, chunk_size):
         t = min(s + chunk_size, length) - s
@@ -31,7 +35,7 @@ def forward_flops(backbone, length: int, layer: int, chunk_size: int, sink: int,
         n = t if cached else t + frame
         pairs = t * frame + t * (t + 1) / 2  # causal query-key pairs of the chunk's queries (and the frame's)
         pairs += 0 if cached else frame * (frame + 1) / 2
-        flops += (layer + 1) * (2 * per_layer * n + 4 * backbone.n_heads * backbone.head_dim * pairs)
+        flops += layer * (2 * per_layer * n + 4 * backbone.n_heads * backbone.head_dim * pairs) + 2 * projections * n
     return flops
 
 

@@ -259,6 +259,24 @@ def as_text(text: str | bytes) -> str:
     return text
 
 
+class Projections(torch.nn.Module):
+    """A decoder layer cut down to its input norm and the K and/or Q projections: the deepest layer of a forward
+    that wants only those states (`Backbone.run_to`'s hooks capture them), whose attention and MLP would feed
+    layers that never run. The hidden states pass through unchanged."""
+
+    def __init__(self, layer: torch.nn.Module, capture: Sequence[str]):
+        super().__init__()
+        self.layer, self.capture = layer, tuple(capture)
+        if hasattr(layer, "attention_type"):  # Qwen2/3 pick each layer's mask by it
+            self.attention_type = layer.attention_type
+
+    def forward(self, hidden_states, *args, **kwargs):
+        x = self.layer.input_layernorm(hidden_states)
+        for kind in self.capture:
+            (self.layer.self_attn.k_proj if kind == "k" else self.layer.self_attn.q_proj)(x)
+        return hidden_states
+
+
 def chunk_bounds(length: int, chunk_size: int, split_at: int | None = None) -> list[int]:
     """Chunk starts and the end of a stream of `length` ids: every `chunk_size`, and no chunk crossing `split_at`."""
     parts = [0, split_at, length] if split_at is not None and 0 < split_at < length else [0, length]
@@ -470,12 +488,14 @@ class Backbone:
 
     @contextlib.contextmanager
     def run_to(self, last_layer: int, layers: Sequence[int], capture: Sequence[str], int8: bool = False,
-               compiled: bool = False):
+               compiled: bool = False, projections_only: bool = False):
         """Truncate the decoder to layers 0..last_layer (early exit) and hook the K/Q projections of `layers`,
         yielding {"k"|"q": {layer: pre-RoPE states (batch, heads, T, head_dim)}} that fills as the model runs;
         int8: run the int8-quantized copy of the layers instead; compiled: the layers not hooked run through
-        torch.compile. Public for readers that drive the model themselves (reading a context in segments with
-        its cache, `model.reading.read`); hold `lock` around it."""
+        torch.compile; projections_only: of the last layer only its input norm and the captured projections run
+        (its attention and MLP would feed layers that never run; for forwards that want only the states, not a
+        cache). Public for readers that drive the model themselves (reading a context in segments with its
+        cache, `model.reading.read`); hold `lock` around it."""
         store: dict[str, dict[int, torch.Tensor]] = {"k": {}, "q": {}}
         body = self.model.model
         full = body.layers
@@ -495,7 +515,10 @@ class Backbone:
                     store[kind][l] = x.transpose(1, 2).float()
 
                 hooks.append(proj.register_forward_hook(hook))
-        body.layers = torch.nn.ModuleList(list(run)[: last_layer + 1])
+        run = list(run)[: last_layer + 1]
+        if projections_only:
+            run[-1] = Projections(run[-1], capture)
+        body.layers = torch.nn.ModuleList(run)
         try:
             yield store
         finally:
@@ -591,7 +614,7 @@ class Backbone:
             else:  # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed
                 # sequence and hides the sink from the chunk
                 with self.lock, torch.inference_mode(), \
-                        self.run_to(layers[-1], layers, capture, int8, compiled) as store:
+                        self.run_to(layers[-1], layers, capture, int8, compiled, projections_only=True) as store:
                     self.model.model(input_ids=x, position_ids=device_pos, attention_mask=torch.ones_like(x),
                                      use_cache=False)
             for b, (_, (n_sink, w0, s, e)) in enumerate(batch):
@@ -655,8 +678,8 @@ class Backbone:
         start, step = (frame.length, 0) if frame.positions == "frame" else (first, length)
         pos, device_pos = ((torch.arange(length, device=d) + start + step * torch.arange(rows, device=d)[:, None])
                            for d in ("cpu", self.device))
-        with self.lock, torch.inference_mode(), self.run_to(layers[-1], layers, capture, compiled=compiled) as store, \
-                frame.attending():
+        with self.lock, torch.inference_mode(), frame.attending(), \
+                self.run_to(layers[-1], layers, capture, compiled=compiled, projections_only=True) as store:
             self.model.model(input_ids=x, position_ids=device_pos, use_cache=False)
             frame.advance(*batch[-1])
         for b, (s, e) in enumerate(batch):

@@ -68,7 +68,7 @@ class ChunkGraph:
         mask = torch.ones(1, 1, length, length, dtype=torch.bool, device=device).tril()
 
         def forward() -> dict[str, dict[int, torch.Tensor]]:
-            with torch.inference_mode(), backbone.run_to(layers[-1], layers, capture) as store:
+            with torch.inference_mode(), backbone.run_to(layers[-1], layers, capture, projections_only=True) as store:
                 backbone.model.model(input_ids=self.ids, position_ids=self.pos, attention_mask=mask, use_cache=False)
             return {kind: dict(states) for kind, states in store.items()}
 

@@ -23,14 +23,20 @@ def logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return (q @ keys.to(q.device, torch.float32).transpose(1, 2)).reshape(n_heads, n_q, -1)
 
 
+MIN_BLOCK = 8192  # keys per block of the softmax over the context, at least,
+LOGITS_PER_BLOCK = 1 << 25  # and about this many logits per block (128 MiB in float32)
+
+
 def attention_scores(keys: torch.Tensor, queries: torch.Tensor, key_positions: torch.Tensor,
-                     query_positions: torch.Tensor, rope, block: int = 8192) -> np.ndarray:
+                     query_positions: torch.Tensor, rope, block: int | None = None) -> np.ndarray:
     """A^C = max over heads h and query positions q of softmax_C(q K^T / sqrt(d)) [ILRe Eq. 4-5], shape (L,).
 
     keys (n_kv, L, d) and queries (n_heads, Lq, d) are pre-RoPE; `rope(x, positions)` rotates them [ILRe Eq. 1, 3]
     (rope=None: both are rotated already, and the positions are not used).
     GQA: query head h reads kv head h // (n_heads / n_kv). The softmax runs over the whole context in blocks of
-    `block` keys, two passes (logsumexp, then probabilities), so memory is n_heads x Lq x block, not x L.
+    `block` keys, two passes (logsumexp, then probabilities), so memory is n_heads x Lq x block, not x L (None: as
+    many keys as keep that near LOGITS_PER_BLOCK; at 1M tokens, 8192-key blocks spent more time launching than
+    computing).
     """
     context = ContextLogits(keys, queries, key_positions, query_positions, rope, block)
     return context.probabilities(context.logsumexp())
@@ -47,9 +53,11 @@ class ContextLogits:
     key_positions: torch.Tensor
     query_positions: torch.Tensor
     rope: object
-    block: int = 8192
+    block: int | None = None
 
     def __post_init__(self):
+        if self.block is None:
+            self.block = max(MIN_BLOCK, LOGITS_PER_BLOCK // (self.queries.shape[0] * self.queries.shape[1]))
         if self.rope is None:
             self.rope = lambda x, _positions: x
             self.key_positions = self.query_positions = torch.zeros(0)  # unused

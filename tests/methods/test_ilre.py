@@ -143,13 +143,16 @@ def test_prefill_exits_early_and_keeps_full_keys(tiny_backbone):
     ids = bb.encode(FILLER).ids[:600]
     query = bb.encode("Question: where did the cat sleep?\nAnswer:").ids
     fired = []
-    hooks = [bb.model.model.layers[l].register_forward_hook(lambda *_, l=l: fired.append(l)) for l in range(4)]
+    layers = bb.model.model.layers
+    hooks = [module.register_forward_hook(lambda *_, name=name: fired.append(name)) for name, module in
+             [(l, layers[l]) for l in range(4)] + [("k1", layers[1].self_attn.k_proj), ("mlp1", layers[1].mlp)]]
     try:
         states = prefill(bb, ids, query, [1], sink=4, window=64, chunk_size=128)[1]
     finally:
         for h in hooks:
             h.remove()
-    assert set(fired) == {0, 1}  # layers after l_R = 1 never run
+    # layers after l_R = 1 never run, and of l_R only what its keys and queries need (no attention, no MLP)
+    assert set(fired) == {0, "k1"}
     assert states.keys.shape == (2, 600, 16) and states.queries.shape == (4, len(query), 16)
     def framed(s, e):  # each chunk sits behind its sink + window frame (Backbone.stream, mode sink_window)
         n = min(4, s) + max(0, s - max(4, s - 64))

@@ -21,15 +21,18 @@ def test_capture_shapes(tiny_backbone):
 
 def test_early_exit_skips_later_layers(tiny_backbone):
     bb = tiny_backbone
-    calls = {i: 0 for i in range(bb.n_layers)}
-    hooks = [layer.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-             for i, layer in enumerate(bb.model.model.layers)]
+    layers = bb.model.model.layers
+    modules = {**dict(enumerate(layers)), "k1": layers[1].self_attn.k_proj, "q1": layers[1].self_attn.q_proj,
+               "attention1": layers[1].self_attn, "mlp1": layers[1].mlp}
+    calls = dict.fromkeys(modules, 0)
+    hooks = [m.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1)) for i, m in modules.items()]
     try:
         list(bb.stream(IDS, [1], chunk_size=100))
     finally:
         for h in hooks:
             h.remove()
-    assert calls == {0: 3, 1: 3, 2: 0, 3: 0}
+    # layer 1, the deepest asked for, runs only its norm and key projection (Projections); layers 2-3 never run
+    assert calls == {0: 3, 1: 0, 2: 0, 3: 0, "k1": 3, "q1": 0, "attention1": 0, "mlp1": 0}
     assert len(bb.model.model.layers) == bb.n_layers  # the model is whole again afterwards
 
 
