@@ -2,10 +2,11 @@
 
 ILRe's work for one context: tokenise it (host), stream it to l_R (the forward, [ILRe Alg. 1]'s prefill), A^C at
 l_R ([ILRe Eq. 4-5], `context_scores`) and the multi-kernel allocation ([ILRe Alg. 1], on the host). Each stage is
-timed alone, after the accelerator has finished it. Four rows per length, side by side in one run: the streamed
-chunks forwarded several to a batch (`ilre`, the library's default), one chunk per forward (`ilre-unbatched`), the
-sink + window frame cached per layer instead of recomputed (`ilre-cached`, chunks batched too), and that with the
-layers below l_R through torch.compile (`ilre-cached-compiled`; compiled during the warm-up).
+timed alone, after the accelerator has finished it. Five rows per length, side by side in one run: the streamed
+chunks forwarded several to a batch as the text is tokenised (`ilre`, the library's default), the text tokenised
+first (`ilre-tokenised-first`), and one chunk per forward too (`ilre-unbatched`), the sink + window frame cached
+per layer instead of recomputed (`ilre-cached`, chunks batched, tokenising overlapped), and that with the layers
+below l_R through torch.compile (`ilre-cached-compiled`; compiled during the warm-up).
 The FLOPs are counted from the chunks the stream forwards (each with its sink + window frame): linear maps
 2 * parameters * tokens, attention 4 * heads * head_dim * n(n+1)/2 per layer below l_R, and l_R's key and query
 projections; `peak_share` divides their rate by
@@ -16,7 +17,8 @@ from __future__ import annotations
 from endo_bench.measure import clock, peak_accel_mb, reset_peak, row
 
 # method -> how the stream runs: chunks batched (the default), one chunk per forward, the frame cached
-VARIANTS = {"ilre": {}, "ilre-unbatched": {"batch_tokens": 0}, "ilre-cached": {"frames": "cache"},
+VARIANTS = {"ilre": {}, "ilre-tokenised-first": {"tokenise_first": True},
+            "ilre-unbatched": {"batch_tokens": 0, "tokenise_first": True}, "ilre-cached": {"frames": "cache"},
             "ilre-cached-compiled": {"frames": "cache", "compiled": True}}
 
 
@@ -40,8 +42,9 @@ def forward_flops(backbone, length: int, layer: int, chunk_size: int, sink: int,
 
 
 def time_stages(ilre, text: str, question: str, budget: int, stream: dict) -> dict[str, float]:
-    """Seconds per stage. With the frame cached, the model reads the first pieces of the text while the rest are
-    tokenised (`ILRe.compress`), so tokenising is inside "prefill" and "encode" is only the query part's."""
+    """Seconds per stage. As `ILRe.compress` does, the model reads the first pieces of the text while the rest are
+    tokenised, so tokenising is inside "prefill" and "encode" is only the query part's; `tokenise_first` tokenises
+    the whole text before the prefill (its own "encode" stage)."""
     from endo_retrieval.methods.ilre import context_scores, prefill
 
     bb, device = ilre.backbone, ilre.backbone.device
@@ -54,7 +57,8 @@ def time_stages(ilre, text: str, question: str, budget: int, stream: dict) -> di
             pieces.append(enc)
             yield enc.ids
 
-    context_ids = arriving() if stream.get("frames") == "cache" else bb.encode(text).ids
+    stream = dict(stream)
+    context_ids = bb.encode(text).ids if stream.pop("tokenise_first", False) else arriving()
     t1 = clock(device)
     states = prefill(bb, context_ids, query_ids, [ilre.layer], sink=ilre.sink, window=ilre.window,
                      chunk_size=ilre.chunk_size, positions=ilre.positions, **stream)[ilre.layer]
@@ -84,9 +88,10 @@ def ilre_rows(backbone, source, lengths: list[int], budget: int, layer: int | No
             reset_peak(device)
             t = time_stages(ilre, text, "What is this about?", budget, stream)
             flops = forward_flops(backbone, t["tokens"], ilre.layer, ilre.chunk_size, ilre.sink, ilre.window,
-                                  cached="frames" in stream)
+                                  cached=stream.get("frames") == "cache")
             common = dict(section="ilre", method=method, n=n, device=dev, note=" ".join(filter(None, [note,
-                          source.note(n)])), tokenising="overlapped" if "frames" in stream else "before", **extra)
+                          source.note(n)])), tokenising="before" if "tokenise_first" in stream else "overlapped",
+                          **extra)
             for stage in ("encode", "prefill", "scores", "allocate"):
                 rows.append(row(metric=f"stage_{stage}_ms", value=1e3 * t[stage], unit="ms",
                                 share=t[stage] / t["total"], **common))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.methods.base import Compressed, Span, check_budget
-from endo_retrieval.model.backbone import Encoding
+from endo_retrieval.model.backbone import PIECE_CHARS, Encoding
 from endo_retrieval.model.profiles import ilre_profile, ilre_profile_path, missing
 from endo_retrieval.scoring.attention import attention_scores
 from endo_retrieval.scoring.select import runs
@@ -199,8 +199,8 @@ def prefill(backbone, context_ids: np.ndarray | Iterator[np.ndarray], query_ids:
     layout of `Backbone.stream` ("frame", "absolute", or "dca" for [ILRe Eq. 6]); `batch_tokens`: chunks forwarded
     together (each still sees only its own frame; 0: one chunk per forward); `frames`: "recompute" the sink + window
     frame with each chunk, or "cache" it per layer as [ILRe section 3.4] does; `compiled`: the layers below the
-    captured ones run through torch.compile (`Backbone.stream`). With frames="cache", `context_ids` may be an
-    iterator over pieces of the ids, read as they arrive (tokenising overlaps the forwards).
+    captured ones run through torch.compile (`Backbone.stream`). `context_ids` may be an iterator over pieces of
+    the ids, read as they arrive (tokenising overlaps the forwards).
     """
     if isinstance(context_ids, Iterator):
         return _prefill_arriving(backbone, context_ids, np.asarray(query_ids), layers, sink=sink, window=window,
@@ -309,7 +309,7 @@ class ILRe:
 
     def scores(self, context_ids: np.ndarray | Iterator[np.ndarray], query_ids: np.ndarray) -> np.ndarray:
         """A^C at l_R [ILRe Eq. 5] of the context tokens for this query part: one early-exit streaming prefill
-        (with frames="cache", `context_ids` may be an iterator over pieces of them, read as they arrive)."""
+        (`context_ids` may be an iterator over pieces of them, read as they arrive)."""
         self._check_query(query_ids)
         states = prefill(self.backbone, context_ids, query_ids, [self.layer], sink=self.sink, window=self.window,
                          chunk_size=self.chunk_size, positions=self.positions, frames=self.frames,
@@ -336,7 +336,7 @@ class ILRe:
             raise ILReError("question is empty: ILRe ranks the context by the question's attention; give one.")
         query_ids = self.backbone.encode(self.query_template.format(question=question.strip())).ids
         self._check_query(query_ids)
-        if self.frames == "cache":  # the model reads the first pieces while the rest are tokenised
+        if len(context) > PIECE_CHARS:  # several pieces: the model reads the first while the rest are tokenised
             pieces: list[Encoding] = []
 
             def arriving() -> Iterator[np.ndarray]:

@@ -23,7 +23,7 @@ from collections import Counter, OrderedDict
 from itertools import chain
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -540,8 +540,8 @@ class Backbone:
           "frame"    sink, window and chunk at 0..S+W+T-1: every distance stays inside the trained window;
           "absolute" every token at its own index (ILRe without DCA);
           "dca"      absolute, but from the third chunk on the sink moves up by (i-2) chunk sizes [ILRe Eq. 6].
-        `ids`: the token ids, or (frames="cache") an iterator over consecutive pieces of them, read as they arrive
-        (`ArrivingIds`: tokenising overlaps the forwards).
+        `ids`: the token ids, or an iterator over consecutive pieces of them, read as they arrive (`ArrivingIds`:
+        tokenising overlaps the forwards).
         `split_at`: no chunk crosses this position (e.g. context | query part); a negative one counts from the end.
         `start`: chunks that begin before it are not run (a worker's share of one stream: a sink_window chunk
         needs only its frame, which it recomputes).
@@ -556,9 +556,6 @@ class Backbone:
         GPU, where eager elementwise passes cost a quarter of the time.
         """
         arriving = isinstance(ids, Iterator)
-        if arriving and frames != "cache":
-            raise BackboneError("Token ids arriving in pieces stream with frames='cache' only; join them first "
-                                "(np.concatenate) for other frames.")
         if arriving and split_at is not None and split_at >= 0:
             raise BackboneError("With ids arriving in pieces, split_at counts from the end: pass a negative one.")
         if not arriving:
@@ -585,30 +582,29 @@ class Backbone:
                                 "positions (no dca, start or int8).")
         if batch_tokens is None:  # a CPU is bound by arithmetic already
             batch_tokens = BATCH_TOKENS if self.device.type == "cuda" else 0
+        source = ArrivingIds(ids if arriving else iter([ids.numpy()]))
+        back = 0 if split_at is None else (-split_at if arriving else len(ids) - split_at)
+        bounds = self._arriving_bounds(source, chunk_size, back)
         if frames == "cache":
-            source = ArrivingIds(ids if arriving else iter([ids.numpy()]))
-            back = 0 if split_at is None else (-split_at if arriving else len(ids) - split_at)
-            yield from self._stream_cached(source, chunk_size, back, layers, capture, sink, window, positions,
-                                           batch_tokens, compiled)
+            yield from self._stream_cached(source, bounds, layers, capture, sink, window, positions, batch_tokens,
+                                           compiled)
             return
-        if self.device.type == "cuda":  # pinned, so each chunk's ids go over without waiting for the device
-            ids = ids.pin_memory()
-        bounds = chunk_bounds(len(ids), chunk_size, split_at)
         # sink_window: the chunk is forwarded behind its S sink tokens and the W tokens before it. "frame" places
         # them at 0..S+W+T-1, so every query-key distance stays inside the trained window however long the stream
         # (absolute positions past an 8k window lost every passkey at 32k: docs/ilre.md).
-        spans = [((min(sink, s), min(s, max(sink, s - window))) if mode == "sink_window" else (0, s)) + (s, e)
-                 for s, e in zip(bounds[:-1], bounds[1:])]
-        lengths = Counter(n_sink + e - w0 for n_sink, w0, _, e in spans)  # spans forwarded at each length
+        spans = (((min(sink, s), min(s, max(sink, s - window))) if mode == "sink_window" else (0, s)) + (s, e)
+                 for s, e in bounds)
+        seen: Counter = Counter()  # forwards of each shape in this stream
         graphed = self.chunk_graphs and self.device.type == "cuda" and not (int8 or compiled)
         for batch in self._batches(spans, start, batch_tokens if mode == "sink_window" else 0):
-            x = torch.stack([torch.cat([ids[:n_sink], ids[w0:e]]) for _, (n_sink, w0, _, e) in batch])
+            x = torch.from_numpy(np.stack([np.concatenate([source.ids[:n_sink], source.ids[w0:e]])
+                                           for _, (n_sink, w0, _, e) in batch]))
             pos = torch.stack([self._frame_positions(i, n_sink, w0, e, chunk_size, mode, positions)
                                for i, (n_sink, w0, _, e) in batch])
-            x, device_pos = x.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True)
-            shape = tuple(x.shape)  # a repeated shape (a capture costs about 3 forwards) or one captured before
-            if graphed and (lengths[shape[1]] // shape[0] >= MIN_REPLAYS
-                            or self._graph_key(shape, layers, capture) in self._graphs):
+            x, device_pos = (self._to_device(t) for t in (x, pos))
+            shape = tuple(x.shape)
+            seen[shape] += 1  # a capture costs about 3 forwards: a shape is captured once it has come MIN_REPLAYS times
+            if graphed and (seen[shape] >= MIN_REPLAYS or self._graph_key(shape, layers, capture) in self._graphs):
                 with self.lock:  # a repeated shape, or one captured before: replayed (chunk_graph.py)
                     store = self._chunk_graph(shape, layers, capture)(x, device_pos)
             else:  # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed
@@ -622,13 +618,13 @@ class Backbone:
                 yield Chunk(s, e, pos[b, n:], keys={l: k[b, :, n:] for l, k in store["k"].items()},
                             queries={l: q[b, :, n:] for l, q in store["q"].items()})
 
-    def _stream_cached(self, source: ArrivingIds, chunk_size: int, back: int, layers: list[int],
+    def _stream_cached(self, source: ArrivingIds, bounds: Iterator[tuple[int, int]], layers: list[int],
                        capture: Sequence[str], sink: int, window: int, positions: str, batch_tokens: int,
                        compiled: bool) -> Iterator[Chunk]:
         """`stream` with the frame cached (frame_cache.py): each chunk forwards its own tokens only; chunks whose
         frame is a full sink + window (and of one length, at least W) go through the model several at a time.
-        Chunks are cut as the ids arrive (`back`: the split lies this many ids before the end), and nothing in the
-        loop waits for the device, so the host tokenises and queues the next forward while the device runs."""
+        Nothing in the loop waits for the device, so the host tokenises and queues the next forward while the
+        device runs."""
         from endo_retrieval.model.frame_cache import FrameCache
 
         frame = FrameCache(self, sink, window, positions)
@@ -637,7 +633,7 @@ class Backbone:
         def forward(batch):
             return self._forward_cached(source, batch, layers, capture, frame, compiled)
 
-        for s, e in self._arriving_bounds(source, chunk_size, back):
+        for s, e in bounds:
             steady = s >= sink + window and e - s >= window  # its frame is S + W; its own last W are a frame
             if batch and steady and e - s == batch[0][1] - batch[0][0] and (len(batch) + 1) * (e - s) <= batch_tokens:
                 batch.append((s, e))
@@ -650,6 +646,13 @@ class Backbone:
                 batch = []
         if batch:
             yield from forward(batch)
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device, through pinned memory on CUDA (a copy from pageable memory waits for the
+        device to finish its queue, and then the device waits for the host)."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     @staticmethod
     def _arriving_bounds(source: ArrivingIds, chunk_size: int, back: int) -> Iterator[tuple[int, int]]:
@@ -669,10 +672,7 @@ class Backbone:
                         capture: Sequence[str], frame, compiled: bool) -> Iterator[Chunk]:
         """One forward of consecutive chunks [s, e) of one length, a batch row each, through the frame cache."""
         (first, _), rows, length = batch[0], len(batch), batch[0][1] - batch[0][0]
-        x = torch.from_numpy(source.ids[first: first + rows * length]).view(rows, length)
-        if self.device.type == "cuda":  # pinned, so the copy does not wait for the device
-            x = x.pin_memory()
-        x = x.to(self.device, non_blocking=True)
+        x = self._to_device(torch.from_numpy(source.ids[first: first + rows * length]).view(rows, length))
         # every row sits right behind a frame of the same length ("frame"), or at its own place ("absolute");
         # made on each side, as a copy from pageable host memory would wait for the device
         start, step = (frame.length, 0) if frame.positions == "frame" else (first, length)
@@ -697,7 +697,7 @@ class Backbone:
         return torch.cat([torch.arange(n_sink) + shift, torch.arange(w0, e)])
 
     @staticmethod
-    def _batches(spans: list[tuple], start: int, batch_tokens: int) -> Iterator[list[tuple[int, tuple]]]:
+    def _batches(spans: Iterable[tuple], start: int, batch_tokens: int) -> Iterator[list[tuple[int, tuple]]]:
         """(stream index, span) of consecutive spans of one forwarded length, up to batch_tokens tokens per forward
         (at least one span; 0: one span each). Sink + window chunks are independent of one another (each
         recomputes its frame), so a batch of them gives each chunk the states it gets alone, in fewer and larger

@@ -250,14 +250,18 @@ def test_compiled_layers_give_the_eager_states(tiny_backbone):
         next(bb.stream(ids, [2], compiled=True, int8=True))
 
 
-def test_ids_arriving_in_pieces_give_what_the_whole_array_gives(tiny_backbone):
-    """frames="cache" reads the ids as they arrive (tokenising overlaps the forwards): pieces cut anywhere give the
-    states, positions and chunks of the whole array, and `compress` (which reads as it tokenises) the allocation
-    of the scores of the whole encoding."""
+@pytest.mark.parametrize("frames", ["cache", "recompute"])
+def test_ids_arriving_in_pieces_give_what_the_whole_array_gives(tiny_backbone, frames, monkeypatch):
+    """The stream reads the ids as they arrive (tokenising overlaps the forwards): pieces cut anywhere give the
+    states, positions and chunks of the whole array, and `compress` (which reads a long text as it tokenises) the
+    allocation of the scores of the whole encoding."""
+    import endo_retrieval.methods.ilre as ilre_module
+    import endo_retrieval.model.backbone as backbone_module
+
     bb = tiny_backbone
     text = FILLER[:6000]
     ids, query = bb.encode(text).ids, bb.encode("Question: where did the cat sleep?\nAnswer:").ids
-    kw = dict(sink=4, window=64, chunk_size=128, frames="cache", batch_tokens=4 * 128)
+    kw = dict(sink=4, window=64, chunk_size=128, frames=frames, batch_tokens=4 * 128)
     whole = prefill(bb, ids, query, [2], **kw)[2]
     arriving = prefill(bb, iter(np.split(ids, [100, 700, 701])), query, [2], **kw)[2]
     torch.testing.assert_close(arriving.keys, whole.keys, rtol=1e-4, atol=1e-5)
@@ -265,18 +269,18 @@ def test_ids_arriving_in_pieces_give_what_the_whole_array_gives(tiny_backbone):
     assert torch.equal(arriving.key_positions, whole.key_positions)
     assert torch.equal(arriving.query_positions, whole.query_positions)
     assert arriving.chunk_starts == whole.chunk_starts == list(range(0, len(ids), 128))
-    ilre = ILRe(bb, layer=2, window=64, chunk_size=128, frames="cache")
+    for module in (ilre_module, backbone_module):  # several pieces of this short text
+        monkeypatch.setattr(module, "PIECE_CHARS", 1000)
+    ilre = ILRe(bb, layer=2, window=64, chunk_size=128, frames=frames)
     out = ilre.compress(text, "where did the cat sleep?", 200)
     query_part = bb.encode(ilre.query_template.format(question="where did the cat sleep?")).ids
     expected = ilre._fit(text, bb.encode(text), ilre.scores(ids, query_part), 200)
     assert out.n_tokens <= 200 and len(out.spans) > 1
     assert [(s.start, s.end) for s in out.spans] == [(s.start, s.end) for s in expected.spans]
-    with pytest.raises(BackboneError, match="frames='cache'"):
-        next(bb.stream(iter([ids]), [2], mode="sink_window"))
     with pytest.raises(BackboneError, match="negative"):
-        next(bb.stream(iter([ids]), [2], mode="sink_window", frames="cache", split_at=10))
+        next(bb.stream(iter([ids]), [2], mode="sink_window", frames=frames, split_at=10))
     with pytest.raises(BackboneError, match="non-empty"):
-        next(bb.stream(iter([]), [2], mode="sink_window", frames="cache"))
+        next(bb.stream(iter([]), [2], mode="sink_window", frames=frames))
 
 
 def test_cached_frames_hold_against_recomputed_ones(tiny_backbone):
