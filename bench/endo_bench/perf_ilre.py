@@ -10,9 +10,13 @@ below l_R through torch.compile (`ilre-cached-compiled`; compiled during the war
 The FLOPs are counted from the chunks the stream forwards (each with its sink + window frame): linear maps
 2 * parameters * tokens, attention 4 * heads * head_dim * n(n+1)/2 per layer below l_R, and l_R's key and query
 projections; `peak_share` divides their rate by
-the accelerator's dense bf16 peak (--peak-tflops).
+the accelerator's dense bf16 peak (--peak-tflops). `kept_overlap` is the share of the default row's kept tokens
+that a variant keeps too: 1.0 where the faster path computes the same states, below where it computes others (the
+cached frame: window tokens saw their own past; bf16 kernels of the compiled layers round differently).
 """
 from __future__ import annotations
+
+import numpy as np
 
 from endo_bench.measure import clock, peak_accel_mb, reset_peak, row
 
@@ -65,10 +69,10 @@ def time_stages(ilre, text: str, question: str, budget: int, stream: dict) -> di
     t2 = clock(device)
     scores = context_scores(bb, states)
     t3 = clock(device)
-    ilre._allocate(scores, budget)
+    kept = ilre._allocate(scores, budget)
     t4 = clock(device)
     return {"encode": t1 - t0, "prefill": t2 - t1, "scores": t3 - t2, "allocate": t4 - t3, "total": t4 - t0,
-            "tokens": sum(map(len, pieces)) if pieces else len(context_ids)}
+            "tokens": sum(map(len, pieces)) if pieces else len(context_ids), "kept": kept}
 
 
 def ilre_rows(backbone, source, lengths: list[int], budget: int, layer: int | None, peak_tflops: float,
@@ -84,9 +88,11 @@ def ilre_rows(backbone, source, lengths: list[int], budget: int, layer: int | No
                        **({"model": model} if model else {})}
     for n in sorted(lengths):
         text = source.take(n)
+        default_kept = None
         for method, stream in VARIANTS.items():
             reset_peak(device)
             t = time_stages(ilre, text, "What is this about?", budget, stream)
+            default_kept = t["kept"] if default_kept is None else default_kept
             flops = forward_flops(backbone, t["tokens"], ilre.layer, ilre.chunk_size, ilre.sink, ilre.window,
                                   cached=stream.get("frames") == "cache")
             common = dict(section="ilre", method=method, n=n, device=dev, note=" ".join(filter(None, [note,
@@ -100,7 +106,10 @@ def ilre_rows(backbone, source, lengths: list[int], budget: int, layer: int | No
                      row(metric="prefill_tflops", value=flops / t["prefill"] / 1e12, unit="TFLOP/s", **common),
                      row(metric="peak_share", value=flops / t["prefill"] / (peak_tflops * 1e12), unit="fraction",
                          **common),
-                     row(metric="peak_accel_mb", value=peak_accel_mb(device), unit="MiB", **common)]
+                     row(metric="peak_accel_mb", value=peak_accel_mb(device), unit="MiB", **common),
+                     # the share of the default's kept tokens this variant keeps too (1.0: the same allocation)
+                     row(metric="kept_overlap", value=len(np.intersect1d(t["kept"], default_kept)) / len(default_kept),
+                         unit="fraction", **common)]
         if bar is not None:
             bar.update()
     return rows

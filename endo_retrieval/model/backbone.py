@@ -564,6 +564,8 @@ class Backbone:
                 raise BackboneError("stream() takes a non-empty 1-D sequence of token ids.")
             if split_at is not None and split_at < 0:
                 split_at += len(ids)
+            if split_at is not None and not 0 < split_at < len(ids):  # nothing to split
+                split_at = None
         if mode not in ("independent", "sink_window"):
             raise BackboneError(f"Unknown mode {mode!r}; use 'independent' or 'sink_window'.")
         if chunk_size < 1 or sink < 0 or window < 0:

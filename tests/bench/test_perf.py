@@ -214,3 +214,26 @@ def test_s3_timings_never_exceed_the_wall_clock(tiny, monkeypatch):
     assert len(timings) == 3 and all(t.ttft_s < t.total_s for t in timings)
     assert index_s + sum(t.total_s for t in timings) <= wall + 1e-3
     assert all(t.total_s - t.ttft_s == pytest.approx(0.15) for t in timings)
+
+
+def test_ilre_section_rows_and_agreement(tiny):
+    """The ilre section on the tiny model: every variant's stages and rates, and its kept tokens against the
+    default's: the same where the faster path computes the same states (text tokenised first, one chunk per
+    forward), fewer where it computes others (the cached frame)."""
+    from endo_bench.perf_ilre import VARIANTS, ilre_rows
+
+    bb, _, root = tiny
+    source = perf.TextSource.load(bb, str(root / "text"))
+    rows = ilre_rows(bb, source, [2500], budget=128, layer=2, peak_tflops=1.0)
+    by = {(r["method"], r["metric"]): r for r in rows}
+    assert {m for m, _ in by} == set(VARIANTS)
+    for method in VARIANTS:
+        stages = sum(by[method, f"stage_{s}_ms"]["value"] for s in ("encode", "prefill", "scores", "allocate"))
+        assert by[method, "total_ms"]["value"] == pytest.approx(stages, rel=1e-6)
+        assert by[method, "prefill_tflops"]["value"] > 0
+    overlap = {m: by[m, "kept_overlap"]["value"] for m in VARIANTS}
+    assert overlap["ilre"] == overlap["ilre-tokenised-first"] == overlap["ilre-unbatched"] == 1.0
+    assert overlap["ilre-cached"] < 1.0 and overlap["ilre-cached-compiled"] == pytest.approx(overlap["ilre-cached"],
+                                                                                            abs=0.02)
+    assert by["ilre", "total_ms"]["tokenising"] == "overlapped"
+    assert by["ilre-tokenised-first", "total_ms"]["tokenising"] == "before"
