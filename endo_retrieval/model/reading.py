@@ -92,7 +92,8 @@ def read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[int
     for a, b in zip(cuts[:-1], cuts[1:]):
         cache = DynamicCache()
         x = torch.as_tensor(ids[a:b], device=backbone.device)[None]
-        with backbone.lock, torch.inference_mode(), backbone.run_to(layers[-1], layers, ("k",), int8) as store:
+        with backbone.lock, torch.inference_mode(), \
+                backbone.run_to(layers[-1], layers, ("k",), int8, projections_only=True) as store:
             backbone.model.model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
                                  use_cache=True)
         positions = torch.arange(b - a, device=backbone.device)
@@ -134,7 +135,7 @@ def ask(backbone, reading: Reading, query_ids: np.ndarray, layers: Sequence[int]
         n = segment.n_tokens
         positions = torch.arange(n, n + len(query_ids), device=backbone.device)
         with backbone.lock, torch.inference_mode(), \
-                backbone.run_to(layers[-1], layers, ("q",), reading.int8) as store:
+                backbone.run_to(layers[-1], layers, ("q",), reading.int8, projections_only=True) as store:
             try:
                 backbone.model.model(input_ids=x, position_ids=positions[None], past_key_values=cache,
                                      attention_mask=torch.ones(1, n + len(query_ids), dtype=torch.long,
