@@ -167,6 +167,16 @@ def test_prefill_exits_early_and_keeps_full_keys(tiny_backbone):
     assert torch.equal(states.keys, torch.cat(streamed, dim=1))
 
 
+def assert_same_chunks(got, expected, layers) -> None:
+    """Two streams handed out the same chunks: bounds, positions, keys and queries."""
+    assert [(c.start, c.end) for c in got] == [(c.start, c.end) for c in expected]
+    for a, b in zip(expected, got):
+        assert torch.equal(a.rope_positions, b.rope_positions)
+        for l in layers:
+            torch.testing.assert_close(b.keys[l], a.keys[l], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(b.queries[l], a.queries[l], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("positions", ["frame", "absolute", "dca"])
 def test_batched_chunks_give_each_chunk_its_own_states(tiny_backbone, positions):
     """The faster path (sink + window chunks forwarded several to a batch) against one chunk per forward: the same
@@ -179,12 +189,7 @@ def test_batched_chunks_give_each_chunk_its_own_states(tiny_backbone, positions)
     whole = np.concatenate([ids, query])
     alone = list(bb.stream(whole, batch_tokens=0, **kw))
     batched = list(bb.stream(whole, batch_tokens=4 * (4 + 64 + 128), **kw))
-    assert [(c.start, c.end) for c in batched] == [(c.start, c.end) for c in alone]
-    for a, b in zip(alone, batched):
-        assert torch.equal(a.rope_positions, b.rope_positions)
-        for l in (1, 2):
-            torch.testing.assert_close(b.keys[l], a.keys[l], rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(b.queries[l], a.queries[l], rtol=1e-4, atol=1e-5)
+    assert_same_chunks(batched, alone, layers=(1, 2))
     ilre = ILRe(bb, layer=2, window=64, chunk_size=128, positions=positions)
     states = prefill(bb, ids, query, [2], sink=4, window=64, chunk_size=128, positions=positions)[2]
     keys = torch.cat([c.keys[2] for c in alone if c.start < len(ids)], dim=1)
@@ -219,12 +224,7 @@ def test_cached_frames_batched_give_each_chunk_its_own_states(tiny_backbone, pos
     # 10 chunks (9 of 128 tokens, one of 48) and the query part; batched: chunk 0 (its frame is filling), 1-4, 5-8,
     # the short one, the query part
     assert (n_alone, len(forwards) - n_alone) == (11, 5)
-    assert [(c.start, c.end) for c in batched] == [(c.start, c.end) for c in alone]
-    for a, b in zip(alone, batched):
-        assert torch.equal(a.rope_positions, b.rope_positions)
-        for l in (1, 2):
-            torch.testing.assert_close(b.keys[l], a.keys[l], rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(b.queries[l], a.queries[l], rtol=1e-4, atol=1e-5)
+    assert_same_chunks(batched, alone, layers=(1, 2))
     states = {bt: prefill(bb, ids, query, [2], sink=4, window=window, chunk_size=128, frames="cache",
                           batch_tokens=bt)[2] for bt in (0, 4 * 128)}
     scores = {bt: context_scores(bb, st) for bt, st in states.items()}
