@@ -30,8 +30,9 @@ def test_cpu_stream_captures_nothing(tiny_backbone):
 @pytest.mark.parametrize("mode, positions, capture", [("independent", "frame", ("k",)),
                                                       ("sink_window", "dca", ("k", "q"))])
 def test_replayed_stream_equals_eager(backbone, mode, positions, capture):
-    ids = np.random.default_rng(0).integers(100, 20000, 6 * 256 + 77)
-    kw = dict(chunk_size=256, mode=mode, positions=positions, capture=capture, window=128)
+    ids = np.random.default_rng(0).integers(100, 20000, 20 * 256 + 77)
+    # sink_window chunks go two to a batch (4 + 128 + 256 tokens each): a shape repeated often enough to be captured
+    kw = dict(chunk_size=256, mode=mode, positions=positions, capture=capture, window=128, batch_tokens=2 * 388)
 
     def run(graphs: bool):
         backbone.chunk_graphs = graphs
@@ -51,4 +52,4 @@ def test_replayed_stream_equals_eager(backbone, mode, positions, capture):
             assert got.keys() == want.keys()
             for layer in want:
                 torch.testing.assert_close(got[layer], want[layer], rtol=2e-2, atol=2e-2)
-    assert replayed[1].keys[3].data_ptr() != replayed[2].keys[3].data_ptr()  # each chunk's own copy
+    assert replayed[-2].keys[3].data_ptr() != replayed[-4].keys[3].data_ptr()  # each replay's own copy
