@@ -55,14 +55,8 @@ def time_stages(ilre, text: str, question: str, budget: int, stream: dict) -> di
     t0 = clock(device)
     query_ids = bb.encode(ilre.query_template.format(question=question)).ids
     pieces = []
-
-    def arriving():
-        for *_, enc in bb.encode_pieces(text):
-            pieces.append(enc)
-            yield enc.ids
-
     stream = dict(stream)
-    context_ids = bb.encode(text).ids if stream.pop("tokenise_first", False) else arriving()
+    context_ids = bb.encode(text).ids if stream.pop("tokenise_first", False) else bb.arriving_ids(text, pieces)
     t1 = clock(device)
     states = prefill(bb, context_ids, query_ids, [ilre.layer], sink=ilre.sink, window=ilre.window,
                      chunk_size=ilre.chunk_size, positions=ilre.positions, **stream)[ilre.layer]

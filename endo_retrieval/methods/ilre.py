@@ -338,13 +338,7 @@ class ILRe:
         self._check_query(query_ids)
         if len(context) > PIECE_CHARS:  # several pieces: the model reads the first while the rest are tokenised
             pieces: list[Encoding] = []
-
-            def arriving() -> Iterator[np.ndarray]:
-                for *_, piece in self.backbone.encode_pieces(context):
-                    pieces.append(piece)
-                    yield piece.ids
-
-            scores = self.scores(arriving(), query_ids)
+            scores = self.scores(self.backbone.arriving_ids(context, pieces), query_ids)
             enc = Encoding.join(pieces)
         else:
             enc = self.backbone.encode(context)

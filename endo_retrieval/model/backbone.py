@@ -403,6 +403,13 @@ class Backbone:
             yield from final
             held = held[len(final):]
 
+    def arriving_ids(self, text: str | bytes, into: list[Encoding]) -> Iterator[np.ndarray]:
+        """The ids of `text` piece by piece, as `encode_pieces` tokenises them (for `stream`, which reads them as they
+        arrive); each piece's encoding goes to `into`, so Encoding.join(into) is the text's encoding once read."""
+        for *_, piece in self.encode_pieces(text):
+            into.append(piece)
+            yield piece.ids
+
     @staticmethod
     def _safe_cuts(text: str, piece_chars: int) -> list[int]:
         cuts = []
