@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The real-model measurements on the device machine: calibration (labelled and zero-label) and the dev300 benches
+# of docs/results.md "Quality by model size", for each model given, the models' processes side by side on one GPU
+# (the work is launch-bound, so they share it well; latency figures come from a run with nothing beside it).
+#
+# Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), the models joined by
+# tools/device-parts.sh under /root/parts/NAME.file, MiniLM unpacked under /root/parts/minilm/.
+#
+#   bash tools/device-real-models.sh PHASE NAME...     PHASE: calibrate | bench | zero | latency
+#
+# Every phase stops its processes at DEADLINE seconds (default 550) and packs what they wrote, with their logs,
+# into $OUT/PHASE.tgz (the device returns at most 8 files).
+set -uo pipefail
+phase=$1; shift
+deadline=${DEADLINE:-550}
+data=$PWD/.device-data; res=/root/res/$phase; mkdir -p "$res"
+if [ ! -x /root/site/bin/endo ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/*.whl || exit 1
+fi
+cp -rn /root/parts/minilm/minilm/* /root/site/ 2>/dev/null || true
+# one GPU shared by several processes: few CPU threads each (the device has 16 cores)
+export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_NUM_THREADS=2
+assets=/root/site/endo_retrieval/assets
+slug() { case $1 in q15) echo qwen2.5-coder-1.5b-instruct ;; q05) echo qwen2.5-coder-0.5b-instruct ;; *) echo "$1" ;; esac; }
+model() { echo /root/parts/$1.file; }
+hot=$data/hotpotqa
+pids=()
+bg() { local log=$1; shift; ( "$@" ) > "$res/$log.log" 2>&1 & pids+=($!); }
+
+calibrate_one() {  # labelled heads, then the pipeline's grid in three processes, merged; ILRe's layer
+  local m=$1 s; s=$(slug "$1")
+  endo calibrate-heads --model "$(model "$m")" --data "$hot/calib100.json" --distractors "$data/wikitext2" \
+    --out "$res/heads_$m.json" || return 1
+  local g=0
+  for grid in "--depths 20 --read-tokens 128,256 --orders best-last first-stage" \
+              "--depths 30 --read-tokens 128,256 --orders best-last" "--depths 10,40 --read-tokens 128,256 --orders best-last"; do
+    g=$((g + 1)); cp "$res/heads_$m.json" "$res/grid${g}_$m.json"
+    endo calibrate-pipeline --model "$(model "$m")" --data "$hot/fit300.json" $grid --out "$res/grid${g}_$m.json" \
+      > "$res/grid${g}_$m.log" 2>&1 &
+  done
+  wait
+  python3 - "$res" "$m" <<'PY'
+import json, sys
+res, m = sys.argv[1:]
+grids = [json.load(open(f"{res}/grid{g}_{m}.json")) for g in (1, 2, 3)]
+table = [row for p in grids for row in p["pipeline"]["fit"]["table"]]
+best = max(table, key=lambda r: ((r["recall"]["@2"] + r["recall"]["@5"]) / 2, -r["depth"], -r["read_tokens"]))
+profile = json.load(open(f"{res}/heads_{m}.json"))
+fit = grids[0]["pipeline"]["fit"] | {"recall": best["recall"], "table": table,
+                                     "wall_s": sum(p["pipeline"]["fit"]["wall_s"] for p in grids)}
+profile["pipeline"] = {"depth": best["depth"], "read_tokens": best["read_tokens"],
+                       "best_last": best["order"] == "best-last", "weights": best["weights"], "fit": fit}
+json.dump(profile, open(f"{res}/heads_{m}.json", "w"), indent=1)
+print("pipeline", m, {k: v for k, v in profile["pipeline"].items() if k != "fit"})
+PY
+}
+
+case $phase in
+calibrate)
+  for m in "$@"; do endo info --model "$(model "$m")" --json > "$res/info_$m.json" 2>&1 & done; wait  # convert once
+  for m in "$@"; do
+    bg "labelled_$m" calibrate_one "$m"
+    bg "ilre_$m" endo calibrate-ilre --model "$(model "$m")" --data "$data/pg_essays" --lengths 8192 \
+      --out "$res/ilre_$m.json" --no-progress
+    mkdir -p /root/docs_fit300
+    python3 -c "
+import json, sys
+for i, it in enumerate(json.load(open('$hot/fit300.json'))):
+    open(f'/root/docs_fit300/q{i:03d}.txt', 'w').write('\n\n'.join(t + ': ' + ' '.join(s) for t, s in it['context']))"
+    bg "zero_$m" endo prepare --model "$(model "$m")" --documents /root/docs_fit300 --profile "$res/zl_$m.json" \
+      --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 --depths 20,30 --read-tokens 128,256 \
+      --timings "$res/zl_timings_$m.json"
+  done ;;
+bench)  # needs the calibrate phase's profiles in $res/../calibrate
+  for m in "$@"; do
+    s=$(slug "$m"); cp /root/res/calibrate/heads_$m.json $assets/heads/$s.json; cp /root/res/calibrate/ilre_$m.json $assets/ilre/$s.json
+    bg "corpus_$m" endo bench corpus --model "$(model "$m")" --data "$hot/dev300.json" \
+      --systems endo,llamaindex-bm25,minilm,minilm+reranker --out "$res/corpus_dev300_$m.json"
+    for cb in 4096:512:300 8192:1024:300 32768:2048:100; do IFS=: read c b n <<< "$cb"
+      bg "quality_${c}_$m" endo bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens $c \
+        --budget $b --limit $n --no-generate --methods endo,heads,bm25-sent,ilre --out "$res/quality_dev300_${c}_$m.json"
+    done
+  done ;;
+zero)
+  for m in "$@"; do
+    s=$(slug "$m"); cp /root/res/calibrate/heads_$m.json $assets/heads/$s.json; cp /root/res/calibrate/ilre_$m.json $assets/ilre/$s.json
+    bg "zcorpus_$m" env ENDO_HEADS_PROFILE=/root/res/calibrate/zl_$m.json endo bench corpus --model "$(model "$m")" \
+      --data "$hot/dev300.json" --systems endo --out "$res/zero_label_corpus_dev300_$m.json"
+    bg "zquality_$m" env ENDO_HEADS_PROFILE=/root/res/calibrate/zl_$m.json endo bench quality --model "$(model "$m")" \
+      --data "$hot/dev300.json" --context-tokens 8192 --budget 1024 --no-generate --methods endo \
+      --out "$res/zero_label_dev300_8192_$m.json"
+  done ;;
+latency)  # one process at a time, nothing beside it
+  for m in "$@"; do
+    s=$(slug "$m"); [ -f /root/res/calibrate/heads_$m.json ] && cp /root/res/calibrate/heads_$m.json $assets/heads/$s.json
+    endo bench corpus --model "$(model "$m")" --data "$hot/dev300.json" --limit 100 --systems endo,llamaindex-bm25 \
+      --out "$res/latency_corpus_$m.json" > "$res/latency_$m.log" 2>&1
+  done ;;
+esac
+# wait for the processes, at most until the deadline; then stop the rest and pack what exists
+end=$((SECONDS + deadline))
+while [ $SECONDS -lt $end ] && jobs -r | grep -q .; do sleep 5; done
+jobs -r | grep -q . && echo "deadline: stopping what still runs" && pkill -f /root/site/bin/endo; sleep 2
+tail -n 3 "$res"/*.log
+tar -czf "$OUT/$phase.tgz" -C /root/res "$phase"
+ls -la "$res"
