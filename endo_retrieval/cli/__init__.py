@@ -28,7 +28,8 @@ COMMANDS = {
 
 
 def info_add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print JSON (the contract in GUIDE.md)")
+    p.add_argument("--json", action="store_true", help="print JSON: model, model_hash, layers, device, cache_dir, "
+                   "families, sae, ilre, heads and ready")
     model_argument(p)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
 

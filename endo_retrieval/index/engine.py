@@ -72,7 +72,8 @@ class EndoIndex:
     pipeline.py) and `bm25` need only the corpus map, so an index built for them holds no feature postings
     and cannot search with S3; one built for `s3` or `s3-hybrid` serves every method.
     `int8_queries`: forward questions through int8-quantized linear maps (None: on a CPU backbone, where it halves
-    the question's forward at unchanged S3-Hybrid recall on dev30, README 'Performance'); documents stay fp32/bf16."""
+    the question's forward at unchanged S3-Hybrid recall on dev30, docs/papers.md 'Questions on a CPU go
+    through int8 linear maps'); documents stay fp32/bf16."""
 
     def __init__(self, backbone: Backbone | None = None, method: str = DEFAULT_METHOD, saes=None,
                  chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None,
