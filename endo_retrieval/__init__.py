@@ -1,21 +1,29 @@
 """endo-retrieval: a local language model finds evidence with its own attention signals."""
-from endo_retrieval.model.backbone import Backbone, BackboneError
-from endo_retrieval.index.corpus import CorpusMap
-from endo_retrieval.index.engine import Document, EndoIndex
-from endo_retrieval.index.inverted import FeatureIndex
-from endo_retrieval.methods import REGISTRY, compress, get_method
-from endo_retrieval.methods.base import Compressed, Span
-from endo_retrieval.methods.s3 import BM25, S3, S3Hybrid
-from endo_retrieval.model.sae import SAEBank, TopKSAE
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["Backbone", "BackboneError", "BM25", "Compressed", "CorpusMap", "Document", "EndoIndex",
-           "FeatureIndex", "REGISTRY", "S3", "S3Hybrid", "SAEBank", "Span", "TopKSAE", "compress", "get_method"]
+# public name -> the module that defines it, imported on first use: `import endo_retrieval.cli` (the `endo`
+# command) then loads no torch, so an argument error or --help answers at once
+_EXPORTS = {
+    "Backbone": "endo_retrieval.model.backbone", "BackboneError": "endo_retrieval.model.backbone",
+    "CorpusMap": "endo_retrieval.index.corpus", "Document": "endo_retrieval.index.engine",
+    "EndoIndex": "endo_retrieval.index.engine", "FeatureIndex": "endo_retrieval.index.inverted",
+    "REGISTRY": "endo_retrieval.methods", "compress": "endo_retrieval.methods", "get_method": "endo_retrieval.methods",
+    "Compressed": "endo_retrieval.methods.base", "Span": "endo_retrieval.methods.base",
+    "BM25": "endo_retrieval.methods.s3", "S3": "endo_retrieval.methods.s3", "S3Hybrid": "endo_retrieval.methods.s3",
+    "SAEBank": "endo_retrieval.model.sae", "TopKSAE": "endo_retrieval.model.sae",
+    "ILRe": "endo_retrieval.methods.ilre",
+}
+__all__ = sorted(name for name in _EXPORTS if name != "ILRe")  # ILRe is optional to the S3 path
 
 
-def __getattr__(name):  # ILRe imports lazily (it is optional to the S3 path)
-    if name == "ILRe":
-        from endo_retrieval.methods.ilre import ILRe
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'endo_retrieval' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # the next look-up is a plain attribute
+    return value
 
-        return ILRe
-    raise AttributeError(name)
+
+def __dir__():
+    return sorted({*globals(), *_EXPORTS})

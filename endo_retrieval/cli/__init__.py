@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import sys
+from typing import Callable
 
 from endo_retrieval.cli.commands import model_argument
 
@@ -63,18 +65,38 @@ def resolve(table: dict, name: str):
     return getattr(module, prefix + "add_arguments"), getattr(module, prefix + "run")
 
 
+class CommandParsers(argparse._SubParsersAction):
+    """Sub-parsers whose arguments are added only when their command is chosen: building the parser imports no
+    command's module (several import torch), so `endo --help` or an argument error answers at once."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending: dict[str, Callable[[], None]] = {}  # command -> adds its arguments
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        add_arguments = self.pending.pop(values[0], None)
+        if add_arguments is not None:
+            add_arguments()
+        super().__call__(parser, namespace, values, option_string)
+
+
 def add_subcommands(parser: argparse.ArgumentParser, table: dict, dest: str) -> None:
-    """One sub-parser per table entry; an entry whose module cannot be imported says so when it is run."""
-    sub = parser.add_subparsers(dest=dest, metavar=dest.upper())
+    """One sub-parser per table entry, its arguments added when it is chosen; an entry whose module cannot be
+    imported says so when it is run."""
+    sub = parser.add_subparsers(dest=dest, metavar=dest.upper(), action=CommandParsers)
     for name, (_, _, help_text) in table.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            add_arguments, _ = resolve(table, name)
-        except (ImportError, AttributeError) as e:
-            p.set_defaults(_missing=f"`{parser.prog} {name}` is not available in this build: {e}")
-            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-            continue
-        add_arguments(p)
+        sub.pending[name] = functools.partial(_add_arguments, p, table, name, parser.prog)
+
+
+def _add_arguments(p: argparse.ArgumentParser, table: dict, name: str, prog: str) -> None:
+    try:
+        add_arguments, _ = resolve(table, name)
+    except (ImportError, AttributeError) as e:
+        p.set_defaults(_missing=f"`{prog} {name}` is not available in this build: {e}")
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        return
+    add_arguments(p)
 
 
 def plugin_commands() -> dict:

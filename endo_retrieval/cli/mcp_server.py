@@ -10,14 +10,16 @@ import argparse
 import contextlib
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
 from endo_retrieval.cli.commands import model_argument
-from endo_retrieval.index.engine import SEARCH_METHODS, Document, EndoIndex
-from endo_retrieval.methods import DEFAULT_METHOD
+from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
 from endo_retrieval.index.files import writer_lock
+
+if TYPE_CHECKING:  # the engine imports torch: `endo mcp --help` should not wait for it
+    from endo_retrieval.index.engine import Document, EndoIndex
 
 
 MAX_QUESTION_CHARS = 20_000
@@ -50,6 +52,8 @@ class IndexHolder:
         self._lock = threading.RLock()
 
     def index(self) -> EndoIndex:
+        from endo_retrieval.index.engine import EndoIndex
+
         with self._lock:
             if self._index is None:
                 exists = self.folder is not None and (self.folder / "endo-index.json").exists()
@@ -78,6 +82,8 @@ class IndexHolder:
 def build_server(holder: IndexHolder, k: int = 4, budget: int | None = None):
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
+
+    from endo_retrieval.index.engine import Document
 
     server = MCPServer("endo-retrieval", instructions="Evidence retrieval with a local model's own attention "
                        "signals: search_evidence(question) returns the best evidence spans of the indexed documents.")
