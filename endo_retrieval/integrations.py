@@ -2,6 +2,7 @@
 `endo_retrieval.integrations`; needs neither framework).
 
 - `open_index`: build, load, or build-and-save an `EndoIndex` with the checks every adapter wants;
+- `check_k`: the one rule for how many hits a retriever returns;
 - `provenance`: the metadata an evidence span carries back into a framework (document id, character offsets);
 - `compress_passages`: the S3 paper's compression of one long context, applied to the passages another retriever
   returned, with each kept piece mapped back to the passage it came from;
@@ -44,6 +45,14 @@ def open_index(documents: Sequence[Document] | None, index_dir: str | os.PathLik
     if index_dir is not None:
         index.save(index_dir)
     return index
+
+
+def check_k(k, name: str = "k") -> int:
+    """`k` when it is a whole number >= 0, else a ValueError saying so. k = 0 asks for nothing and gets [] (as
+    LlamaIndex's vector retrievers do with similarity_top_k=0), in both adapters, sync and async alike."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+        raise ValueError(f"{name} must be a whole number >= 0 (0 returns no results), got {k!r}.")
+    return int(k)
 
 
 def provenance(span: Span) -> dict:

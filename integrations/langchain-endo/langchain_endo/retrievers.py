@@ -3,16 +3,17 @@ them, its retrieval heads rank them); each hit is returned as a `Document` with 
 offsets, the fused score and each stage's score."""
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
-from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from endo_retrieval.index.engine import Document, EndoIndex
-from endo_retrieval.integrations import open_index, provenance
+from endo_retrieval.integrations import check_k, open_index, provenance
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span
 
@@ -45,7 +46,7 @@ class EndoRetriever(BaseRetriever):
     texts: list[str] | None = Field(default=None, repr=False)
     documents: list[LCDocument] | None = Field(default=None, repr=False)
     index_dir: str | os.PathLike | None = None
-    k: int = Field(default=4, ge=1)
+    k: int = 4
     budget: int | None = Field(default=None, gt=0)
     method: str = DEFAULT_METHOD
     filter: dict | None = None  # {metadata key: value or list of values}; `invoke(query, filter=...)` overrides it
@@ -57,6 +58,11 @@ class EndoRetriever(BaseRetriever):
                                  self.backbone)
         self._index.check_method(self.method)
         self.texts = self.documents = None  # the index holds them now; don't keep a second copy
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _whole_k(cls, k) -> int:
+        return check_k(k)
 
     @property
     def index(self) -> EndoIndex:
@@ -92,7 +98,19 @@ class EndoRetriever(BaseRetriever):
                                 k: int | None = None, filter: dict | None = None) -> list[LCDocument]:
         """`filter`: {metadata key: value, or a list of accepted values}; only documents that match every key
         can come back."""
-        spans = self._index.search(query, k=k or self.k, budget=self.budget, method=self.method,
+        return self._search(query, k, filter)
+
+    async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
+                                       k: int | None = None, filter: dict | None = None) -> list[LCDocument]:
+        # the same keywords as the sync path; the backbone serialises model calls, and a worker thread keeps the
+        # event loop free meanwhile
+        return await asyncio.to_thread(self._search, query, k, filter)
+
+    def _search(self, query: str, k: int | None, filter: dict | None) -> list[LCDocument]:
+        k = check_k(self.k if k is None else k)
+        if k == 0:
+            return []
+        spans = self._index.search(query, k=k, budget=self.budget, method=self.method,
                                    where=_matcher(filter if filter is not None else self.filter))
         return [span_document(s) for s in spans]
 

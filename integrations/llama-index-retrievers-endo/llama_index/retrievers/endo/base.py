@@ -23,7 +23,7 @@ from llama_index.core.tools import RetrieverTool
 from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilters
 
 from endo_retrieval.index.engine import Document, EndoIndex
-from endo_retrieval.integrations import PROVENANCE_KEYS, open_index, provenance
+from endo_retrieval.integrations import PROVENANCE_KEYS, check_k, open_index, provenance
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span
 
@@ -118,8 +118,7 @@ class EndoRetriever(BaseRetriever):
     def __init__(self, index: EndoIndex, similarity_top_k: int = 4, budget: int | None = None,
                  method: str = DEFAULT_METHOD, filters: MetadataFilters | None = None,
                  callback_manager: CallbackManager | None = None, verbose: bool = False):
-        if isinstance(similarity_top_k, bool) or not isinstance(similarity_top_k, int) or similarity_top_k < 1:
-            raise ValueError(f"similarity_top_k must be a whole number >= 1, got {similarity_top_k!r}.")
+        check_k(similarity_top_k, "similarity_top_k")  # 0 is allowed and retrieves nothing
         index.check_method(method)  # a method the index cannot serve fails here, not at the first query
         self.index = index
         self.similarity_top_k = similarity_top_k
@@ -180,7 +179,10 @@ class EndoRetriever(BaseRetriever):
         return cls(index, **{**settings, **overrides})
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        spans = self.index.search(query_bundle.query_str, k=self.similarity_top_k, budget=self.budget,
+        k = check_k(self.similarity_top_k, "similarity_top_k")  # checked again: the attribute may have been set
+        if k == 0:
+            return []
+        spans = self.index.search(query_bundle.query_str, k=k, budget=self.budget,
                                   method=self.method, where=metadata_predicate(self.filters))
         if spans and spans[0].stage_ms:
             dispatcher.event(EndoRetrievalStages(method=self.method, stage_ms=spans[0].stage_ms))

@@ -1,0 +1,125 @@
+"""What LlamaIndex and LangChain users expect of the adapters, checked through the real frameworks on a tiny random
+model (fast; the ranking quality is the slow tests' job): async takes what sync takes and returns the same, one rule
+for k, deletes as each framework's stores do them, one hit per document, LangChain's filter operators and score
+thresholds, and the reranker's fusion with the first stage."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+pytest.importorskip("langchain_core")
+
+FILLER = " ".join(f"Sentence {i} tells of the old mill by the river." for i in range(60))
+TINY_TEXTS = [  # the first is long enough to be cut into several passages, so one document can fill several hits
+    FILLER,
+    "The Zephyr bridge crosses the Varna river. It was painted bright green in 1932.",
+    "Marta Kowal is a chemist from Lodz. She discovered the compound lodzite in 1971.",
+    "The Orion cafe serves espresso. It opens at seven every weekday.",
+    "The research ship Albatross has its home port in Gdansk on the Baltic coast.",
+]
+TOPICS = ["mill", "travel", "science", "food", "travel"]
+YEARS = [1850, 1932, 1971, 2001, 1988]
+QUESTION = "Which compound did Marta Kowal discover in 1971?"
+
+
+@pytest.fixture
+def tiny_profile(monkeypatch, tmp_path):
+    """A retrieval-heads profile (two heads) for the tiny random model of tests/tiny.py, found through
+    ENDO_HEADS_PROFILE; its path, for tests that add a section to it."""
+    from tiny import tiny_engine
+
+    profile = tmp_path / "heads.json"
+    profile.write_text(json.dumps({"model_hash": tiny_engine()[0].model_hash, "heads": [[0, 0], [1, 1]],
+                                   "fusion": {"weights": {"heads": 1.0}}}))
+    monkeypatch.setenv("ENDO_HEADS_PROFILE", str(profile))
+    return profile
+
+
+@pytest.fixture
+def tiny(tiny_profile):
+    """The tiny model (random weights, the default model's tokenizer), ready for the `endo` pipeline and the
+    reranker: plumbing in seconds, not quality."""
+    from tiny import tiny_engine
+
+    return tiny_engine()[0]
+
+
+def lc_retriever(backbone, **kwargs):
+    from langchain_core.documents import Document
+
+    from langchain_endo import EndoRetriever
+
+    docs = [Document(page_content=t, id=f"d{i}", metadata={"topic": TOPICS[i], "year": YEARS[i]})
+            for i, t in enumerate(TINY_TEXTS)]
+    return EndoRetriever(documents=docs, backbone=backbone, **kwargs)
+
+
+def li_retriever(backbone, **kwargs):
+    from llama_index.core import Document
+    from llama_index.retrievers.endo import EndoRetriever
+
+    docs = [Document(id_=f"d{i}", text=t, metadata={"topic": TOPICS[i], "year": YEARS[i]})
+            for i, t in enumerate(TINY_TEXTS)]
+    return EndoRetriever.from_defaults(documents=docs, backbone=backbone, **kwargs)
+
+
+def lc_hits(docs) -> list[tuple]:
+    """What a LangChain hit says, without the timings (they differ from call to call)."""
+    return [(d.id, d.page_content, {k: v for k, v in d.metadata.items() if k != "endo_stage_ms"}) for d in docs]
+
+
+def li_hits(nodes) -> list[tuple]:
+    return [(n.node.node_id, n.node.text, n.score,
+             {k: v for k, v in n.node.metadata.items() if k != "endo_stage_ms"}) for n in nodes]
+
+
+# ---- async parity ---------------------------------------------------------------------------------------------------
+LC_KEYWORDS = [{}, {"k": 2}, {"k": 0}, {"filter": {"topic": "travel"}}, {"k": 1, "filter": {"topic": "science"}}]
+
+
+@pytest.mark.parametrize("kwargs", LC_KEYWORDS, ids=str)
+def test_langchain_ainvoke_takes_the_keywords_invoke_takes_and_agrees(tiny, kwargs):
+    retriever = lc_retriever(tiny)
+    sync = retriever.invoke(QUESTION, **kwargs)
+    assert len(sync) == {0: 0, 1: 1, 2: 2}.get(kwargs.get("k"), len(sync)) and (sync or kwargs.get("k") == 0)
+    assert lc_hits(asyncio.run(retriever.ainvoke(QUESTION, **kwargs))) == lc_hits(sync)
+
+
+def test_llamaindex_aretrieve_and_aquery_agree_with_the_sync_paths(tiny):
+    from llama_index.core.llms import MockLLM
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.postprocessor.endo import EndoReranker
+
+    retriever = li_retriever(tiny, similarity_top_k=3)
+    engine = RetrieverQueryEngine.from_args(retriever, llm=MockLLM(max_tokens=4),
+                                            node_postprocessors=[EndoReranker(top_n=2, backbone=tiny)])
+    sync = retriever.retrieve(QUESTION)
+    assert len(sync) == 3
+    assert li_hits(asyncio.run(retriever.aretrieve(QUESTION))) == li_hits(sync)
+    answer = engine.query(QUESTION)
+    assert len(answer.source_nodes) == 2
+    assert li_hits(asyncio.run(engine.aquery(QUESTION)).source_nodes) == li_hits(answer.source_nodes)
+
+
+# ---- one rule for k -------------------------------------------------------------------------------------------------
+def test_k_zero_returns_nothing_and_a_negative_k_is_refused_everywhere(tiny):
+    lc = lc_retriever(tiny)
+    assert lc.invoke(QUESTION, k=0) == [] and asyncio.run(lc.ainvoke(QUESTION, k=0)) == []
+    assert lc_retriever(tiny, k=0).invoke(QUESTION) == []
+    li = li_retriever(tiny, similarity_top_k=0)
+    assert li.retrieve(QUESTION) == [] and asyncio.run(li.aretrieve(QUESTION)) == []
+    for bad in (-1, 2.5, True, "3"):
+        with pytest.raises(ValueError, match=r"k must be a whole number >= 0"):
+            lc.invoke(QUESTION, k=bad)
+        with pytest.raises(ValueError, match=r"k must be a whole number >= 0"):
+            asyncio.run(lc.ainvoke(QUESTION, k=bad))
+        with pytest.raises(ValueError, match=r"k must be a whole number >= 0"):
+            lc_retriever(tiny, k=bad)
+        with pytest.raises(ValueError, match=r"similarity_top_k must be a whole number >= 0"):
+            li_retriever(tiny, similarity_top_k=bad)
+    li.similarity_top_k = -1  # set after construction, as code that widens its ask does
+    with pytest.raises(ValueError, match=r"similarity_top_k must be a whole number >= 0"):
+        li.retrieve(QUESTION)
