@@ -123,3 +123,36 @@ def test_k_zero_returns_nothing_and_a_negative_k_is_refused_everywhere(tiny):
     li.similarity_top_k = -1  # set after construction, as code that widens its ask does
     with pytest.raises(ValueError, match=r"similarity_top_k must be a whole number >= 0"):
         li.retrieve(QUESTION)
+
+
+# ---- deletes as each framework's stores do them ---------------------------------------------------------------------
+def test_llamaindex_delete_ref_doc_warns_on_an_unknown_id_and_raises_only_when_asked(tiny, caplog):
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+    from llama_index.retrievers.endo import EndoRetriever
+
+    docs = [Document(id_="long", text=TINY_TEXTS[0]), Document(id_="ship", text=TINY_TEXTS[4])]
+    nodes = SentenceSplitter(chunk_size=128, chunk_overlap=0).get_nodes_from_documents(docs)
+    assert len([n for n in nodes if n.ref_doc_id == "long"]) > 1
+    retriever = EndoRetriever.from_defaults(nodes=nodes, backbone=tiny)
+    before = retriever.index.doc_ids
+    with caplog.at_level("WARNING"):
+        retriever.delete_ref_doc("unknown")
+    assert "unknown" in caplog.text and "nothing deleted" in caplog.text
+    with pytest.raises(ValueError, match="'unknown' not found"):
+        retriever.delete_ref_doc("unknown", raise_error=True)
+    assert retriever.index.doc_ids == before
+    retriever.delete_ref_doc("long")  # every node parsed from the document goes
+    assert retriever.index.doc_ids == [n.node_id for n in nodes if n.ref_doc_id == "ship"]
+    asyncio.run(retriever.adelete_ref_doc("ship"))
+    assert retriever.index.doc_ids == []
+
+
+def test_langchain_delete_says_whether_anything_was_removed(tiny):
+    retriever = lc_retriever(tiny)
+    assert retriever.delete(["unknown"]) is False and len(retriever.index.doc_ids) == len(TINY_TEXTS)
+    assert retriever.delete(["d1", "unknown", "d1"]) is True and "d1" not in retriever.index.doc_ids
+    assert asyncio.run(retriever.adelete(["d2"])) is True and asyncio.run(retriever.adelete(["d2"])) is False
+    assert retriever.index.doc_ids == ["d0", "d3", "d4"]
+    with pytest.raises(ValueError, match="list of document ids"):
+        retriever.delete("d0")  # a bare string is not a list of ids (it would be read as ids 'd' and '0')

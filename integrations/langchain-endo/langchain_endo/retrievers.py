@@ -82,13 +82,18 @@ class EndoRetriever(BaseRetriever):
             docs.append(Document(doc_id, d.page_content, dict(d.metadata)))
         return self._index.add_documents(docs)
 
-    def delete(self, ids: list[str]) -> None:
-        """Remove the documents `ids` (all of them must be indexed: an unknown id raises before any is removed)."""
-        unknown = [i for i in ids if i not in self._index.corpus]
-        if unknown:
-            raise KeyError(f"No indexed document has the id(s) {unknown}.")
-        for doc_id in ids:
+    def delete(self, ids: list[str]) -> bool:
+        """Remove the documents `ids`; True when any was removed, False when none of them was indexed (as LangChain's
+        vector stores answer `delete`). Ids not in the index are skipped."""
+        if isinstance(ids, str) or not isinstance(ids, (list, tuple, set)):
+            raise ValueError(f"ids must be a list of document ids, got {ids!r}.")
+        known = [i for i in dict.fromkeys(ids) if i in self._index.corpus]
+        for doc_id in known:
             self._index.remove_document(doc_id)
+        return bool(known)
+
+    async def adelete(self, ids: list[str]) -> bool:
+        return await asyncio.to_thread(self.delete, ids)
 
     def save(self, index_dir: str | os.PathLike) -> None:
         """Write the index (atomically); reload with EndoRetriever(index_dir=...)."""

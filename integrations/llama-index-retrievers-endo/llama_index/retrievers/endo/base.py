@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Sequence
@@ -29,6 +30,7 @@ from endo_retrieval.methods.base import Span
 
 SETTINGS_FILE = "llama_index_retriever.json"
 dispatcher = get_dispatcher(__name__)
+logger = logging.getLogger(__name__)
 REF_DOC_KEY = "ref_doc_id"  # the source document a node was parsed from, kept for delete_ref_doc
 
 
@@ -150,14 +152,21 @@ class EndoRetriever(BaseRetriever):
         then writes the whole index atomically."""
         self.index.add_documents(to_documents(nodes))
 
-    def delete_ref_doc(self, ref_doc_id: str) -> None:
-        """Remove every indexed node parsed from the document `ref_doc_id` (or the node of that id)."""
+    def delete_ref_doc(self, ref_doc_id: str, raise_error: bool = False) -> None:
+        """Remove every indexed node parsed from the document `ref_doc_id` (or the node of that id). An unknown id
+        is nothing to delete: a warning is logged, as LlamaIndex's indexes do; `raise_error=True` raises a ValueError
+        instead, as LlamaIndex's docstores do."""
         ids = [d.doc_id for d in self.index.corpus.documents()
                if d.doc_id == ref_doc_id or d.metadata.get(REF_DOC_KEY) == ref_doc_id]
         if not ids:
-            raise KeyError(f"No indexed node comes from document {ref_doc_id!r}.")
+            if raise_error:
+                raise ValueError(f"ref_doc_id {ref_doc_id!r} not found: no indexed node comes from it.")
+            logger.warning("ref_doc_id %r not found, nothing deleted.", ref_doc_id)
         for doc_id in ids:
             self.index.remove_document(doc_id)
+
+    async def adelete_ref_doc(self, ref_doc_id: str, raise_error: bool = False) -> None:
+        await asyncio.to_thread(self.delete_ref_doc, ref_doc_id, raise_error)
 
     def persist(self, persist_dir: str | os.PathLike) -> None:
         """Save the index (atomically) and this retriever's settings into `persist_dir`."""
