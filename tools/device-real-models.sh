@@ -22,7 +22,8 @@ cp -rn /root/parts/minilm/minilm/* /root/site/ 2>/dev/null || true
 export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_NUM_THREADS=2
 assets=/root/site/endo_retrieval/assets
 slug() { case $1 in q15) echo qwen2.5-coder-1.5b-instruct ;; q05) echo qwen2.5-coder-0.5b-instruct ;; *) echo "$1" ;; esac; }
-model() { echo /root/parts/$1.file; }
+model() { echo "/root/parts/$(slug "$1").gguf"; }  # named as users have it: the file's stem is the model's id
+for f in /root/parts/*.file; do [ -e "$f" ] && mv "$f" "/root/parts/$(slug "$(basename "$f" .file)").gguf"; done
 hot=$data/hotpotqa
 pids=()
 bg() { local log=$1; shift; ( "$@" ) > "$res/$log.log" 2>&1 & pids+=($!); }
