@@ -6,9 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from endo_retrieval.index.text_files import read_text_file, read_text_files, text_files
 from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
-
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 
 
 def _method_help() -> str:
@@ -17,27 +16,11 @@ def _method_help() -> str:
     return ", ".join(REGISTRY)
 
 
-def _files(paths: list[str]) -> list[Path]:
-    out = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            out += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
-        elif p.is_file():
-            out.append(p)
-        else:
-            raise FileNotFoundError(f"{p} does not exist; pass text files or folders of .txt/.md files.")
-    if not out:
-        raise ValueError(f"No text files found under {', '.join(paths)} (looked for {sorted(TEXT_SUFFIXES)}).")
-    return out
+_files = text_files  # the calibration's document reader reads folders as `endo index` does
 
 
 def _read(path: Path) -> str:
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text (binary or another encoding); convert it or leave it out."
-                         ) from None
+    return read_text_file(path).text
 
 
 def model_argument(p) -> None:
@@ -51,6 +34,9 @@ def index_add_arguments(p) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="text files or folders (.txt, .md, .rst)")
     p.add_argument("--out", required=True, metavar="DIR", help="index folder (written atomically)")
     p.add_argument("--append", action="store_true", help="add to the index already in DIR instead of replacing it")
+    p.add_argument("--strict", action="store_true", help="refuse the whole run, writing nothing, when a file cannot "
+                   "be read as text (binary, empty, an unknown encoding); without it such files are skipped with a "
+                   "warning and listed at the end")
     p.add_argument("--method", default=DEFAULT_METHOD, choices=SEARCH_METHODS,
                    help=f"default search method stored with the index (default {DEFAULT_METHOD}; s3 and s3-hybrid "
                    "need the slower SAE pass, and an index built for them serves every method)")
@@ -65,9 +51,18 @@ def index_run(args) -> int:
     from endo_retrieval.index.engine import Document, EndoIndex
     from endo_retrieval.index.files import writer_lock
 
-    files = _files(args.paths)
+    files, skipped = read_text_files(text_files(args.paths))
+    for path, why in skipped:
+        print(f"endo index: warning: skipping {path}: {why}", file=sys.stderr)
+    if skipped and args.strict:  # checked before the model loads or anything is written
+        raise ValueError(f"--strict: {len(skipped)} of {len(files) + len(skipped)} file(s) cannot be read as text "
+                         "(listed above) and nothing was written; convert or remove them, or drop --strict to "
+                         "index the rest.")
+    if not files:
+        raise ValueError(f"none of the {len(skipped)} file(s) can be read as text (listed above); nothing was "
+                         "written.")
     out = Path(args.out)
-    docs = [Document(str(f), _read(f), {"path": str(f.resolve())}) for f in files]
+    docs = [Document(str(f.path), f.text, {"path": str(f.path.resolve())}) for f in files]
     if args.ray is not None:
         from endo_retrieval import distributed
         from endo_retrieval.index import segments
@@ -82,14 +77,27 @@ def index_run(args) -> int:
         parts = segments.listed_committed(out)
         print(f"indexed {len(docs)} document(s) on Ray workers -> {out} ({len(parts)} segment(s), "
               f"{sum(p['tokens'] for p in parts)} tokens in all)")
+        print_read_report(files, skipped)
         return 0
     with writer_lock(out):  # from load to save: a second writer gets IndexBusyError, no append is lost
         idx = EndoIndex.load(out, args.model) if args.append else EndoIndex(args.model, method=args.method)
-        idx.add_documents(docs, progress=sys.stderr.isatty())
+        idx.add_documents(docs)  # a progress bar when standard error is a terminal
         idx.save(out)
     print(f"indexed {len(docs)} document(s), {idx.corpus.n_tokens} tokens, {idx.index.n_postings} postings "
           f"({idx.index.bytes_per_posting():.2f} bytes/posting on disk) -> {out}")
+    print_read_report(files, skipped)
     return 0
+
+
+def print_read_report(files, skipped: list[tuple[Path, str]]) -> None:
+    """After the summary: the files read as cp1252 rather than UTF-8, and those skipped, with why."""
+    decoded = [str(f.path) for f in files if f.encoding == "cp1252"]
+    if decoded:
+        print(f"read as cp1252/Latin-1 (not UTF-8): {', '.join(decoded)}")
+    if skipped:
+        print(f"skipped {len(skipped)} file(s) that cannot be read as text:")
+        for path, why in skipped:
+            print(f"  {path}: {why}")
 
 
 # ---- endo query ------------------------------------------------------------------------------------------------
@@ -125,7 +133,8 @@ def query_run(args) -> int:
 
 # ---- endo compress ---------------------------------------------------------------------------------------------
 def compress_add_arguments(p) -> None:
-    p.add_argument("--context", required=True, metavar="FILE", help="the long context (UTF-8 text file, - for stdin)")
+    p.add_argument("--context", required=True, metavar="FILE",
+                   help="the long context (a text file, UTF-8 or cp1252/Latin-1; - for stdin)")
     p.add_argument("--question", required=True)
     p.add_argument("--budget", type=int, default=1024, help="at most this many tokens are kept (default 1024)")
     p.add_argument("--method", default=DEFAULT_METHOD,
@@ -137,7 +146,13 @@ def compress_add_arguments(p) -> None:
 def compress_run(args) -> int:
     from endo_retrieval.methods import compress
 
-    context = sys.stdin.read() if args.context == "-" else _read(Path(args.context))
+    if args.context == "-":
+        context = sys.stdin.read()
+    else:
+        source = read_text_file(Path(args.context))
+        context = source.text
+        if source.encoding == "cp1252":
+            print(f"endo compress: {args.context} is not UTF-8; read it as cp1252/Latin-1", file=sys.stderr)
     out = compress(context, args.question, budget=args.budget, method=args.method, backbone=args.model)
     if args.json:
         print(json.dumps({"method": out.method, "budget": out.budget, "n_tokens": out.n_tokens, "text": out.text,

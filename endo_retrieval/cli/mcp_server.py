@@ -1,13 +1,15 @@
 """`endo mcp`: serve an endogenous index to agents over the Model Context Protocol (stdio, the official `mcp` SDK).
 
 Tools: `search_evidence` (the question's own query projections find evidence spans, [S3 Alg. 1]),
-`add_documents` (index more text; saved atomically to --index when given) and `list_documents`.
+`add_documents` (index more text, skipping documents whose text cannot be indexed; saved atomically to --index
+when given) and `list_documents`.
 The model loads on the first tool call, so the handshake is immediate.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,11 +19,13 @@ from pydantic import BaseModel, Field
 from endo_retrieval.cli.commands import model_argument
 from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
 from endo_retrieval.index.files import writer_lock
+from endo_retrieval.index.text_files import Unreadable, indexable_text
 
 if TYPE_CHECKING:  # the engine imports torch: `endo mcp --help` should not wait for it
     from endo_retrieval.index.engine import Document, EndoIndex
 
 
+log = logging.getLogger(__name__)
 MAX_QUESTION_CHARS = 20_000
 
 
@@ -39,6 +43,16 @@ class NewDocument(BaseModel):
     doc_id: str = Field(description="unique id of the document")
     text: str
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Skipped(BaseModel):
+    doc_id: str
+    reason: str = Field(description="why its text cannot be indexed: empty, binary, not valid Unicode")
+
+
+class Added(BaseModel):
+    added: list[str] = Field(description="ids of the documents now indexed")
+    skipped: list[Skipped] = Field(description="documents left out because their text cannot be indexed")
 
 
 class IndexHolder:
@@ -102,10 +116,21 @@ def build_server(holder: IndexHolder, k: int = 4, budget: int | None = None):
                          score=s.score, signals=list(s.signals), metadata=s.metadata) for s in spans]
 
     @server.tool()
-    def add_documents(documents: list[NewDocument]) -> list[str]:
-        """Index documents (ids must be new); returns their ids. Saved to the server's index folder, if any."""
+    def add_documents(documents: list[NewDocument]) -> Added:
+        """Index documents (ids must be new); a document whose text cannot be indexed (empty, binary) is skipped
+        and listed with why, the rest are indexed. Saved to the server's index folder, if any."""
+        readable, skipped = [], []
+        for d in documents:
+            try:
+                readable.append(Document(d.doc_id, indexable_text(d.text)[0], d.metadata))
+            except Unreadable as e:
+                log.warning("add_documents: skipping %r: %s", d.doc_id, e)
+                skipped.append(Skipped(doc_id=d.doc_id, reason=str(e)))
+        if skipped and not readable:
+            raise ToolError("None of the documents can be indexed: " +
+                            "; ".join(f"{s.doc_id!r}: {s.reason}" for s in skipped))
         try:
-            return holder.add([Document(d.doc_id, d.text, d.metadata) for d in documents])
+            return Added(added=holder.add(readable), skipped=skipped)
         except (ValueError, OSError) as e:  # a bad document, a busy or damaged index folder, a full disk
             raise ToolError(str(e)) from None
 

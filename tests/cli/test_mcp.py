@@ -48,7 +48,8 @@ def test_search_and_add_documents_over_stdio(tmp_path):
             assert names == {"search_evidence", "add_documents", "list_documents"}
             empty = await client.call_tool("search_evidence", {"question": "Where is the port?"})
             assert empty.is_error and "empty" in empty.content[0].text  # a clear message, not a crash
-            assert structured(await client.call_tool("add_documents", {"documents": FACTS})) == ["ship", "cafe"]
+            added = await client.call_tool("add_documents", {"documents": FACTS})
+            assert not added.is_error and added.structured_content == {"added": ["ship", "cafe"], "skipped": []}
             again = await client.call_tool("add_documents", {"documents": FACTS[:1]})
             assert again.is_error and "Duplicate document id" in again.content[0].text
             return structured(await client.call_tool("search_evidence",

@@ -75,12 +75,26 @@ def test_ids_that_look_like_paths_write_nothing_outside_the_index(tmp_path):
             return await call(client, "add_documents", {"documents": docs})
 
     is_error, ids = asyncio.run(session())
-    assert not is_error and ids["result"] == PATH_IDS
+    assert not is_error and ids == {"added": PATH_IDS, "skipped": []}
     new = set(tree(tmp_path.parent)) - set(before)
     index_dir = os.path.join(tmp_path.name, "outside")
     assert new and all(p.startswith(index_dir + os.sep) for p in new), new
     assert sorted(os.listdir(tmp_path / "outside")) == [".ix.lock", "ix"]
     assert load(tmp_path / "outside" / "ix").doc_ids == PATH_IDS
+
+
+def test_add_documents_skips_texts_that_cannot_be_indexed_and_indexes_the_rest(tmp_path):
+    async def session():
+        async with Client(serve(tmp_path)) as client:
+            docs = [{"doc_id": "ship", "text": DOCS["ship"]}, {"doc_id": "blank", "text": " \n "},
+                    {"doc_id": "bin", "text": "PK\x03\x04\x00\x00"}, {"doc_id": "cafe", "text": DOCS["cafe"]}]
+            return await call(client, "add_documents", {"documents": docs})
+
+    is_error, result = asyncio.run(session())
+    assert not is_error, result
+    assert result["added"] == ["ship", "cafe"]
+    assert [(s["doc_id"], s["reason"].split()[0]) for s in result["skipped"]] == [("blank", "empty"), ("bin", "binary")]
+    assert load(tmp_path / "ix").doc_ids == ["ship", "cafe"]
 
 
 def test_add_documents_while_searches_run(tmp_path):
