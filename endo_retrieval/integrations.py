@@ -3,6 +3,7 @@
 
 - `open_index`: build, load, or build-and-save an `EndoIndex` with the checks every adapter wants;
 - `check_k`: the one rule for how many hits a retriever returns;
+- `search_hits`: the retrievers' hits, one per document unless passages are asked for;
 - `provenance`: the metadata an evidence span carries back into a framework (document id, character offsets);
 - `compress_passages`: the S3 paper's compression of one long context, applied to the passages another retriever
   returned, with each kept piece mapped back to the passage it came from;
@@ -53,6 +54,40 @@ def check_k(k, name: str = "k") -> int:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
         raise ValueError(f"{name} must be a whole number >= 0 (0 returns no results), got {k!r}.")
     return int(k)
+
+
+def search_hits(index: EndoIndex, question: str, k: int, budget: int | None = None, method: str | None = None,
+                where=None, return_passages: bool = False) -> list[Span]:
+    """The k best hits, best first. By default each from another document: a document's best passage (`endo`) or
+    span (`s3-hybrid`, `s3`, `bm25`), with that passage's offsets in its document. Fewer than k come back only when
+    fewer documents are found: `endo` ranks the candidates the model read (its `depth` passages), the other methods
+    what fits `budget` (default: as many spans as it takes). `return_passages=True`: the k best passages as the
+    index ranks them, several of which may come from one document."""
+    if check_k(k) == 0:
+        return []
+    if return_passages:
+        return index.search(question, k, budget, method, where)
+    if index.check_method(method) == "endo":
+        # one read scores every candidate, so ask for all of them at once; a budget of b * n // k over n passages
+        # cuts each to b // k tokens, as when k passages are asked
+        n = max(k, index.pipeline().depth)
+        passages = index.search(question, n, None if budget is None else budget * n // k, method, where)
+        return best_per_document(passages)[:k]
+    ask, before = k, None
+    while True:  # a document may hold several of the best spans: widen the ask until k documents are found
+        spans = index.search(question, ask, budget, method, where)
+        found = best_per_document(spans)
+        if len(found) >= k or spans == before or (budget is not None and len(spans) < ask):
+            return found[:k]  # enough, or nothing more to find (under the budget when one is given)
+        ask, before = 2 * ask, spans
+
+
+def best_per_document(spans: Sequence[Span]) -> list[Span]:
+    """The first (best) span of each document, in the given order."""
+    best: dict[str, Span] = {}
+    for span in spans:
+        best.setdefault(span.doc_id, span)
+    return list(best.values())
 
 
 def provenance(span: Span) -> dict:

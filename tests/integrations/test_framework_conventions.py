@@ -156,3 +156,64 @@ def test_langchain_delete_says_whether_anything_was_removed(tiny):
     assert retriever.index.doc_ids == ["d0", "d3", "d4"]
     with pytest.raises(ValueError, match="list of document ids"):
         retriever.delete("d0")  # a bare string is not a list of ids (it would be read as ids 'd' and '0')
+
+
+# ---- one hit per node / document ------------------------------------------------------------------------------------
+MILL_QUESTION = "Which sentence tells of the old mill by the river?"  # the long first text's passages rank high
+
+
+def without_timings(metadata: dict) -> dict:
+    return {k: v for k, v in metadata.items() if k != "endo_stage_ms"}
+
+
+def test_langchain_hits_are_distinct_documents_each_with_its_best_passage(tiny):
+    passages = lc_retriever(tiny, return_passages=True).invoke(MILL_QUESTION, k=20)
+    doc_ids = [p.metadata["doc_id"] for p in passages]
+    assert len(doc_ids) > len(set(doc_ids))  # the passage ranking repeats a document: what the default must not do
+    first_of = {}
+    for p in passages:
+        first_of.setdefault(p.metadata["doc_id"], p)
+    hits = lc_retriever(tiny).invoke(MILL_QUESTION, k=len(first_of))
+    assert [h.id for h in hits] == list(first_of)  # distinct documents, named by their own ids, in passage order
+    for hit in hits:
+        best = first_of[hit.id]
+        assert hit.page_content == best.page_content
+        assert without_timings(hit.metadata) == without_timings(best.metadata)
+    assert [h.id for h in lc_retriever(tiny).invoke(MILL_QUESTION, k=2)] == list(first_of)[:2]
+
+
+@pytest.mark.parametrize("method", ["endo", "bm25"])
+def test_every_method_returns_distinct_documents_with_exact_offsets(tiny, method):
+    hits = lc_retriever(tiny, method=method).invoke(MILL_QUESTION, k=2)
+    assert len(hits) == 2 and hits[0].id != hits[1].id
+    for hit in hits:
+        assert hit.id == hit.metadata["doc_id"]
+        source = TINY_TEXTS[int(hit.id[1:])]
+        assert source[hit.metadata["char_start"]:hit.metadata["char_end"]] == hit.page_content
+
+
+def test_llamaindex_hits_are_distinct_nodes_each_with_its_best_passage(tiny):
+    from llama_index.core.schema import NodeRelationship
+
+    passages = li_retriever(tiny, similarity_top_k=20, return_passages=True).retrieve(MILL_QUESTION)
+    assert len({p.node.metadata["doc_id"] for p in passages}) < len(passages)
+    first_of = {}
+    for p in passages:
+        first_of.setdefault(p.node.metadata["doc_id"], p)
+    hits = li_retriever(tiny, similarity_top_k=3).retrieve(MILL_QUESTION)
+    assert [h.node.node_id for h in hits] == list(first_of)[:3]
+    for hit in hits:
+        best, node = first_of[hit.node.node_id], hit.node
+        assert (node.text, hit.score) == (best.node.text, best.score)
+        assert (node.start_char_idx, node.end_char_idx) == (node.metadata["char_start"], node.metadata["char_end"])
+        assert TINY_TEXTS[int(node.node_id[1:])][node.start_char_idx:node.end_char_idx] == node.text
+        assert node.relationships[NodeRelationship.SOURCE].node_id == node.node_id
+    assert any(":" in p.node.node_id for p in passages)  # a passage of a longer node has an id of its own
+
+
+def test_each_document_gets_its_share_of_the_budget(tiny):
+    budget, k = 40, 2
+    hits = lc_retriever(tiny, budget=budget).invoke(MILL_QUESTION, k=k)
+    assert len({h.id for h in hits}) == k
+    assert all(tiny.count_tokens(h.page_content) <= budget // k + 2 for h in hits)  # ' ... ' joins may add a token
+    assert any(len(h.page_content) < len(TINY_TEXTS[int(h.id[1:])]) for h in hits)  # the long one was cut

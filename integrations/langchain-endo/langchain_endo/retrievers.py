@@ -1,6 +1,7 @@
 """A LangChain retriever over an `EndoIndex`: by default the `endo` pipeline (BM25 candidates, the local model reads
-them, its retrieval heads rank them); each hit is returned as a `Document` with its source document's id, character
-offsets, the fused score and each stage's score."""
+them, its retrieval heads rank them). Each of the k hits is another of your documents, returned as a `Document` with
+that document's id holding its best passage, the passage's character offsets, the fused score and each stage's
+score; `return_passages=True` returns the best passages themselves, several of which may come from one document."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from endo_retrieval.index.engine import Document, EndoIndex
-from endo_retrieval.integrations import check_k, open_index, provenance
+from endo_retrieval.integrations import check_k, open_index, provenance, search_hits
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span
 
@@ -28,9 +29,10 @@ def to_documents(texts: list[str] | None, documents: list[LCDocument] | None) ->
                    for i, d in enumerate(documents or [])]
 
 
-def span_document(span: Span) -> LCDocument:
+def span_document(span: Span, passage: bool = False) -> LCDocument:
+    """A hit as a Document: its source document's id, or a passage's own id (its document's and offsets)."""
     return LCDocument(page_content=span.text, metadata=provenance(span),
-                      id=f"{span.doc_id}:{span.char_start}-{span.char_end}")
+                      id=f"{span.doc_id}:{span.char_start}-{span.char_end}" if passage else span.doc_id)
 
 
 class EndoRetriever(BaseRetriever):
@@ -50,6 +52,7 @@ class EndoRetriever(BaseRetriever):
     budget: int | None = Field(default=None, gt=0)
     method: str = DEFAULT_METHOD
     filter: dict | None = None  # {metadata key: value or list of values}; `invoke(query, filter=...)` overrides it
+    return_passages: bool = False  # the best passages, several of which may come from one document
     backbone: Any = Field(default=None, exclude=True, repr=False)
     _index: EndoIndex = PrivateAttr()
 
@@ -112,12 +115,9 @@ class EndoRetriever(BaseRetriever):
         return await asyncio.to_thread(self._search, query, k, filter)
 
     def _search(self, query: str, k: int | None, filter: dict | None) -> list[LCDocument]:
-        k = check_k(self.k if k is None else k)
-        if k == 0:
-            return []
-        spans = self._index.search(query, k=k, budget=self.budget, method=self.method,
-                                   where=_matcher(filter if filter is not None else self.filter))
-        return [span_document(s) for s in spans]
+        spans = search_hits(self._index, query, self.k if k is None else k, self.budget, self.method,
+                            _matcher(filter if filter is not None else self.filter), self.return_passages)
+        return [span_document(s, self.return_passages) for s in spans]
 
 
 def _matcher(filter: dict | None):

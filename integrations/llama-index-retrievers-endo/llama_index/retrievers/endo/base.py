@@ -1,9 +1,11 @@
 """`llama_index.retrievers.endo`: endogenous retrieval as a LlamaIndex retriever.
 
 By default the `endo` pipeline: BM25 finds candidate passages, the local model reads them, and its retrieval heads
-rank them; each hit is a passage of a source node (the whole node when it is short), returned as a `TextNode`
-linked to that node, its score the fused one (higher is better) and each stage's score in its metadata. The S3
-methods (`s3-hybrid`, `s3`) and `bm25` return sentence-level evidence spans.
+rank them. Each hit is one of your nodes, each of the `similarity_top_k` another one: a `TextNode` with the node's id
+holding its best passage (the whole node when it is short), its character offsets in the node, its score the fused one
+(higher is better) and each stage's score in its metadata. The S3 methods (`s3-hybrid`, `s3`) and `bm25` hold the
+node's best sentence span. `return_passages=True`: the best passages themselves, several of which may come from one
+node, each with an id of its own.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from llama_index.core.tools import RetrieverTool
 from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilters
 
 from endo_retrieval.index.engine import Document, EndoIndex
-from endo_retrieval.integrations import PROVENANCE_KEYS, check_k, open_index, provenance
+from endo_retrieval.integrations import PROVENANCE_KEYS, check_k, open_index, provenance, search_hits
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span
 
@@ -41,11 +43,12 @@ def to_documents(nodes: Sequence[BaseNode]) -> list[Document]:
                      dict(n.metadata) | ({REF_DOC_KEY: n.ref_doc_id} if n.ref_doc_id else {})) for n in nodes]
 
 
-def span_node(span: Span) -> NodeWithScore:
-    """An evidence span as a node: the span's text, linked to its source node, with character offsets. A span that
-    is its source node's whole text keeps that node's id (so LlamaIndex's evaluators match it to the node)."""
+def span_node(span: Span, passage: bool = False) -> NodeWithScore:
+    """An evidence span as a node: the span's text, linked to its source node, with character offsets. It keeps its
+    source node's id (so LlamaIndex's evaluators match it to the node) unless it is one of several `passage`s of that
+    node and not the node's whole text."""
     node = TextNode(
-        id_=span.doc_id if span.whole_document else f"{span.doc_id}:{span.char_start}-{span.char_end}",
+        id_=span.doc_id if span.whole_document or not passage else f"{span.doc_id}:{span.char_start}-{span.char_end}",
         text=span.text,
         metadata=provenance(span),
         start_char_idx=span.char_start,
@@ -119,7 +122,8 @@ class EndoRetriever(BaseRetriever):
 
     def __init__(self, index: EndoIndex, similarity_top_k: int = 4, budget: int | None = None,
                  method: str = DEFAULT_METHOD, filters: MetadataFilters | None = None,
-                 callback_manager: CallbackManager | None = None, verbose: bool = False):
+                 return_passages: bool = False, callback_manager: CallbackManager | None = None,
+                 verbose: bool = False):
         check_k(similarity_top_k, "similarity_top_k")  # 0 is allowed and retrieves nothing
         index.check_method(method)  # a method the index cannot serve fails here, not at the first query
         self.index = index
@@ -127,6 +131,7 @@ class EndoRetriever(BaseRetriever):
         self.budget = budget
         self.method = method
         self.filters = filters  # only nodes whose metadata passes can come back (never with a placeholder score)
+        self.return_passages = bool(return_passages)  # the best passages, not one hit per node
         metadata_predicate(filters)  # an unsupported operator fails here
         super().__init__(callback_manager=callback_manager, verbose=verbose)
 
@@ -134,14 +139,15 @@ class EndoRetriever(BaseRetriever):
     def from_defaults(cls, nodes: Sequence[BaseNode] | None = None, documents: Sequence[BaseNode] | None = None,
                       persist_dir: str | os.PathLike | None = None, similarity_top_k: int = 4,
                       budget: int | None = None, method: str = DEFAULT_METHOD, backbone=None,
-                      filters: MetadataFilters | None = None, **kwargs) -> "EndoRetriever":
+                      filters: MetadataFilters | None = None, return_passages: bool = False,
+                      **kwargs) -> "EndoRetriever":
         """Index `nodes` or `documents` (whole documents are fine: evidence is cut to sentences at query time),
         or load `persist_dir` when given alone. With both, the new index is saved to the (empty) persist_dir."""
         if nodes is not None and documents is not None:
             raise ValueError("Pass nodes or documents, not both.")
         given = nodes if nodes is not None else documents
         index = open_index(None if given is None else to_documents(given), persist_dir, method, backbone)
-        return cls(index, similarity_top_k, budget, method, filters, **kwargs)
+        return cls(index, similarity_top_k, budget, method, filters, return_passages, **kwargs)
 
     @classmethod
     def from_documents(cls, documents: Sequence[BaseNode], **kwargs) -> "EndoRetriever":
@@ -171,7 +177,8 @@ class EndoRetriever(BaseRetriever):
     def persist(self, persist_dir: str | os.PathLike) -> None:
         """Save the index (atomically) and this retriever's settings into `persist_dir`."""
         self.index.save(persist_dir)
-        settings = {"similarity_top_k": self.similarity_top_k, "budget": self.budget, "method": self.method}
+        settings = {"similarity_top_k": self.similarity_top_k, "budget": self.budget, "method": self.method,
+                    "return_passages": self.return_passages}
         tmp = Path(persist_dir) / f".{SETTINGS_FILE}.tmp"
         tmp.write_text(json.dumps(settings))
         os.replace(tmp, Path(persist_dir) / SETTINGS_FILE)
@@ -189,13 +196,11 @@ class EndoRetriever(BaseRetriever):
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         k = check_k(self.similarity_top_k, "similarity_top_k")  # checked again: the attribute may have been set
-        if k == 0:
-            return []
-        spans = self.index.search(query_bundle.query_str, k=k, budget=self.budget,
-                                  method=self.method, where=metadata_predicate(self.filters))
+        spans = search_hits(self.index, query_bundle.query_str, k, self.budget, self.method,
+                            metadata_predicate(self.filters), self.return_passages)
         if spans and spans[0].stage_ms:
             dispatcher.event(EndoRetrievalStages(method=self.method, stage_ms=spans[0].stage_ms))
-        return [span_node(s) for s in spans]
+        return [span_node(s, self.return_passages) for s in spans]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         # the backbone serialises model calls; a worker thread keeps the event loop free meanwhile
