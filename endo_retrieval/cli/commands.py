@@ -83,10 +83,26 @@ def index_run(args) -> int:
         idx = EndoIndex.load(out, args.model) if args.append else EndoIndex(args.model, method=args.method)
         idx.add_documents(docs)  # a progress bar when standard error is a terminal
         idx.save(out)
-    print(f"indexed {len(docs)} document(s), {idx.corpus.n_tokens} tokens, {idx.index.n_postings} postings "
-          f"({idx.index.bytes_per_posting():.2f} bytes/posting on disk) -> {out}")
+    print(f"indexed {len(docs)} document(s) -> {out}; it holds {index_summary(idx, out)}")
     print_read_report(files, skipped)
     return 0
+
+
+def index_summary(index, folder: Path) -> str:
+    """What a saved index holds for its method: documents, the passages the `endo` pipeline ranks, tokens and bytes
+    on disk, and the S3 feature postings where it has them (an index for endo or bm25 has none)."""
+    from endo_retrieval.index.engine import S3_METHODS
+    from endo_retrieval.index.pipeline import PASSAGE_TOKENS, passage_cuts
+
+    # cut as Passages.build cuts them, without building its BM25
+    passages = sum(len(passage_cuts(d.sentence_starts, d.end, PASSAGE_TOKENS)) - 1 for d in index.corpus.documents())
+    holds = [f"{len(index):,} documents", f"{passages:,} passages", f"{index.corpus.n_tokens:,} tokens"]
+    if index.method in S3_METHODS:
+        postings = index.index.n_postings
+        features = sum(f.stat().st_size for f in (folder / "features").rglob("*") if f.is_file())
+        holds.append(f"{postings:,} postings ({features / max(postings, 1):.2f} bytes/posting)")
+    on_disk = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    return f"{', '.join(holds)}, {on_disk:,} bytes on disk (method {index.method})"
 
 
 def print_read_report(files, skipped: list[tuple[Path, str]]) -> None:

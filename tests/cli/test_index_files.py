@@ -104,3 +104,28 @@ def test_a_folder_with_nothing_readable_is_an_error(tmp_path, capsys):
     assert main(["index", str(notes), "--out", str(tmp_path / "ix")]) == 2
     assert "none of the 1 file(s) can be read as text" in capsys.readouterr().err
     assert not (tmp_path / "ix").exists()
+
+
+def test_the_summary_says_what_the_index_holds_for_its_method(tmp_path, capsys):
+    from endo_retrieval.cli.commands import index_summary
+    from endo_retrieval.index.engine import Document
+
+    from tiny import new_index
+
+    backbone, _ = tiny_engine()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for name in ("ship", "cafe"):
+        (notes / f"{name}.txt").write_text(DOCS[name], encoding="utf-8")
+    out = tmp_path / "ix"
+    assert main(["index", str(notes), "--out", str(out), "--model", backbone.source]) == 0
+    tokens = sum(backbone.count_tokens(DOCS[name]) for name in ("ship", "cafe"))
+    on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    assert capsys.readouterr().out == (f"indexed 2 document(s) -> {out}; it holds 2 documents, 2 passages, {tokens} "
+                                       f"tokens, {on_disk:,} bytes on disk (method endo)\n")  # no postings to count
+
+    s3 = new_index("s3-hybrid")  # the tiny engine's SAEs: feature postings
+    s3.add_documents([Document(name, DOCS[name]) for name in ("ship", "cafe")])
+    s3.save(tmp_path / "s3")
+    assert f", {s3.index.n_postings:,} postings (" in index_summary(s3, tmp_path / "s3")
+    assert s3.index.n_postings > 0
