@@ -6,6 +6,7 @@ import functools
 import importlib
 import json
 import sys
+import warnings
 from typing import Callable
 
 from endo_retrieval.cli.commands import model_argument
@@ -140,7 +141,10 @@ def main(argv=None) -> int:
     from endo_retrieval.model.backbone import BackboneError
 
     try:
-        rc = run(args)
+        with warnings.catch_warnings():  # the library's warnings (a question cut): one line, no source line
+            warnings.showwarning = lambda message, *_, **__: print(f"endo {args.command}: warning: {message}",
+                                                                  file=sys.stderr)
+            rc = run(args)
         return rc if isinstance(rc, int) else 0  # some commands return their report (train-sae: the card)
     except (BackboneError, ValueError, OSError) as e:  # a damaged index, a busy one, a full disk: one line
         print(f"endo {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)

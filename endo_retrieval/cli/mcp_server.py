@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from endo_retrieval.cli.commands import model_argument
 from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
+from endo_retrieval.methods.base import MAX_QUESTION_CHARS
 from endo_retrieval.index.files import writer_lock
 from endo_retrieval.index.text_files import Unreadable, indexable_text
 
@@ -26,7 +27,6 @@ if TYPE_CHECKING:  # the engine imports torch: `endo mcp --help` should not wait
 
 
 log = logging.getLogger(__name__)
-MAX_QUESTION_CHARS = 20_000
 
 
 class Evidence(BaseModel):
@@ -105,7 +105,7 @@ def build_server(holder: IndexHolder, k: int = 4, budget: int | None = None):
     @server.tool()
     def search_evidence(question: str, k: int = k, budget: int | None = budget) -> list[Evidence]:
         """The k best evidence spans for the question, best first, with their document ids and offsets."""
-        if len(question) > MAX_QUESTION_CHARS:  # its forward would hold attention over all of it at once
+        if len(question) > MAX_QUESTION_CHARS:  # refused, not cut: an agent sees no warning, only the answer
             raise ToolError(f"The question has {len(question)} characters; ask with at most {MAX_QUESTION_CHARS} "
                             "(put long material into add_documents instead).")
         try:

@@ -32,7 +32,7 @@ from endo_retrieval.index.files import atomic_write, read_folder, replacing_fold
 from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
                                            IndexVersionError, sorted_postings)
 from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
-from endo_retrieval.methods.base import check_budget
+from endo_retrieval.methods.base import capped_question, check_budget
 from endo_retrieval.methods.base import Span
 from endo_retrieval.index.indexing import (HandOff, ahead, index_streams, progress_bar, recorded_event, to_host,
                                            whole_chunks)
@@ -323,7 +323,9 @@ class EndoIndex:
         """The k best evidence spans, best first (by score, higher is better). `endo` returns whole passages
         (under `budget` tokens in all when given, each cut to its best part); the other methods sentence spans
         under `budget` tokens (default 128 per span). `where(metadata)`: only documents it accepts can come back
-        (for `endo` they are the only candidates; the other methods drop the rest, so fewer than k may come)."""
+        (for `endo` they are the only candidates; the other methods drop the rest, so fewer than k may come).
+        A question longer than MAX_QUESTION_CHARS (methods/base.py) is cut to that length, with a warning."""
+        question = capped_question(question)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
         method = self.check_method(method)

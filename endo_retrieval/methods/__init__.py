@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-from endo_retrieval.methods.base import Compressed, Method, Span
+from endo_retrieval.methods.base import Compressed, Method, Span, capped_question
 
 # method name -> "module:Class"; imported on first use so optional dependencies stay optional
 REGISTRY = {
@@ -35,9 +35,11 @@ def compress(context: str, question: str, budget: int = 1024, method: str = DEFA
              ) -> Compressed:
     """Compress one long context for one question: `.text` holds at most `budget` backbone tokens, in source
     order, and `.spans` the kept pieces with their character offsets and the signals that chose them.
-    `backbone`: a loaded Backbone, a model folder or GGUF file (loaded once per process), or None (the default)."""
+    `backbone`: a loaded Backbone, a model folder or GGUF file (loaded once per process), or None (the default).
+    A question longer than MAX_QUESTION_CHARS (base.py) is cut to that length, with a warning."""
     from endo_retrieval.model.backbone import Backbone
 
+    question = capped_question(question)
     backbone = Backbone.of(backbone) if method in REGISTRY else None  # an unknown name fails before any loading
     return get_method(method, backbone=backbone).compress(context, question, budget)
 

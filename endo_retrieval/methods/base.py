@@ -7,8 +7,15 @@ spans that make it up. Token positions are positions in the backbone tokenizer's
 from __future__ import annotations
 
 import numbers
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Protocol
+
+# The longest question read. A question is read whole in one forward, after the context or the candidates, never
+# streamed in chunks as documents are: its memory grows with it, and it takes the room of the evidence in the model's
+# window. Real questions are a few dozen tokens; 8,000 characters (about 2,000 tokens of English) is far past them
+# and leaves most of an 8k window to the evidence.
+MAX_QUESTION_CHARS = 8_000
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,17 @@ def check_budget(budget) -> None:
     """Every entry point's budget check: a positive whole number of tokens, else a ValueError that says so."""
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget <= 0:
         raise ValueError(f"budget must be a positive whole number of tokens, got {budget!r}.")
+
+
+def capped_question(question):
+    """The question every entry point reads (`compress()`, `EndoIndex.search`, and through them the command line and
+    the adapters): cut to its first MAX_QUESTION_CHARS characters, with a warning, when it is longer. Anything but a
+    str is returned as it is, for the caller's own checks."""
+    if isinstance(question, str) and len(question) > MAX_QUESTION_CHARS:
+        warnings.warn(f"The question has {len(question):,} characters; only its first {MAX_QUESTION_CHARS:,} are "
+                      "read. Put long material into the context or the indexed documents instead.", stacklevel=3)
+        return question[:MAX_QUESTION_CHARS]
+    return question
 
 
 def join_spans(spans: list[Span], method: str, budget: int) -> Compressed:
