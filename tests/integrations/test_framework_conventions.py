@@ -217,3 +217,108 @@ def test_each_document_gets_its_share_of_the_budget(tiny):
     assert len({h.id for h in hits}) == k
     assert all(tiny.count_tokens(h.page_content) <= budget // k + 2 for h in hits)  # ' ... ' joins may add a token
     assert any(len(h.page_content) < len(TINY_TEXTS[int(h.id[1:])]) for h in hits)  # the long one was cut
+
+
+# ---- LangChain: filter operators, score thresholds, the chat model's settings ---------------------------------------
+FILTERS = [  # filter -> the documents that match (topics mill, travel, science, food, travel; years as YEARS)
+    ({"topic": "travel"}, {"d1", "d4"}),
+    ({"topic": ["travel", "food"]}, {"d1", "d3", "d4"}),
+    ({"topic": {"$eq": "science"}}, {"d2"}),
+    ({"topic": {"$ne": "mill"}}, {"d1", "d2", "d3", "d4"}),
+    ({"topic": {"$in": ["travel", "food"]}}, {"d1", "d3", "d4"}),
+    ({"topic": {"$nin": ["travel"]}}, {"d0", "d2", "d3"}),
+    ({"year": {"$gt": 1932}}, {"d2", "d3", "d4"}),
+    ({"year": {"$gte": 1932}}, {"d1", "d2", "d3", "d4"}),
+    ({"year": {"$lt": 1932}}, {"d0"}),
+    ({"year": {"$lte": 1932}}, {"d0", "d1"}),
+    ({"year": {"$gte": 1900, "$lt": 1980}}, {"d1", "d2"}),
+    ({"topic": "travel", "year": 1988}, {"d4"}),
+    ({"$and": [{"topic": "travel"}, {"year": {"$lt": 1950}}]}, {"d1"}),
+    ({"$or": [{"topic": "mill"}, {"year": {"$gt": 2000}}]}, {"d0", "d3"}),
+    ({"colour": {"$ne": "red"}}, {"d0", "d1", "d2", "d3", "d4"}),  # a missing key passes $ne and $nin only
+    ({"colour": {"$in": ["red"]}}, set()),
+    ({"topic": {"$gt": 5}}, set()),  # a string against a number matches nothing
+]
+
+
+def test_langchain_filters_take_the_operators_other_stores_take(tiny):
+    retriever = lc_retriever(tiny)
+    for filter, expected in FILTERS:
+        assert {d.id for d in retriever.invoke(QUESTION, k=5, filter=filter)} == expected, filter
+    assert {d.id for d in lc_retriever(tiny, filter={"year": {"$gt": 1932}}).invoke(QUESTION, k=5)} == \
+        {"d2", "d3", "d4"}
+
+
+@pytest.mark.parametrize("bad", [{"topic": {"$regex": "tr.*"}}, {"$not": {"topic": "mill"}},
+                                 {"topic": {"$in": "travel"}}, {"$or": {"topic": "mill"}}, {"$and": []}, {},
+                                 "topic == travel"], ids=str)
+def test_langchain_filters_it_cannot_read_raise_a_clear_error(tiny, bad):
+    retriever = lc_retriever(tiny)
+    with pytest.raises(ValueError, match=r"\$in|operator|filter"):
+        retriever.invoke(QUESTION, filter=bad)
+    with pytest.raises(ValueError, match=r"\$in|operator|filter"):
+        lc_retriever(tiny, filter=bad)
+
+
+def test_langchain_score_threshold_drops_the_hits_below_it(tiny):
+    retriever = lc_retriever(tiny)
+    hits = retriever.invoke(QUESTION, k=5)
+    scores = [h.metadata["endo_score"] for h in hits]
+    assert scores == sorted(scores, reverse=True) and scores[1] > scores[2]
+    above = [h.id for h in hits[:2]]
+    assert [h.id for h in retriever.invoke(QUESTION, k=5, score_threshold=scores[1])] == above
+    assert [h.id for h in asyncio.run(retriever.ainvoke(QUESTION, k=5, score_threshold=scores[1]))] == above
+    assert [h.id for h in lc_retriever(tiny, score_threshold=scores[1]).invoke(QUESTION, k=5)] == above
+
+
+def test_langchain_reranker_writes_relevance_score_and_takes_a_threshold(tiny):
+    pytest.importorskip("langchain_classic")
+    from langchain_classic.retrievers import ContextualCompressionRetriever
+    from langchain_core.documents import Document
+    from langchain_core.retrievers import BaseRetriever
+
+    from langchain_endo import EndoReranker
+
+    class FirstStage(BaseRetriever):
+        def _get_relevant_documents(self, query, *, run_manager=None):
+            return [Document(page_content=t, id=f"d{i}") for i, t in enumerate(TINY_TEXTS[1:], 1)]
+
+    def rerank(**kwargs):
+        reranker = EndoReranker(top_n=4, backbone=tiny, **kwargs)
+        return ContextualCompressionRetriever(base_compressor=reranker, base_retriever=FirstStage()).invoke(QUESTION)
+
+    docs = rerank()
+    scores = [d.metadata["relevance_score"] for d in docs]
+    assert len(docs) == 4 and scores == sorted(scores, reverse=True) and scores[1] > scores[2]
+    assert all("endo_score" not in d.metadata for d in docs)
+    assert [d.id for d in rerank(score_threshold=scores[1])] == [d.id for d in docs[:2]]
+
+
+def test_chat_model_samples_at_its_temperature_and_refuses_structured_output(tiny):
+    import torch
+    from pydantic import BaseModel
+
+    from langchain_endo import ChatEndo
+
+    greedy = ChatEndo(backbone=tiny, max_new_tokens=8).invoke("Name a colour.").content
+
+    def sample(temperature, seed):
+        torch.manual_seed(seed)
+        return ChatEndo(backbone=tiny, max_new_tokens=8, temperature=temperature).invoke("Name a colour.").content
+
+    assert sample(1.0, 0) == sample(1.0, 0)  # torch's seed repeats a sample
+    assert any(sample(1.0, seed) != greedy for seed in range(3))  # a random model's flat logits: samples differ
+    assert all(sample(1e-4, seed) == greedy for seed in range(3))  # near 0 the temperature leaves only the top token
+    torch.manual_seed(0)
+    assert ChatEndo(backbone=tiny, max_new_tokens=8).invoke("Name a colour.", temperature=1.0).content == \
+        sample(1.0, 0)  # invoke's temperature overrides the model's
+    with pytest.raises(ValueError, match="decodes greedily"):
+        ChatEndo(backbone=tiny, temperature=0.7, attention="reattention")
+    with pytest.raises(ValueError, match="temperature"):
+        ChatEndo(backbone=tiny, temperature=-1)
+
+    class Answer(BaseModel):
+        colour: str
+
+    with pytest.raises(NotImplementedError, match="no structured output"):
+        ChatEndo(backbone=tiny).with_structured_output(Answer)

@@ -128,7 +128,7 @@ def test_langchain_compression_retriever_puts_the_answer_first(question, langcha
     last = len(CASES[question]) - 1
     assert len(docs) == 3 and docs[0].id == f"p{last}" and docs[0].metadata["rank"] == last
     expected = heads_scores(backbone, CASES[question], question)
-    assert [d.metadata["endo_score"] for d in docs] == pytest.approx(sorted(expected, reverse=True)[:3])
+    assert [d.metadata["relevance_score"] for d in docs] == pytest.approx(sorted(expected, reverse=True)[:3])
     assert all(d.page_content == CASES[question][d.metadata["rank"]] for d in docs)
 
 

@@ -4,7 +4,12 @@
 Tools: a 135M-parameter model does not write reliable tool-call JSON, so `bind_tools` follows a fixed
 retrieve-then-answer policy instead of free-form calls: on a new user turn the model calls the bound tool (one tool,
 or the one named by `tool_choice`) with the user's message as its one text argument; once the tool's results are
-in, it answers the question from them. That is the loop `create_retriever_tool` agents run.
+in, it answers the question from them. That is the loop `create_retriever_tool` agents run. For the same reason it
+offers no structured output: `with_structured_output` raises NotImplementedError rather than fill a schema with
+text the model did not write as one.
+
+Decoding is greedy unless `temperature` is above 0; then the model's generate samples at that temperature (seed
+torch, `torch.manual_seed`, for repeatable samples). Attention backends decode greedily and refuse a temperature.
 """
 from __future__ import annotations
 
@@ -60,6 +65,8 @@ class ChatEndo(BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     max_new_tokens: int = Field(default=256, gt=0)
+    temperature: float | None = Field(default=None, ge=0, description="None or 0: greedy (the default); above 0: "
+                                      "sample at this temperature (also `invoke(..., temperature=...)`)")
     backbone: Any = Field(default=None, exclude=True, repr=False)
     attention: Any = Field(default=None, description="None (the model's own attention) or a decode-time backend: "
                            "'reattention', 'prhs', 'completion', 'dense', or an instance such as ReAttention()")
@@ -67,6 +74,7 @@ class ChatEndo(BaseChatModel):
 
     def model_post_init(self, __context: Any) -> None:
         self._backbone = Backbone.of(self.backbone)  # a loaded backbone, a model folder or GGUF path, or None
+        self._sampling(self.temperature)  # a temperature with an attention backend fails here, not at the first call
 
     @property
     def _llm_type(self) -> str:
@@ -75,7 +83,24 @@ class ChatEndo(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"model": self._backbone.model_id, "model_hash": self._backbone.model_hash,
-                "max_new_tokens": self.max_new_tokens}
+                "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+
+    def _sampling(self, temperature) -> dict:
+        """The model's generate keywords for `temperature`: none (greedy) for None or 0, else sampling."""
+        if temperature is None or temperature == 0:
+            return {}
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 or None: greedy), got {temperature!r}.")
+        if self.attention is not None:
+            raise ValueError(f"ChatEndo(attention={self.attention!r}) decodes greedily and cannot sample; drop "
+                             "temperature (or set it to 0), or drop attention to sample with the model's own.")
+        return {"do_sample": True, "temperature": float(temperature)}
+
+    def with_structured_output(self, schema, *, include_raw: bool = False, **kwargs: Any):
+        raise NotImplementedError(
+            "ChatEndo has no structured output: the small local model does not write reliable JSON, and its tool "
+            "policy only copies the user's message into a tool's one text argument. Ask it for text and parse that, "
+            "or use a larger chat model for structured output.")
 
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
                    tool_choice: str | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
@@ -110,7 +135,8 @@ class ChatEndo(BaseChatModel):
         message = self._tool_call(messages, tools, tool_choice)
         if message is None:
             text = self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens,
-                                           attention=get_backend(self.attention))
+                                           attention=get_backend(self.attention),
+                                           **self._sampling(kwargs.get("temperature", self.temperature)))
             message = AIMessage(content=_cut_at_stop(text, stop))
         return ChatResult(generations=[ChatGeneration(message=message)])
 
@@ -124,8 +150,9 @@ class ChatEndo(BaseChatModel):
                 for c in call.tool_calls]))
             return
         text = ""
+        sampling = self._sampling(kwargs.get("temperature", self.temperature))
         for piece in self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=True,
-                                                attention=get_backend(self.attention)):
+                                             attention=get_backend(self.attention), **sampling):
             kept = _cut_at_stop(text + piece, stop)[len(text):]
             text += kept
             if kept:

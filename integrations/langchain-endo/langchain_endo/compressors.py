@@ -45,18 +45,21 @@ class EndoDocumentCompressor(BaseDocumentCompressor):
 
 
 class EndoReranker(BaseDocumentCompressor):
-    """The `top_n` documents the retrieval heads score highest, best first, each with `metadata["endo_score"]`."""
+    """The `top_n` documents the retrieval heads score highest, best first, each with its score in
+    `metadata["relevance_score"]` (the key LangChain's rerankers write); `score_threshold` drops those below it."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     top_n: int = Field(default=5, gt=0, strict=True)
+    score_threshold: float | None = None
     backbone: Any = Field(default=None, exclude=True, repr=False)
 
     def compress_documents(self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
                            ) -> Sequence[Document]:
         ranked = rerank_passages([d.page_content for d in documents], query, self.top_n, self.backbone)
         return [Document(page_content=documents[i].page_content, id=documents[i].id,
-                         metadata={**documents[i].metadata, "endo_score": score}) for i, score in ranked]
+                         metadata={**documents[i].metadata, "relevance_score": score}) for i, score in ranked
+                if self.score_threshold is None or score >= self.score_threshold]
 
 
 __all__ = ["EndoDocumentCompressor", "EndoReranker"]

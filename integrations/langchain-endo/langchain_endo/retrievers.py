@@ -51,8 +51,11 @@ class EndoRetriever(BaseRetriever):
     k: int = 4
     budget: int | None = Field(default=None, gt=0)
     method: str = DEFAULT_METHOD
-    filter: dict | None = None  # {metadata key: value or list of values}; `invoke(query, filter=...)` overrides it
+    filter: dict | None = None  # LangChain's metadata filter (`_matcher`); `invoke(query, filter=...)` overrides it
     return_passages: bool = False  # the best passages, several of which may come from one document
+    # hits scoring below it are dropped, so fewer than k may come; the score is metadata["endo_score"] (for `endo`
+    # the fused one, 0 being the candidates' average); `invoke(query, score_threshold=...)` overrides it
+    score_threshold: float | None = None
     backbone: Any = Field(default=None, exclude=True, repr=False)
     _index: EndoIndex = PrivateAttr()
 
@@ -60,6 +63,7 @@ class EndoRetriever(BaseRetriever):
         self._index = open_index(to_documents(self.texts, self.documents), self.index_dir, self.method,
                                  self.backbone)
         self._index.check_method(self.method)
+        _matcher(self.filter)  # a filter it cannot read fails here, not at the first query
         self.texts = self.documents = None  # the index holds them now; don't keep a second copy
 
     @field_validator("k", mode="before")
@@ -103,30 +107,81 @@ class EndoRetriever(BaseRetriever):
         self._index.save(index_dir)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
-                                k: int | None = None, filter: dict | None = None) -> list[LCDocument]:
-        """`filter`: {metadata key: value, or a list of accepted values}; only documents that match every key
-        can come back."""
-        return self._search(query, k, filter)
+                                k: int | None = None, filter: dict | None = None,
+                                score_threshold: float | None = None) -> list[LCDocument]:
+        """`filter`: {key: value}, {key: [accepted values]}, {key: {"$gte": 1990, "$lt": 2000}} (the operators $eq
+        $ne $in $nin $gt $gte $lt $lte) or {"$and"/"$or": [filters]}; only documents that match can come back."""
+        return self._search(query, k, filter, score_threshold)
 
     async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
-                                       k: int | None = None, filter: dict | None = None) -> list[LCDocument]:
+                                       k: int | None = None, filter: dict | None = None,
+                                score_threshold: float | None = None) -> list[LCDocument]:
         # the same keywords as the sync path; the backbone serialises model calls, and a worker thread keeps the
         # event loop free meanwhile
-        return await asyncio.to_thread(self._search, query, k, filter)
+        return await asyncio.to_thread(self._search, query, k, filter, score_threshold)
 
-    def _search(self, query: str, k: int | None, filter: dict | None) -> list[LCDocument]:
+    def _search(self, query: str, k: int | None, filter: dict | None, score_threshold: float | None
+                ) -> list[LCDocument]:
+        threshold = self.score_threshold if score_threshold is None else score_threshold
         spans = search_hits(self._index, query, self.k if k is None else k, self.budget, self.method,
                             _matcher(filter if filter is not None else self.filter), self.return_passages)
-        return [span_document(s, self.return_passages) for s in spans]
+        return [span_document(s, self.return_passages) for s in spans if threshold is None or s.score >= threshold]
+
+
+# LangChain's vector-store filter operators -> (metadata value, operand) -> bool; a missing key is None and fails
+# every comparison but $ne and $nin, as in the LlamaIndex adapter
+COMPARISONS = {
+    "$eq": lambda v, x: v == x, "$ne": lambda v, x: v != x,
+    "$in": lambda v, x: v in x, "$nin": lambda v, x: v not in x,
+    "$gt": lambda v, x: v is not None and v > x, "$gte": lambda v, x: v is not None and v >= x,
+    "$lt": lambda v, x: v is not None and v < x, "$lte": lambda v, x: v is not None and v <= x,
+}
+LOGICAL = {"$and": all, "$or": any}
+FILTER_HELP = ("a filter is {key: value}, {key: [accepted values]}, {key: {operator: value}} with the operators "
+               f"{', '.join(COMPARISONS)}, or {{'$and' or '$or': [filters]}}")
 
 
 def _matcher(filter: dict | None):
+    """A LangChain metadata filter as a test of a document's metadata (None: every document passes). Several keys
+    must all match; a bare value means $eq and a list of values $in. Anything else raises a ValueError that says
+    what a filter may hold."""
     if filter is None:
         return None
-    if not isinstance(filter, dict):
-        raise ValueError(f"filter must be a dict of metadata key -> value (or list of values), got {filter!r}.")
-    accepts = {k: (v if isinstance(v, list) else [v]) for k, v in filter.items()}
-    return lambda metadata: all(k in metadata and metadata[k] in vs for k, vs in accepts.items())
+    if not isinstance(filter, dict) or not filter:
+        raise ValueError(f"Cannot read the filter {filter!r}: {FILTER_HELP}.")
+    tests = []
+    for key, condition in filter.items():
+        if key in LOGICAL:
+            if not isinstance(condition, list) or not condition:
+                raise ValueError(f"{key} takes a non-empty list of filters, got {condition!r}: {FILTER_HELP}.")
+            tests.append(_either(LOGICAL[key], [_matcher(f) for f in condition]))
+        elif not isinstance(key, str) or key.startswith("$"):
+            raise ValueError(f"Unknown filter operator {key!r}: {FILTER_HELP}.")
+        elif isinstance(condition, dict):
+            tests += [_compare(key, op, operand) for op, operand in condition.items()]
+        else:
+            tests.append(_compare(key, "$in" if isinstance(condition, list) else "$eq", condition))
+    return lambda metadata: all(test(metadata) for test in tests)
+
+
+def _either(combine, tests):
+    return lambda metadata: combine(test(metadata) for test in tests)
+
+
+def _compare(key: str, op: str, operand):
+    if op not in COMPARISONS:
+        raise ValueError(f"Unknown filter operator {op!r} for {key!r}: {FILTER_HELP}.")
+    if op in ("$in", "$nin") and not isinstance(operand, (list, tuple, set)):
+        raise ValueError(f"{op} for {key!r} takes a list of values, got {operand!r}.")
+    compare = COMPARISONS[op]
+
+    def test(metadata: dict) -> bool:
+        try:
+            return bool(compare(metadata.get(key), operand))
+        except TypeError:  # e.g. a string compared with a number: the document does not match
+            return False
+
+    return test
 
 
 __all__ = ["EndoRetriever", "span_document", "to_documents"]
