@@ -7,7 +7,8 @@
 - `provenance`: the metadata an evidence span carries back into a framework (document id, character offsets);
 - `compress_passages`: the S3 paper's compression of one long context, applied to the passages another retriever
   returned, with each kept piece mapped back to the passage it came from;
-- `rerank_passages`: the retrieval heads' score of each passage another retriever returned, best first.
+- `rerank_passages`: the passages another retriever returned, best first by the retrieval heads' score, alone or
+  fused with the first stage's.
 """
 from __future__ import annotations
 
@@ -148,27 +149,96 @@ def _join(text: str, spans: list[tuple[int, int]]) -> str:
 RERANK_BEST_LAST = True
 
 
-def rerank_passages(passages: Sequence[str], question: str, top_n: int, backbone=None,
-                    best_last: bool = RERANK_BEST_LAST) -> list[tuple[int, float]]:
-    """(passage index, score) of the `top_n` passages with the highest retrieval-heads score
-    (`endo_retrieval.methods.heads.rank_passages`), best first; ties keep the first stage's order. `passages`
-    come in the first stage's order, best first; `best_last` hands them to the model reversed. Passages longer
-    together than the model's window are each read in part (`fit_to_window`), never dropped."""
-    from endo_retrieval.model.backbone import Backbone
-    from endo_retrieval.methods.heads import rank_passages
+# The reranker's fusion where the model's heads profile holds no fitted weights for the first stage: the first stage
+# and the heads, each standardised over the candidates, weigh the same. `fit_reranker_section`
+# (endo_retrieval.calibration.reranker) fits them into the profile's `reranker` section, one entry per first stage.
+RERANK_WEIGHTS = {"first_stage": 0.5, "heads": 0.5}
+FIRST_STAGES = ("minilm", "bm25")  # the profile's entries: a dense vector store (MiniLM's kind), BM25
+DEFAULT_FIRST_STAGE = "minilm"  # a vector store is the usual first stage before a reranker
 
+
+def rerank_passages(passages: Sequence[str], question: str, top_n: int, backbone=None,
+                    best_last: bool = RERANK_BEST_LAST, *, fuse: bool = False,
+                    first_stage_scores: Sequence[float | None] | None = None,
+                    first_stage: str = DEFAULT_FIRST_STAGE, weights: dict | None = None) -> list[tuple[int, float]]:
+    """(passage index, score) of the `top_n` best passages, best first; ties keep the first stage's order.
+    `passages` come in the first stage's order, best first. fuse=False: the score is the retrieval heads' alone
+    (`passage_heads_scores`). fuse=True: the first stage's score (`first_stage_signal`) and the heads', each
+    standardised over the passages, summed with `weights` ({"first_stage": w, "heads": 1 - w}; None: the model's
+    fitted weights for `first_stage`, `reranker_weights`)."""
     if isinstance(top_n, bool) or not isinstance(top_n, (int, np.integer)) or top_n <= 0:
         raise ValueError(f"top_n must be a positive whole number of passages to keep, got {top_n!r}.")
     if not isinstance(question, str) or not question.strip():
         raise ValueError("Reranking needs the question (the query string): the heads rank passages by its attention.")
     if not passages:
         return []
+    if weights is not None:
+        check_rerank_weights(weights)
+    heads = passage_heads_scores(passages, question, backbone, best_last)
+    scores = heads
+    if fuse:
+        from endo_retrieval.model.backbone import Backbone
+        from endo_retrieval.scoring.fusion import fuse as fused
+
+        weights = weights or reranker_weights(Backbone.of(backbone), first_stage)
+        scores = fused({"first_stage": first_stage_signal(first_stage_scores, len(passages)), "heads": heads},
+                       weights)
+    return [(int(i), float(scores[i])) for i in np.argsort(-scores, kind="stable")[:top_n]]
+
+
+def passage_heads_scores(passages: Sequence[str], question: str, backbone=None,
+                         best_last: bool = RERANK_BEST_LAST) -> np.ndarray:
+    """The retrieval heads' score of each passage (`endo_retrieval.methods.heads.rank_passages`), in the given order.
+    `best_last` hands the passages (the first stage's best first) to the model reversed. Passages longer together
+    than the model's window are each read in part (`fit_to_window`), never dropped."""
+    from endo_retrieval.methods.heads import rank_passages
+    from endo_retrieval.model.backbone import Backbone
+
     backbone = Backbone.of(backbone)
     read = fit_to_window(backbone, passages, question)
     order = np.arange(len(passages))[::-1] if best_last else np.arange(len(passages))
     scores = np.empty(len(passages))
     scores[order] = rank_passages(backbone, [read[i] for i in order], question)
-    return [(int(i), float(scores[i])) for i in np.argsort(-scores, kind="stable")[:top_n]]
+    return scores
+
+
+def first_stage_signal(scores: Sequence[float | None] | None, n: int) -> np.ndarray:
+    """The first stage's score of each of its n passages (given best first): its own scores when it gave a finite one
+    for every passage, else -rank, so that either can be standardised and fused with the heads'."""
+    if scores is not None and len(scores) == n and all(
+            isinstance(s, (int, float, np.number)) and not isinstance(s, bool) and np.isfinite(s) for s in scores):
+        return np.asarray(scores, dtype=np.float64)
+    return -np.arange(n, dtype=np.float64)
+
+
+def check_rerank_weights(weights) -> dict[str, float]:
+    """{"first_stage": w, "heads": v} with numbers >= 0, not both 0, else a ValueError saying so."""
+    ok = (isinstance(weights, dict) and set(weights) == set(RERANK_WEIGHTS)
+          and all(isinstance(w, (int, float)) and not isinstance(w, bool) and np.isfinite(w) and w >= 0
+                  for w in weights.values()) and sum(weights.values()) > 0)
+    if not ok:
+        raise ValueError(f"Reranker weights must be {{'first_stage': w, 'heads': 1 - w}} with w in [0, 1], got "
+                         f"{weights!r}.")
+    return {name: float(w) for name, w in weights.items()}
+
+
+def reranker_weights(backbone, first_stage: str = DEFAULT_FIRST_STAGE) -> dict[str, float]:
+    """The fusion weights the model's heads profile holds for `first_stage` (its `reranker` section, fitted by
+    `endo_retrieval.calibration.reranker`), else RERANK_WEIGHTS."""
+    from endo_retrieval.model.profiles import heads_profile, heads_profile_path
+
+    fitted = (heads_profile(backbone) or {}).get("reranker") or {}
+    if first_stage not in fitted:
+        if first_stage not in FIRST_STAGES:
+            raise ValueError(f"No reranker weights for the first stage {first_stage!r}; name one of "
+                             f"{', '.join(sorted({*FIRST_STAGES, *fitted}))}, or pass weights.")
+        return dict(RERANK_WEIGHTS)
+    entry = fitted[first_stage]
+    try:
+        return check_rerank_weights({name: entry.get(name) for name in RERANK_WEIGHTS})
+    except (AttributeError, ValueError):
+        raise ValueError(f"The reranker entry {first_stage!r} of {heads_profile_path(backbone)} is damaged "
+                         f"({entry!r}); fit it again (endo_retrieval.calibration.reranker) or pass weights.") from None
 
 
 QUESTION_ROOM = 256  # tokens of the window kept for the question, its template and the passages' separators

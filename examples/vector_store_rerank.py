@@ -3,7 +3,8 @@
 The all-MiniLM-L6-v2 vector store ranks the short, on-topic passages above the one that holds the answer (a longer
 passage about a city, one of whose sentences names the ship); EndoReranker re-orders the candidates by the
 attention the model's query-focused retrieval heads pay from the question to each passage, and keeps the best one
-for EndoLLM to answer from. Runs offline.
+for EndoLLM to answer from. By default the reranker fuses the store's scores with the heads'; here the store is
+misled, so `fuse=False` ranks by the heads alone. Runs offline.
 """
 from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.query_engine import RetrieverQueryEngine
@@ -29,7 +30,7 @@ def main() -> str:
     for hit in retriever.retrieve(QUESTION):
         print(f"vector store {hit.score:.3f}: {hit.node.text[:60]!r}")
     engine = RetrieverQueryEngine.from_args(retriever, llm=EndoLLM(max_new_tokens=32),
-                                            node_postprocessors=[EndoReranker(top_n=1)])
+                                            node_postprocessors=[EndoReranker(top_n=1, fuse=False)])
     response = engine.query(QUESTION)
     for hit in response.source_nodes:
         print(f"reranked {hit.score:.3f}: {hit.node.text[:60]!r}")

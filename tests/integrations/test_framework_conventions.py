@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
 import pytest
 
 pytest.importorskip("llama_index.core")
@@ -322,3 +323,130 @@ def test_chat_model_samples_at_its_temperature_and_refuses_structured_output(tin
 
     with pytest.raises(NotImplementedError, match="no structured output"):
         ChatEndo(backbone=tiny).with_structured_output(Answer)
+
+
+# ---- the reranker fuses with the first stage ------------------------------------------------------------------------
+RERANK_TEXTS = TINY_TEXTS[1:]
+FIRST_STAGE_SCORES = [0.9, 0.7, 0.6, 0.2]
+
+
+def z(x) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return (x - x.mean()) / x.std()
+
+
+def heads_of(backbone, texts, question) -> np.ndarray:
+    """The heads' score per text, read best last as the reranker reads them."""
+    from endo_retrieval.methods.heads import rank_passages
+
+    return rank_passages(backbone, texts[::-1], question)[::-1]
+
+
+@pytest.fixture
+def li_first_stage():
+    from llama_index.core.retrievers import BaseRetriever
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    class FirstStage(BaseRetriever):
+        """A vector store's answer, scored (or, with scores=None, ranked only)."""
+
+        def __init__(self, scores):
+            self.scores = scores
+            super().__init__()
+
+        def _retrieve(self, query_bundle):
+            return [NodeWithScore(node=TextNode(text=t, id_=f"p{i}"), score=None if self.scores is None else s)
+                    for i, (t, s) in enumerate(zip(RERANK_TEXTS, FIRST_STAGE_SCORES))]
+
+    return FirstStage
+
+
+def li_rerank(retriever, backbone, **kwargs):
+    from llama_index.core.llms import MockLLM
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.postprocessor.endo import EndoReranker
+
+    reranker = EndoReranker(top_n=len(RERANK_TEXTS), backbone=backbone, **kwargs)
+    engine = RetrieverQueryEngine.from_args(retriever, llm=MockLLM(max_tokens=2), node_postprocessors=[reranker])
+    return [(h.node.node_id, h.score) for h in engine.query(QUESTION).source_nodes]
+
+
+def expected(scores) -> list[tuple[str, float]]:
+    order = np.argsort(-scores, kind="stable")
+    return [(f"p{i}", pytest.approx(float(scores[i]))) for i in order]
+
+
+def test_llamaindex_reranker_fuses_standardised_first_stage_and_heads_scores(tiny, li_first_stage):
+    heads = heads_of(tiny, RERANK_TEXTS, QUESTION)
+    scored, ranked = li_first_stage(FIRST_STAGE_SCORES), li_first_stage(None)
+    assert li_rerank(scored, tiny) == expected(0.5 * z(FIRST_STAGE_SCORES) + 0.5 * z(heads))
+    assert li_rerank(ranked, tiny) == expected(0.5 * z(-np.arange(4)) + 0.5 * z(heads))  # no scores: ranks
+    assert li_rerank(scored, tiny, fuse=False) == expected(heads)  # the heads alone
+    w = {"first_stage": 0.8, "heads": 0.2}
+    assert li_rerank(scored, tiny, weights=w) == expected(0.8 * z(FIRST_STAGE_SCORES) + 0.2 * z(heads))
+    # the first stage alone keeps its order: the fusion can keep all the store had
+    assert [i for i, _ in li_rerank(scored, tiny, weights={"first_stage": 1, "heads": 0})] == ["p0", "p1", "p2", "p3"]
+    with pytest.raises(ValueError, match="first_stage"):
+        li_rerank(scored, tiny, weights={"first": 1})
+
+
+def test_reranker_weights_come_from_the_models_profile(tiny, tiny_profile, li_first_stage):
+    from endo_retrieval.integrations import reranker_weights
+
+    heads = heads_of(tiny, RERANK_TEXTS, QUESTION)
+    profile = json.loads(tiny_profile.read_text())
+    profile["reranker"] = {"minilm": {"first_stage": 0.3, "heads": 0.7}, "bge": {"first_stage": 0.9, "heads": 0.1}}
+    tiny_profile.write_text(json.dumps(profile))
+    assert reranker_weights(tiny, "bm25") == {"first_stage": 0.5, "heads": 0.5}  # not fitted: the default
+    scored = li_first_stage(FIRST_STAGE_SCORES)
+    assert li_rerank(scored, tiny) == expected(0.3 * z(FIRST_STAGE_SCORES) + 0.7 * z(heads))  # minilm's
+    assert li_rerank(scored, tiny, first_stage="bge") == expected(0.9 * z(FIRST_STAGE_SCORES) + 0.1 * z(heads))
+    with pytest.raises(ValueError, match="first stage 'vector'.*bge, bm25, minilm"):
+        li_rerank(scored, tiny, first_stage="vector")
+    profile["reranker"]["minilm"] = {"first_stage": "high"}
+    tiny_profile.write_text(json.dumps(profile))
+    with pytest.raises(ValueError, match="damaged"):
+        li_rerank(scored, tiny)
+
+
+def test_langchain_reranker_fuses_with_the_scores_or_ranks_in_the_documents(tiny):
+    from langchain_core.documents import Document
+
+    from langchain_endo import EndoReranker
+
+    heads = heads_of(tiny, RERANK_TEXTS, QUESTION)
+
+    def rerank(metadata, **kwargs):
+        docs = [Document(page_content=t, id=f"p{i}", metadata=metadata(i)) for i, t in enumerate(RERANK_TEXTS)]
+        out = EndoReranker(top_n=4, backbone=tiny, **kwargs).compress_documents(docs, QUESTION)
+        return [(d.id, d.metadata["relevance_score"]) for d in out]
+
+    with_scores = expected(0.5 * z(FIRST_STAGE_SCORES) + 0.5 * z(heads))
+    assert rerank(lambda i: {"score": FIRST_STAGE_SCORES[i]}) == with_scores
+    assert rerank(lambda i: {"relevance_score": FIRST_STAGE_SCORES[i], "score": 0}) == with_scores
+    assert rerank(lambda i: {"mine": FIRST_STAGE_SCORES[i]}, score_key="mine") == with_scores
+    assert rerank(lambda i: {}) == expected(0.5 * z(-np.arange(4)) + 0.5 * z(heads))  # no scores: ranks
+    assert rerank(lambda i: {"score": FIRST_STAGE_SCORES[i]}, fuse=False) == expected(heads)
+    with pytest.raises(ValueError, match="score_key='mine' is not in the metadata"):
+        rerank(lambda i: {}, score_key="mine")
+    with pytest.raises(ValueError, match="first_stage"):
+        EndoReranker(backbone=tiny, weights={"first_stage": -1, "heads": 2})
+
+
+def test_fit_reranker_section_reads_with_the_reranker_and_saves_into_the_profile(tiny, tiny_profile):
+    from endo_retrieval.calibration.reranker import fit_reranker_section, save_reranker_entry
+    from endo_retrieval.integrations import reranker_weights
+
+    questions = [{"question": QUESTION, "candidates": RERANK_TEXTS, "first_stage_scores": FIRST_STAGE_SCORES,
+                  "gold": [False, True, False, False]},
+                 {"question": "Where is the Albatross based?", "candidates": RERANK_TEXTS, "first_stage_scores": None,
+                  "gold": [False, False, False, True]}]
+    entry = fit_reranker_section(tiny, questions, step=0.5)
+    assert entry["first_stage"] in (0.0, 0.5, 1.0) and entry["first_stage"] + entry["heads"] == 1
+    fit = entry["fit"]
+    assert fit["n_questions"] == 2 and set(fit["recall"]) == {"@2", "@5", "@10"}
+    assert fit["recall"]["@2"] + fit["recall"]["@5"] >= fit["first_stage_alone"]["@2"] + fit["first_stage_alone"]["@5"]
+    assert fit["first_stage_alone"]["@2"] == 0.5  # question 1's gold is first-stage rank 2, question 2's rank 4
+    save_reranker_entry(tiny, "bm25", entry)
+    assert json.loads(tiny_profile.read_text())["reranker"]["bm25"] == entry
+    assert reranker_weights(tiny, "bm25") == {"first_stage": entry["first_stage"], "heads": entry["heads"]}

@@ -1,7 +1,8 @@
 """The retrieval heads as a reranker after a first stage, on the real default model: LlamaIndex's EndoReranker
 inside a RetrieverQueryEngine and LangChain's inside a ContextualCompressionRetriever. The first stage ranks the
 passage that answers last (each answer passage is a longer text about a town that a vector store ranks below the
-short on-topic ones); after reranking it must come first. Plus the errors, and `endo bench rerank` on a made-up
+short on-topic ones); reranked by the heads alone (fuse=False) it must come first. (The fusion with the first stage
+is checked on a tiny model in test_framework_conventions.py.) Plus the errors, and `endo bench rerank` on a made-up
 HotpotQA file."""
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def test_llamaindex_query_engine_puts_the_answer_first(question, llama_retriever
     from llama_index.core.query_engine import RetrieverQueryEngine
     from llama_index.postprocessor.endo import EndoReranker
 
-    engine = RetrieverQueryEngine.from_args(llama_retriever, llm=MockLLM(max_tokens=4),
-                                            node_postprocessors=[EndoReranker(top_n=2, backbone=backbone)])
+    reranker = EndoReranker(top_n=2, backbone=backbone, fuse=False)
+    engine = RetrieverQueryEngine.from_args(llama_retriever, llm=MockLLM(max_tokens=4), node_postprocessors=[reranker])
     hits = engine.query(question).source_nodes
     last = len(CASES[question]) - 1
     assert [h.node.node_id for h in hits][0] == f"p{last}" and len(hits) == 2
@@ -122,7 +123,7 @@ def test_langchain_compression_retriever_puts_the_answer_first(question, langcha
 
     from langchain_endo import EndoReranker
 
-    pipeline = ContextualCompressionRetriever(base_compressor=EndoReranker(top_n=3, backbone=backbone),
+    pipeline = ContextualCompressionRetriever(base_compressor=EndoReranker(top_n=3, backbone=backbone, fuse=False),
                                               base_retriever=langchain_retriever)
     docs = pipeline.invoke(question)
     last = len(CASES[question]) - 1

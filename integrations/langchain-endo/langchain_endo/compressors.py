@@ -3,7 +3,7 @@
 The documents any retriever returned are read as one context by the local LM and cut down to the endogenous
 evidence under one token budget ([S3 Eq. 8]; or ILRe), keeping their order and metadata.
 EndoReranker re-orders them by the model's query-focused retrieval heads (QRHead, calibrated as in In-Context
-Re-ranking) and keeps the best `top_n`.
+Re-ranking) fused with the first stage's order or scores, and keeps the best `top_n`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
 from pydantic import ConfigDict, Field, field_validator
 
-from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages, rerank_passages
+from endo_retrieval.integrations import (COMPRESS_METHODS, DEFAULT_FIRST_STAGE, check_rerank_weights, compress_passages,
+                                        rerank_passages)
 from endo_retrieval.methods import DEFAULT_METHOD
 
 
@@ -44,22 +45,52 @@ class EndoDocumentCompressor(BaseDocumentCompressor):
                 for k in kept]
 
 
+# metadata keys a first stage's score may be under (rerankers write relevance_score, some vector stores score,
+# EndoRetriever endo_score); the first that every document has is used
+SCORE_KEYS = ("relevance_score", "score", "endo_score")
+
+
 class EndoReranker(BaseDocumentCompressor):
-    """The `top_n` documents the retrieval heads score highest, best first, each with its score in
-    `metadata["relevance_score"]` (the key LangChain's rerankers write); `score_threshold` drops those below it."""
+    """The `top_n` best documents, best first, each with its score in `metadata["relevance_score"]` (the key
+    LangChain's rerankers write); `score_threshold` drops those below it. By default the first stage's scores (the
+    metadata key `score_key`, else the first of SCORE_KEYS every document has, else the documents' ranks) and the
+    retrieval heads' scores, each standardised over the documents, are summed with the weights
+    {"first_stage": w, "heads": 1 - w}: `weights` when given, else those fitted for the model and `first_stage`
+    ("minilm": a dense vector store, or "bm25"), else 0.5 each. `fuse=False` ranks by the heads alone."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     top_n: int = Field(default=5, gt=0, strict=True)
     score_threshold: float | None = None
+    fuse: bool = True
+    first_stage: str = DEFAULT_FIRST_STAGE
+    weights: dict[str, float] | None = None
+    score_key: str | None = None
     backbone: Any = Field(default=None, exclude=True, repr=False)
+
+    @field_validator("weights")
+    @classmethod
+    def _two_weights(cls, weights: dict | None) -> dict | None:
+        return None if weights is None else check_rerank_weights(weights)
 
     def compress_documents(self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None
                            ) -> Sequence[Document]:
-        ranked = rerank_passages([d.page_content for d in documents], query, self.top_n, self.backbone)
+        ranked = rerank_passages([d.page_content for d in documents], query, self.top_n, self.backbone,
+                                 fuse=self.fuse, first_stage_scores=self._first_stage_scores(documents),
+                                 first_stage=self.first_stage, weights=self.weights)
         return [Document(page_content=documents[i].page_content, id=documents[i].id,
                          metadata={**documents[i].metadata, "relevance_score": score}) for i, score in ranked
                 if self.score_threshold is None or score >= self.score_threshold]
+
+    def _first_stage_scores(self, documents: Sequence[Document]) -> list | None:
+        if self.score_key is not None:
+            missing = [i for i, d in enumerate(documents) if self.score_key not in d.metadata]
+            if missing:
+                raise ValueError(f"score_key={self.score_key!r} is not in the metadata of document(s) {missing}; "
+                                 "name the key the first stage writes its score to, or leave score_key None.")
+            return [d.metadata[self.score_key] for d in documents]
+        key = next((k for k in SCORE_KEYS if all(k in d.metadata for d in documents)), None)
+        return None if key is None else [d.metadata[key] for d in documents]
 
 
 __all__ = ["EndoDocumentCompressor", "EndoReranker"]

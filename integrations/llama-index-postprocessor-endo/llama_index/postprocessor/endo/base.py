@@ -5,7 +5,7 @@ Whatever retriever ran first (a vector store, BM25, ...), its nodes are read as 
 cut down to the endogenous evidence under a token budget ([S3 Eq. 8]; or ILRe). Nodes keep their
 order and score; each kept node holds only its evidence and links back to the node it was cut from.
 EndoReranker re-orders the nodes by the model's query-focused retrieval heads (QRHead, calibrated as in In-Context
-Re-ranking) and keeps the best `top_n`.
+Re-ranking) fused with the first stage's own scores, and keeps the best `top_n`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeRelationship, NodeWithScore, QueryBundle, TextNode
 
 from endo_retrieval.model.backbone import Backbone
-from endo_retrieval.integrations import COMPRESS_METHODS, compress_passages, rerank_passages
+from endo_retrieval.integrations import (COMPRESS_METHODS, DEFAULT_FIRST_STAGE, check_rerank_weights, compress_passages,
+                                        rerank_passages)
 from endo_retrieval.methods import DEFAULT_METHOD
 
 
@@ -75,13 +76,24 @@ class EndoCompressor(BaseNodePostprocessor):
 
 
 class EndoReranker(BaseNodePostprocessor):
-    """The `top_n` nodes the retrieval heads score highest, best first; each node's score becomes the heads'."""
+    """The `top_n` best nodes, best first. By default the first stage's scores (each node's score; its ranks when it
+    gave none) and the retrieval heads' scores, each standardised over the nodes, are summed with the weights
+    {"first_stage": w, "heads": 1 - w}: `weights` when given, else those fitted for the model and `first_stage`
+    ("minilm": a dense vector store, or "bm25"), else 0.5 each; each node's score becomes that sum. `fuse=False`
+    ranks by the heads alone, each node's score the heads'."""
 
     top_n: int = Field(default=5, gt=0, strict=True, description="how many nodes to keep")
+    fuse: bool = Field(default=True, description="fuse the first stage's scores with the heads' (False: heads alone)")
+    first_stage: str = Field(default=DEFAULT_FIRST_STAGE, description="whose fitted weights to fuse with: 'minilm' "
+                             "(a dense vector store) or 'bm25'")
+    weights: dict[str, float] | None = Field(default=None, description="{'first_stage': w, 'heads': 1 - w}, "
+                                             "instead of the fitted ones")
     _backbone: Backbone = PrivateAttr()
 
-    def __init__(self, top_n: int = 5, backbone: Backbone | None = None, **kwargs: Any):
-        super().__init__(top_n=top_n, **kwargs)
+    def __init__(self, top_n: int = 5, backbone: Backbone | None = None, fuse: bool = True,
+                 first_stage: str = DEFAULT_FIRST_STAGE, weights: dict[str, float] | None = None, **kwargs: Any):
+        super().__init__(top_n=top_n, fuse=fuse, first_stage=first_stage,
+                         weights=None if weights is None else check_rerank_weights(weights), **kwargs)
         self._backbone = Backbone.of(backbone)  # a loaded backbone, a model folder or GGUF path, or None
 
     @classmethod
@@ -91,7 +103,9 @@ class EndoReranker(BaseNodePostprocessor):
     def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
                            ) -> list[NodeWithScore]:
         question, passages = texts_and_query(self, nodes, query_bundle)
-        ranked = rerank_passages(passages, question, self.top_n, self._backbone)
+        ranked = rerank_passages(passages, question, self.top_n, self._backbone, fuse=self.fuse,
+                                 first_stage_scores=[n.score for n in nodes], first_stage=self.first_stage,
+                                 weights=self.weights)
         return [NodeWithScore(node=nodes[i].node, score=score) for i, score in ranked]
 
 
