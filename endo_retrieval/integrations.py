@@ -217,8 +217,8 @@ def check_rerank_weights(weights) -> dict[str, float]:
           and all(isinstance(w, (int, float)) and not isinstance(w, bool) and np.isfinite(w) and w >= 0
                   for w in weights.values()) and sum(weights.values()) > 0)
     if not ok:
-        raise ValueError(f"Reranker weights must be {{'first_stage': w, 'heads': 1 - w}} with w in [0, 1], got "
-                         f"{weights!r}.")
+        raise ValueError(f"Reranker weights must be {{'first_stage': w, 'heads': v}}, two numbers >= 0 and not both "
+                         f"0 (e.g. w in [0, 1] and v = 1 - w), got {weights!r}.")
     return {name: float(w) for name, w in weights.items()}
 
 

@@ -115,7 +115,7 @@ class EndoRetriever(BaseRetriever):
 
     async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
                                        k: int | None = None, filter: dict | None = None,
-                                score_threshold: float | None = None) -> list[LCDocument]:
+                                       score_threshold: float | None = None) -> list[LCDocument]:
         # the same keywords as the sync path; the backbone serialises model calls, and a worker thread keeps the
         # event loop free meanwhile
         return await asyncio.to_thread(self._search, query, k, filter, score_threshold)
