@@ -14,6 +14,8 @@ if __name__ == "__main__":
     assert isinstance(retriever, BaseRetriever)
     docs = retriever.invoke(QUESTION)
     assert len(docs) == 1 and "quartz" in docs[0].page_content, docs
-    kept = EndoReranker(top_n=1).compress_documents([Document(page_content=t) for t in reversed(TEXTS)], QUESTION)
+    # a first stage that scores them all alike, worst first: the heads decide
+    first_stage = [Document(page_content=t, metadata={"score": 1.0}) for t in reversed(TEXTS)]
+    kept = EndoReranker(top_n=1).compress_documents(first_stage, QUESTION)
     assert "quartz" in kept[0].page_content, kept
     print("langchain-endo: ok,", docs[0].page_content[:60])
