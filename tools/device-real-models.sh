@@ -6,7 +6,7 @@
 # Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), the models joined by
 # tools/device-parts.sh under /root/parts/NAME.file, MiniLM unpacked under /root/parts/minilm/.
 #
-#   bash tools/device-real-models.sh PHASE NAME...     PHASE: calibrate | bench | zero | latency
+#   bash tools/device-real-models.sh PHASE NAME...     PHASE: calibrate | bench | latency | collect
 #
 # Every phase stops its processes at DEADLINE seconds (default 550) and packs what they wrote, with their logs,
 # into $OUT/PHASE.tgz (the device returns at most 8 files).
@@ -40,23 +40,38 @@ calibrate_one() {  # labelled heads, then the pipeline's grid in three processes
       > "$res/grid${g}_$m.log" 2>&1 &
   done
   wait
-  python3 - "$res" "$m" <<'PY'
-import json, sys
+  merge_pipeline "$m"
+}
+
+merge_pipeline() {  # the grids' rows (one JSON line per setting in their logs, also from a run stopped early)
+  python3 - /root/res/calibrate "$1" <<'PY'
+import glob, json, sys
 res, m = sys.argv[1:]
-grids = [json.load(open(f"{res}/grid{g}_{m}.json")) for g in (1, 2, 3)]
-table = [row for p in grids for row in p["pipeline"]["fit"]["table"]]
+table = [json.loads(line) for log in sorted(glob.glob(f"{res}/grid*_{m}.log")) for line in open(log)
+         if line.startswith("{") and '"order"' in line]
 best = max(table, key=lambda r: ((r["recall"]["@2"] + r["recall"]["@5"]) / 2, -r["depth"], -r["read_tokens"]))
 profile = json.load(open(f"{res}/heads_{m}.json"))
-fit = grids[0]["pipeline"]["fit"] | {"recall": best["recall"], "table": table,
-                                     "wall_s": sum(p["pipeline"]["fit"]["wall_s"] for p in grids)}
 profile["pipeline"] = {"depth": best["depth"], "read_tokens": best["read_tokens"],
-                       "best_last": best["order"] == "best-last", "weights": best["weights"], "fit": fit}
+                       "best_last": best["order"] == "best-last", "weights": best["weights"],
+                       "fit": {"data": "fit300.json", "n_questions": 296, "recall": best["recall"], "table": table}}
 json.dump(profile, open(f"{res}/heads_{m}.json", "w"), indent=1)
-print("pipeline", m, {k: v for k, v in profile["pipeline"].items() if k != "fit"})
+print("pipeline", m, len(table), "settings", {k: v for k, v in profile["pipeline"].items() if k != "fit"})
 PY
 }
 
+zero_label() {  # finish the zero-label profile if its pipeline fit was stopped, then its dev300 benches
+  local m=$1 zl=/root/res/calibrate/zl_$1.json
+  grep -q '"pipeline"' "$zl" || endo prepare --model "$(model "$m")" --documents /root/docs_fit300 --profile "$zl" \
+    --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 --depths 20 --read-tokens 128,256 || return 1
+  ENDO_HEADS_PROFILE=$zl endo bench corpus --model "$(model "$m")" --data "$hot/dev300.json" --systems endo \
+    --out "$res/zero_label_corpus_dev300_$m.json" &
+  ENDO_HEADS_PROFILE=$zl endo bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens 8192 \
+    --budget 1024 --no-generate --methods endo --out "$res/zero_label_dev300_8192_$m.json" &
+  wait
+}
+
 case $phase in
+collect) ;;  # only pack what an earlier phase left (e.g. one stopped at the call's limit)
 calibrate)
   for m in "$@"; do endo info --model "$(model "$m")" --json > "$res/info_$m.json" 2>&1 & done; wait  # convert once
   for m in "$@"; do
@@ -72,24 +87,19 @@ for i, it in enumerate(json.load(open('$hot/fit300.json'))):
       --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 --depths 20,30 --read-tokens 128,256 \
       --timings "$res/zl_timings_$m.json"
   done ;;
-bench)  # needs the calibrate phase's profiles in $res/../calibrate
+bench)  # labelled (the calibrate phase's profiles) and zero-label, every model's processes side by side
   for m in "$@"; do
-    s=$(slug "$m"); cp /root/res/calibrate/heads_$m.json $assets/heads/$s.json; cp /root/res/calibrate/ilre_$m.json $assets/ilre/$s.json
-    bg "corpus_$m" endo bench corpus --model "$(model "$m")" --data "$hot/dev300.json" \
+    s=$(slug "$m"); cal=/root/res/calibrate
+    grep -q '"pipeline"' $cal/heads_$m.json || merge_pipeline "$m"
+    cp $cal/heads_$m.json $assets/heads/$s.json; cp $cal/ilre_$m.json $assets/ilre/$s.json
+    # a run that finished is not run again; a quality run stopped early resumes from its records
+    [ -f "$res/corpus_dev300_$m.json" ] || bg "corpus_$m" endo bench corpus --model "$(model "$m")" --data "$hot/dev300.json" \
       --systems endo,llamaindex-bm25,minilm,minilm+reranker --out "$res/corpus_dev300_$m.json"
-    for cb in 4096:512:300 8192:1024:300 32768:2048:100; do IFS=: read c b n <<< "$cb"
-      bg "quality_${c}_$m" endo bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens $c \
+    for cb in 8192:1024:300 4096:512:300 32768:2048:100; do IFS=: read c b n <<< "$cb"
+      [ -f "$res/quality_dev300_${c}_$m.json" ] || bg "quality_${c}_$m" endo bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens $c \
         --budget $b --limit $n --no-generate --methods endo,heads,bm25-sent,ilre --out "$res/quality_dev300_${c}_$m.json"
     done
-  done ;;
-zero)
-  for m in "$@"; do
-    s=$(slug "$m"); cp /root/res/calibrate/heads_$m.json $assets/heads/$s.json; cp /root/res/calibrate/ilre_$m.json $assets/ilre/$s.json
-    bg "zcorpus_$m" env ENDO_HEADS_PROFILE=/root/res/calibrate/zl_$m.json endo bench corpus --model "$(model "$m")" \
-      --data "$hot/dev300.json" --systems endo --out "$res/zero_label_corpus_dev300_$m.json"
-    bg "zquality_$m" env ENDO_HEADS_PROFILE=/root/res/calibrate/zl_$m.json endo bench quality --model "$(model "$m")" \
-      --data "$hot/dev300.json" --context-tokens 8192 --budget 1024 --no-generate --methods endo \
-      --out "$res/zero_label_dev300_8192_$m.json"
+    [ -f "$res/zero_label_dev300_8192_$m.json" ] || bg "zero_$m" zero_label "$m"
   done ;;
 latency)  # one process at a time, nothing beside it
   for m in "$@"; do
@@ -99,9 +109,13 @@ latency)  # one process at a time, nothing beside it
   done ;;
 esac
 # wait for the processes, at most until the deadline; then stop the rest and pack what exists
-end=$((SECONDS + deadline))
+end=$deadline  # seconds since the script began
 while [ $SECONDS -lt $end ] && jobs -r | grep -q .; do sleep 5; done
 jobs -r | grep -q . && echo "deadline: stopping what still runs" && pkill -f /root/site/bin/endo; sleep 2
 tail -n 3 "$res"/*.log
-tar -czf "$OUT/$phase.tgz" -C /root/res "$phase"
+[ "$phase" = collect ] && res=/root/res
+tail -n 3 "$res"/*/*.log 2>/dev/null | tail -n 60
+# the results, then the per-example records apart (the device returns files of at most 16 MiB)
+(cd /root/res && find . -name '*.json' -o -name '*.md' -o -name '*.log' | grep -v '\.prepare/' | tar -czf "$OUT/$phase.tgz" -T -)
+(cd /root/res && find . -name '*.records.jsonl' | tar -czf "$OUT/$phase-records.tgz" -T -)
 ls -la "$res"
