@@ -6,7 +6,8 @@
 # Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), the models joined by
 # tools/device-parts.sh under /root/parts/NAME.file, MiniLM unpacked under /root/parts/minilm/.
 #
-#   bash tools/device-real-models.sh PHASE NAME...     PHASE: calibrate | bench | latency | collect
+#   bash tools/device-real-models.sh PHASE NAME...     PHASE: calibrate | bench | latency | rerank | papers | collect
+# NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
 #
 # Every phase stops its processes at DEADLINE seconds (default 550) and packs what they wrote, with their logs,
 # into $OUT/PHASE.tgz (the device returns at most 8 files).
@@ -20,8 +21,13 @@ fi
 cp -rn /root/parts/minilm/minilm/* /root/site/ 2>/dev/null || true
 # one GPU shared by several processes: few CPU threads each (the device has 16 cores)
 export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_NUM_THREADS=2
+# LlamaIndex ships tiktoken's encodings, but uses them only when TIKTOKEN_CACHE_DIR is unset (the image sets it)
+export TIKTOKEN_CACHE_DIR=/root/site/llama_index/core/_static/tiktoken_cache
+cp -rn /root/parts/smollm/smollm/* /root/site/ 2>/dev/null || true  # the default model's package, when carried
 assets=/root/site/endo_retrieval/assets
-slug() { case $1 in q15) echo qwen2.5-coder-1.5b-instruct ;; q05) echo qwen2.5-coder-0.5b-instruct ;; *) echo "$1" ;; esac; }
+slug() { case $1 in q15) echo qwen2.5-coder-1.5b-instruct ;; q05) echo qwen2.5-coder-0.5b-instruct ;;
+                   default) echo smollm2-135m-instruct ;; *) echo "$1" ;; esac; }
+margs() { [ "$1" = default ] || echo "--model $(model "$1")"; }  # the default model needs no --model
 model() { echo "/root/parts/$(slug "$1").gguf"; }  # named as users have it: the file's stem is the model's id
 for f in /root/parts/*.file; do [ -e "$f" ] && mv "$f" "/root/parts/$(slug "$(basename "$f" .file)").gguf"; done
 hot=$data/hotpotqa
@@ -70,7 +76,27 @@ zero_label() {  # finish the zero-label profile if its pipeline fit was stopped,
   wait
 }
 
+rerank_one() {  # the fit writes into the model's profile (a copy under $res, installed for the bench)
+  local m=$1 s; s=$(slug "$1"); local prof=$assets/heads/$s.json
+  endo bench fit-reranker $(margs "$m") --data "$hot/fit300.json" --first-stages minilm,bm25 --candidates 20 \
+    --out "$prof" || return 1
+  cp "$prof" "$res/heads_reranker_$m.json"
+  endo bench corpus $(margs "$m") --data "$hot/dev300.json" \
+    --systems minilm,minilm+reranker,minilm+heads,llamaindex-bm25,bm25+reranker --out "$res/rerank_dev300_$m.json"
+}
+
+fit300_documents() {  # fit300's paragraphs as plain files, one per question's ten: no question, answer or label
+  mkdir -p /root/docs_fit300
+  python3 -c "
+import json
+for i, it in enumerate(json.load(open('$hot/fit300.json'))):
+    open(f'/root/docs_fit300/q{i:03d}.txt', 'w').write('\\n\\n'.join(t + ': ' + ' '.join(s) for t, s in it['context']))"
+}
+
 case $phase in
+zero)  # zero-label: endo prepare from the fit300 documents, then its dev300 benches
+  fit300_documents; mkdir -p /root/res/calibrate
+  for m in "$@"; do bg "zero_$m" zero_label "$m"; done ;;
 collect) ;;  # only pack what an earlier phase left (e.g. one stopped at the call's limit)
 calibrate)
   for m in "$@"; do endo info --model "$(model "$m")" --json > "$res/info_$m.json" 2>&1 & done; wait  # convert once
@@ -78,11 +104,7 @@ calibrate)
     bg "labelled_$m" calibrate_one "$m"
     bg "ilre_$m" endo calibrate-ilre --model "$(model "$m")" --data "$data/pg_essays" --lengths 8192 \
       --out "$res/ilre_$m.json" --no-progress
-    mkdir -p /root/docs_fit300
-    python3 -c "
-import json, sys
-for i, it in enumerate(json.load(open('$hot/fit300.json'))):
-    open(f'/root/docs_fit300/q{i:03d}.txt', 'w').write('\n\n'.join(t + ': ' + ' '.join(s) for t, s in it['context']))"
+    fit300_documents
     bg "zero_$m" endo prepare --model "$(model "$m")" --documents /root/docs_fit300 --profile "$res/zl_$m.json" \
       --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 --depths 20,30 --read-tokens 128,256 \
       --timings "$res/zl_timings_$m.json"
@@ -101,12 +123,27 @@ bench)  # labelled (the calibrate phase's profiles) and zero-label, every model'
     done
     [ -f "$res/zero_label_dev300_8192_$m.json" ] || bg "zero_$m" zero_label "$m"
   done ;;
-latency)  # one process at a time, nothing beside it
+latency)  # one process at a time, nothing beside it: the times per query that the docs report
   for m in "$@"; do
-    s=$(slug "$m"); [ -f /root/res/calibrate/heads_$m.json ] && cp /root/res/calibrate/heads_$m.json $assets/heads/$s.json
-    endo bench corpus --model "$(model "$m")" --data "$hot/dev300.json" --limit 100 --systems endo,llamaindex-bm25 \
-      --out "$res/latency_corpus_$m.json" > "$res/latency_$m.log" 2>&1
+    endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit 100 --systems endo,llamaindex-bm25 \
+      --out "$res/latency_corpus_$m.json" > "$res/latency_corpus_$m.log" 2>&1
+    endo bench quality $(margs "$m") --data "$hot/dev300.json" --limit 50 --context-tokens 8192 --budget 1024 \
+      --no-generate --methods endo,bm25-sent --out "$res/latency_quality_$m.json" > "$res/latency_quality_$m.log" 2>&1
   done ;;
+rerank)  # the reranker's fusion fitted on fit300 per first stage, then the rerankers users would pick, on dev300
+  for m in "$@"; do
+    bg "rerank_$m" rerank_one "$m"
+    bg "llmrerank_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit 100 \
+      --systems minilm,minilm+llmrerank,llamaindex-bm25,bm25+llmrerank --out "$res/llmrerank_dev300_$m.json"
+  done ;;
+papers)  # the 1.5B model past its window: passkeys for the decode-time backends and ILRe
+  m=${1:-q15}
+  bg "passkey_dense_$m" endo bench attention $(margs "$m") --data passkey:$data/pg_essays --depths 4 --measure accuracy \
+    --attention dense --context-tokens 32768,65536,131072 --out "$res/passkey_dense_$m.json"
+  bg "passkey_re_$m" endo bench attention $(margs "$m") --data passkey:$data/pg_essays --depths 4 --measure accuracy \
+    --attention reattention --context-tokens 32768,65536,131072 --out "$res/passkey_reattention_$m.json"
+  bg "passkey_ilre_$m" endo bench quality $(margs "$m") --data passkey:$data/pg_essays --limit 10 --no-generate \
+    --context-tokens 32768,131072 --budget 1024 --methods ilre,endo,bm25-sent --out "$res/passkey_ilre_$m.json" ;;
 esac
 # wait for the processes, at most until the deadline; then stop the rest and pack what exists
 end=$deadline  # seconds since the script began
