@@ -227,13 +227,14 @@ def cached_arrays(cache: Path | None, key: str, make) -> dict[str, np.ndarray]:
     return out
 
 
-def calibrate(bb, cells, *, top: int = 10, n_heads: int | None = None, progress=None, cache: Path | None = None
-              ) -> tuple[dict, list]:
+def calibrate(bb, cells, *, top: int = 10, n_heads: int | None = None, progress=None, cache: Path | None = None,
+              fit_fusion=None) -> tuple[dict, list]:
     """The heads profile (without the fields that describe the data) and the fusion's fit items, from `cells` =
     [(budget, examples)]: labelled examples (HotpotQA, passkeys, or the zero-label tasks of zero_label.py) whose
     `supporting` sentences are the gold. Pass 1 scores every head on every example; the best heads are kept; pass
     2 computes the fusion's signals with them and fits the weights. `cache`: a folder where each example's
-    result is kept, so a rerun skips the examples it has."""
+    result is kept, so a rerun skips the examples it has. `fit_fusion`: the fusion's fit on the items (default
+    `fit_weights`; zero-label haystacks use zero_label.fit_fusion, since every signal saturates on them)."""
     cells_items = []  # pass 1 labels every head
     for budget, examples in cells:
         items = []
@@ -263,7 +264,7 @@ def calibrate(bb, cells, *, top: int = 10, n_heads: int | None = None, progress=
                                 lambda: signals(bb, prepare_context(bb, e.context, layers), e.question, chosen,
                                                 ilre_layer))
             fit_items.append((sig, it.gold, it.lengths, budget))
-    fit = fit_weights(fit_items, SIGNALS)
+    fit = (fit_fusion or fit_weights)(fit_items, SIGNALS)
     profile = {
         "model": bb.model_id, "model_hash": bb.model_hash, "heads": [list(h) for h in chosen],
         "head_scores": ranked.reshape(bb.n_layers, bb.n_heads).round(4).tolist(), "top": top,

@@ -3,11 +3,12 @@ and no labels.
 
 Phases, each skipped when what it makes exists (`--force` makes it again):
   load      the model (a GGUF file is converted once, into the cache)
-  tasks     zero-label tasks made from the documents (zero_label.py), kept beside the profile
+  tasks     zero-label tasks made from the documents (zero_label.py): single-hop ones and, a third of them,
+            two-hop ones joined by a rare bridge; kept beside the profile
   sae       the SAEs, only when `--methods` names s3 or s3-hybrid (`endo train-sae` on the documents)
   ilre      ILRe's layer, only when `--methods` names ilre (`endo calibrate-ilre` with passkeys in the documents)
   heads     the retrieval heads and the fused ranking's weights, on the tasks' haystacks (`endo calibrate-heads`'s
-            calibration)
+            calibration; the fusion by zero_label.fit_fusion, as made haystacks saturate every signal)
   pipeline  the corpus pipeline's settings and weights, every chunk of the documents one candidate
             (`endo calibrate-pipeline`'s fit)
 Each finished phase is written atomically and recorded in a small state file; within `heads` and `pipeline` each
@@ -152,7 +153,8 @@ def run(args) -> int:
 
     t = time.perf_counter()
     documents = zero_label.read_documents(args.documents)
-    settings = [n_tasks, n_passkeys, n_questions, lengths, args.seed]
+    share = zero_label.TWO_HOP_SHARE
+    settings = [n_tasks, n_passkeys, n_questions, lengths, args.seed, round(share, 4)]
     fingerprint = f"{zero_label.fingerprint(documents)}/{settings}"
     state = {} if args.force else _state(state_path, bb.model_hash)
     if state.get("fingerprint") != fingerprint:  # other documents or sizes: nothing of an earlier run applies
@@ -164,7 +166,8 @@ def run(args) -> int:
         tasks = [zero_label.Task(**t) for t in json.loads(tasks_path.read_text())]
     else:
         made = zero_label.make_tasks(chunks, 8 * (n_tasks + n_questions), args.seed)
-        tasks = zero_label.balanced(made, chunks, n_tasks + n_questions, depth=max(args.depths))
+        linked = zero_label.two_hop_tasks(chunks, 8 * round(share * (n_tasks + n_questions)), args.seed)
+        tasks = zero_label.mixed(made, linked, chunks, n_tasks + n_questions, share, depth=max(args.depths))
         _write(tasks_path, [vars(t) for t in tasks])
     if len(tasks) < 4:
         raise ValueError(f"{args.documents}: too little text to make calibration tasks from ({len(tasks)} made); "
@@ -172,7 +175,8 @@ def run(args) -> int:
     n_heads = min(n_tasks, max(1, len(tasks) * n_tasks // max(1, n_tasks + n_questions)))  # fewer made: shared
     heads_tasks, pipeline_tasks = tasks[:n_heads], tasks[n_heads:]
     _phase_done(state, state_path, "tasks", time.perf_counter() - t, timings,
-                {"documents": len(documents), "chunks": len(chunks), "tasks": len(tasks)})
+                {"documents": len(documents), "chunks": len(chunks), "tasks": len(tasks),
+                 "forms": zero_label.forms(tasks)})
 
     if need["sae"]:
         t = time.perf_counter()
@@ -196,11 +200,14 @@ def run(args) -> int:
     with tqdm(total=total, desc="calibrating", unit="item", disable=None) as bar:
         if need["heads"]:
             t = time.perf_counter()
-            profile, _ = heads_calibrate.calibrate(bb, cells, progress=bar, cache=items)
+            profile, _ = heads_calibrate.calibrate(bb, cells, progress=bar, cache=items,
+                                                   fit_fusion=zero_label.fit_fusion)
+            scale = profile["fusion"]["budget_scale"]
             profile |= {"data": ["zero-label"], "distractors": "zero-label", "context_tokens": lengths,
-                        "budgets": [b for b, _ in cells], "seed": args.seed,
+                        "budgets": [int(b * scale) for b, _ in cells], "seed": args.seed,
                         "zero_label": {"documents": len(documents), "chunks": len(chunks),
-                                       "tasks": len(heads_tasks), "passkeys": n_passkeys * len(lengths)},
+                                       "tasks": len(heads_tasks), "passkeys": n_passkeys * len(lengths),
+                                       "forms": zero_label.forms(heads_tasks), "two_hop_share": round(share, 4)},
                         "wall_s": round(time.perf_counter() - t, 1)}
             heads_calibrate.write_profile(profile, out)
             _phase_done(state, state_path, "heads", time.perf_counter() - t, timings)
@@ -213,6 +220,7 @@ def run(args) -> int:
                 progress=bar, cache=items)
             profile["pipeline"] = pipeline_calibrate.section(best, table, "zero-label", len(questions),
                                                              time.perf_counter() - t)
+            profile["pipeline"]["fit"]["forms"] = zero_label.forms(pipeline_tasks)
             pipeline_calibrate.write_json(profile, out)
             _phase_done(state, state_path, "pipeline", time.perf_counter() - t, timings)
     shutil.rmtree(items, ignore_errors=True)  # every phase is written; the items are not needed again

@@ -13,6 +13,12 @@ question made from it, in one of two forms:
   content word) replaced by "what", a third of its other content words dropped and a third inflected; the span is
   the answer.
 
+A two-hop task (`two_hop_tasks`) joins two chunks that share a rare bridge (a name or number found in at most
+`BRIDGE_CHUNKS` chunks): its question takes a few content words of A's sentence holding the bridge and fewer of B's,
+never the bridge itself, and both chunks (both sentences) are its gold. This is the shape of a bridge question, whose
+second passage is reached through an entity the question does not name; single-hop tasks alone can never give the
+second hop (`hop2`) weight. `mixed` puts them among the others at `TWO_HOP_SHARE`.
+
 Made questions are easier for BM25 than real ones (their words come from the evidence), and weights fitted on easy
 tasks give BM25 everything; `balanced` keeps as many tasks BM25 ranks below first (within the pipeline's
 candidates) as tasks it ranks first.
@@ -30,9 +36,18 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from endo_retrieval.scoring.bm25 import words
 
 TASK_FORMS = ("keywords", "cloze")
+TWO_HOP = "two-hop"
+# real multi-hop sets are mostly bridge and comparison questions over two passages; a third of the made tasks two-hop
+# gives the second hop enough tasks to earn weight without making the single-hop signals' tasks scarce
+TWO_HOP_SHARE = 1 / 3
+# a bridge is in at most this many chunks: more and it names a topic, not a link between two passages, and the
+# other chunks holding it would be as good a second passage as the gold
+BRIDGE_CHUNKS = 3
 _PARAGRAPHS = re.compile(r"\n\s*\n")
 # a sentence ends at . ! ? (closing quotes or a [7] note after it) before a capital or digit, spaced or glued
 _SENTENCE = re.compile(r"(?<=[.!?])[\"'\u201d\u2019)]*(?:\[\d+\])?\s+(?=[\"'\u201c\u2018(]?[A-Z0-9])"
@@ -56,7 +71,8 @@ class Chunk:
 
 @dataclass
 class Task:
-    """A question with its evidence sentence (verbatim in `chunk`'s text) and, for a cloze, its answer."""
+    """A question with its evidence sentence (verbatim in `chunk`'s text) and, for a cloze, its answer; a two-hop
+    task also has its second chunk and sentence, and the bridge that links them."""
 
     id: str
     question: str
@@ -64,6 +80,17 @@ class Task:
     chunk: int
     form: str
     answer: str = ""
+    chunk2: int = -1
+    evidence2: str = ""
+    bridge: str = ""
+
+    @property
+    def golds(self) -> list[int]:
+        return [self.chunk] + ([self.chunk2] if self.chunk2 >= 0 else [])
+
+    @property
+    def evidences(self) -> list[str]:
+        return [self.evidence] + ([self.evidence2] if self.chunk2 >= 0 else [])
 
 
 def read_documents(folder: str | Path) -> list[tuple[str, str]]:
@@ -212,6 +239,81 @@ def make_tasks(chunks: list[Chunk], n: int, seed: int = 0, forms: tuple[str, ...
     return tasks
 
 
+def _bridge_candidates(text: str) -> set[str]:
+    """Names (a capitalised word, not a stop word, not opening its sentence) and numbers of three digits or more
+    in `text`: words specific enough to link two passages."""
+    out = set()
+    for sentence in sentences(text):
+        for k, t in enumerate(_TOKEN.findall(sentence)):
+            if t[0].isdigit():
+                if len(t.replace(",", "").replace(".", "")) >= 3:
+                    out.add(t)
+            elif k > 0 and t[0].isupper() and len(t) >= 3 and t.lower() in set(words(t)):
+                out.add(t)
+    return out
+
+
+def bridges(chunks: list[Chunk]) -> dict[str, list[int]]:
+    """bridge -> the chunks holding it (2 to BRIDGE_CHUNKS of them), for every name or number rare enough to link
+    passages. A chunk counts when the word is anywhere in it (a name opening a sentence too), so rarity is not
+    overstated; a capitalised word also written in lower case somewhere ("Visual", "Units" of a title) is a common
+    word, not a name."""
+    candidates = set().union(*(_bridge_candidates(c.text) for c in chunks)) if chunks else set()
+    lower = {t for c in chunks for t in _TOKEN.findall(c.text) if t.islower()}
+    candidates = {b for b in candidates if b.lower() not in lower}
+    where: dict[str, list[int]] = {}
+    for i, c in enumerate(chunks):
+        for t in set(_TOKEN.findall(c.text)) & candidates:
+            where.setdefault(t, []).append(i)
+    return {b: ids for b, ids in sorted(where.items()) if 2 <= len(ids) <= BRIDGE_CHUNKS}
+
+
+def _holding(text: str, bridge: str) -> list[str]:
+    at = re.compile(r"(?<![\w])" + re.escape(bridge) + r"(?![\w])")
+    return [s for s in sentences(text) if at.search(s)]
+
+
+def two_hop_question(first: str, second: str, bridge: str, rng: random.Random) -> str | None:
+    """A few content words of `first` (2 to 4) and fewer of `second` (1 or 2), none holding the bridge, half of
+    them inflected: the second passage is named less, as a bridge question names it through the bridge."""
+    def usable(sentence: str) -> list[str]:
+        return [w for w in content_words(sentence) if bridge.lower() not in w.lower()]
+
+    a, b = usable(first), [w for w in usable(second) if w.lower() not in {x.lower() for x in usable(first)}]
+    if len(a) < 2 or not b:
+        return None
+    kept_a = rng.sample(a, rng.randint(2, min(len(a), 4)))
+    kept_b = rng.sample(b, rng.randint(1, min(len(b), 2)))
+    for kept in (kept_a, kept_b):
+        for i in rng.sample(range(len(kept)), len(kept) // 2):
+            kept[i] = inflect(kept[i])
+    return "Which passages tell about " + ", ".join(kept_a) + " and what links it to " + " and ".join(kept_b) + "?"
+
+
+def two_hop_tasks(chunks: list[Chunk], n: int, seed: int = 0, min_words: int = 5, max_words: int = 60
+                  ) -> list[Task]:
+    """Up to `n` two-hop tasks, one per bridge (in an order drawn from `seed`): two chunks holding it, a sentence
+    holding it in each, the question made of both (two_hop_question)."""
+    rng = random.Random(f"two-hop/{seed}")
+    linked = bridges(chunks)
+    order = list(linked)
+    rng.shuffle(order)
+    tasks: list[Task] = []
+    for bridge in order:
+        if len(tasks) >= n:
+            break
+        a, b = rng.sample(linked[bridge], 2)
+        first = [s for s in _holding(chunks[a].text, bridge) if min_words <= len(s.split()) <= max_words]
+        second = [s for s in _holding(chunks[b].text, bridge) if min_words <= len(s.split()) <= max_words]
+        if not first or not second:
+            continue
+        s1, s2 = rng.choice(first), rng.choice(second)
+        question = two_hop_question(s1, s2, bridge, rng)
+        if question and not any(t.question == question for t in tasks):
+            tasks.append(Task(f"zl2-{len(tasks)}", question, s1, a, TWO_HOP, chunk2=b, evidence2=s2, bridge=bridge))
+    return tasks
+
+
 def _zip_longest(lists: list[list[int]]):
     for k in range(max((len(x) for x in lists), default=0)):
         yield [x[k] for x in lists if k < len(x)]
@@ -240,23 +342,25 @@ def haystacks(tasks: list[Task], chunks: list[Chunk], count_tokens, context_toke
               n_hard: int = 8):
     """The heads calibration's examples: each task's chunk, the chunks BM25 ranks highest for its question, then
     random chunks, up to `context_tokens`, shuffled (heads_calibrate.hard_haystacks)."""
-    from endo_retrieval.calibration.datasets import Example
+    from endo_retrieval.calibration.datasets import PARAGRAPH_SEPARATOR, Example
     from endo_retrieval.calibration.heads import hard_haystacks
 
-    own = [Example(t.id, t.question, [t.answer] if t.answer else [], chunks[t.chunk].text, [t.evidence],
-                   {"form": t.form}) for t in tasks]
+    own = [Example(t.id, t.question, [t.answer] if t.answer else [],
+                   PARAGRAPH_SEPARATOR.join(chunks[g].text for g in t.golds), t.evidences, {"form": t.form})
+           for t in tasks]
     return list(hard_haystacks(own, [c.text for c in chunks], count_tokens, context_tokens, seed, n_hard))
 
 
 def corpus_questions(tasks: list[Task], chunks: list[Chunk]) -> tuple[list[str], list[str], list[dict]]:
     """(titles, texts, questions) in the shape of eval.rerank.hotpotqa_corpus: every chunk one document, each
-    task's chunk its gold."""
+    task's chunks its gold."""
     return ([c.id for c in chunks], [c.text for c in chunks],
-            [{"_id": t.id, "question": t.question, "supporting_facts": [[chunks[t.chunk].id, 0]]} for t in tasks])
+            [{"_id": t.id, "question": t.question, "supporting_facts": [[chunks[g].id, 0] for g in t.golds]}
+             for t in tasks])
 
 
 def bm25_ranks(tasks: list[Task], chunks: list[Chunk]) -> list[int]:
-    """Per task, how many chunks BM25 scores above its own chunk (0: BM25 finds it first)."""
+    """Per task, how many other chunks BM25 scores above its weakest gold chunk (0: BM25 ranks its gold first)."""
     import numpy as np
 
     from endo_retrieval.scoring.bm25 import OkapiPostings
@@ -265,7 +369,8 @@ def bm25_ranks(tasks: list[Task], chunks: list[Chunk]) -> list[int]:
     out = []
     for t in tasks:
         scores = bm25.get_scores(words(t.question))
-        out.append(int(np.sum(scores > scores[t.chunk])))
+        others = np.delete(scores, t.golds)
+        out.append(int(np.sum(others > scores[t.golds].min())))
     return out
 
 
@@ -283,3 +388,101 @@ def balanced(tasks: list[Task], chunks: list[Chunk], n: int, hard_share: float =
     picked += hard[n_hard: n_hard + n - len(picked)]  # too few easy ones: more hard ones
     order = {id(t): i for i, t in enumerate(tasks)}
     return sorted(picked, key=lambda t: order[id(t)])
+
+
+def mixed(single: list[Task], two_hop: list[Task], chunks: list[Chunk], n: int, share: float = TWO_HOP_SHARE,
+          depth: int = 20) -> list[Task]:
+    """`n` tasks, `share` of them two-hop (fewer when fewer were made; single-hop ones fill in), each kind balanced
+    on its own (`balanced`), spread evenly through the list so every leading part of it (the heads' tasks, then
+    the pipeline's) holds about the same share."""
+    two = balanced(two_hop, chunks, min(len(two_hop), round(share * n)), depth=depth) if two_hop else []
+    one = balanced(single, chunks, n - len(two), depth=depth)
+    placed = [((i + 0.5) / len(one), 0, t) for i, t in enumerate(one)]
+    placed += [((i + 0.5) / len(two), 1, t) for i, t in enumerate(two)]
+    return [t for *_, t in sorted(placed, key=lambda x: x[:2])]
+
+
+def forms(tasks: list[Task]) -> dict[str, int]:
+    """How many tasks of each form, for the profile's record."""
+    out: dict[str, int] = {}
+    for t in tasks:
+        out[t.form] = out.get(t.form, 0) + 1
+    return dict(sorted(out.items()))
+
+
+# ---------------------------------------------------------------- the whole-context fusion on made haystacks
+
+# Made haystacks are easy: every signal finds the one evidence sentence within an eighth of the context, so at that
+# budget every weight ties and a tie-break decides. The fit halves the budget while the best single signal still
+# keeps more than SATURATED of the gold: below it, at least a tenth of the evidence is missed by the best signal,
+# which is where the signals can differ.
+SATURATED = 0.9
+# never below this budget: a made evidence sentence is at most 60 words (about 80 tokens), so it always fits
+MIN_BUDGET = 128
+# weights whose recall is within this many standard errors of the best (paired over the items) are as good as it
+NEAR = 1.0
+
+
+def _flatness(w: dict) -> float:
+    return sum(v * v for v in w.values())  # least for equal weights, most for one signal alone
+
+
+def fit_fusion(items: list[tuple[dict, np.ndarray, np.ndarray, int]], names: tuple[str, ...] | None = None,
+               step: float | None = None) -> dict:
+    """The whole-context fusion's weights on zero-label haystacks, `items` = [(signals, gold, lengths, budget)]
+    as heads_calibrate.calibrate makes them:
+
+    1. balanced: as many items on which BM25 does not rank the gold sentences first as items on which it does
+       (the surplus of the larger kind dropped, in item order), as `balanced` does for the pipeline's tasks;
+    2. budget: every item's budget halved, all together, while the best single signal's mean recall is above
+       SATURATED and every budget stays at or above MIN_BUDGET;
+    3. weights: on the simplex grid, the best mean recall; among the weights within NEAR standard errors of it
+       (paired per-item differences), the flattest. When the signals cannot be told apart the fusion hedges over
+       them instead of falling to whichever corner a tie-break lists first; when one mixture is clearly best, only
+       it and its close neighbours are near, so the fit still picks it.
+    """
+    from endo_retrieval.methods.endo import GRID_STEP, SIGNALS, recall_in_budget, simplex
+    from endo_retrieval.methods.heads import HeadsError
+    from endo_retrieval.scoring.fusion import standardise
+
+    step = step or GRID_STEP
+    items = [it for it in items if it[1].any()]
+    if not items:
+        raise HeadsError("No calibration item has a gold sentence in its haystack: check the documents.")
+    names = [s for s in (names or SIGNALS) if all(s in it[0] for it in items)]
+    z = [{s: standardise(sig[s]) for s in names} for sig, *_ in items]
+
+    if "bm25" in names:
+        first = [bool(g[np.argsort(-zi["bm25"], kind="stable")[: int(g.sum())]].all())
+                 for zi, (_, g, *_) in zip(z, items)]
+        hard = [i for i, f in enumerate(first) if not f]
+        easy = [i for i, f in enumerate(first) if f]
+        k = min(len(hard), len(easy))
+        keep = sorted(hard[:k] + easy[:k]) if k else list(range(len(items)))
+        items, z = [items[i] for i in keep], [z[i] for i in keep]
+
+    def recalls(w: dict, scale: int) -> np.ndarray:
+        return np.array([recall_in_budget(sum(w[s] * zi[s] for s in names), gold, lengths, budget // scale)
+                         for zi, (_, gold, lengths, budget) in zip(z, items)])
+
+    corners = {s: {t: float(t == s) for t in names} for s in names}
+    scale = 1
+    while True:
+        single = {s: float(recalls(w, scale).mean()) for s, w in corners.items()}
+        if max(single.values()) <= SATURATED or min(b for *_, b in items) // (2 * scale) < MIN_BUDGET:
+            break
+        scale *= 2
+
+    grid = list(simplex(names, step))
+    table = np.stack([recalls(w, scale) for w in grid])  # weights x items
+    means = table.mean(1)
+    best = int(np.argmax(means))
+    diff = table[best] - table  # per item, how much each weight loses to the best
+    se = diff.std(1, ddof=1) / np.sqrt(len(items)) if len(items) > 1 else np.zeros(len(grid))
+    near = [i for i in range(len(grid)) if diff[i].mean() <= NEAR * se[i] + 1e-12]
+    chosen = min(near, key=lambda i: (_flatness(grid[i]), i))
+    return {"weights": grid[chosen], "recall": round(float(means[chosen]), 4),
+            "best": {"weights": grid[best], "recall": round(float(means[best]), 4)},
+            "single": {s: round(r, 4) for s, r in single.items()}, "step": step, "n_items": len(items),
+            "budget_scale": 1 / scale, "near_best": len(near),
+            "rule": "zero-label: balanced items, budget halved past saturation, flattest near-best weights"}

@@ -117,6 +117,13 @@ def test_prepare_makes_skips_resumes_and_the_retriever_answers(setup, monkeypatc
     profile = heads_profile(bb)
     assert profile["heads"] and profile["fusion"]["weights"] and profile["data"] == ["zero-label"]
     assert profile["pipeline"]["depth"] == 4 and profile["pipeline"]["read_tokens"] == 32
+    # what was made is recorded: the task forms and the two-hop share, the fusion's rule and the budget it used
+    made = profile["zero_label"]
+    assert made["two_hop_share"] == round(1 / 3, 4) and sum(made["forms"].values()) == made["tasks"] == 6
+    assert set(made["forms"]) <= {"keywords", "cloze", "two-hop"}
+    assert "flattest" in profile["fusion"]["rule"]
+    assert profile["budgets"] == [int(256 // 8 * profile["fusion"]["budget_scale"])]
+    assert sum(profile["pipeline"]["fit"]["forms"].values()) == profile["pipeline"]["fit"]["n_questions"]
     assert set(json.loads((root / "t.json").read_text())["phases_s"]) >= {"load", "tasks", "heads", "pipeline"}
     assert not (heads_profile_path(bb).parent / "heads.prepare" / "items").exists()
 
