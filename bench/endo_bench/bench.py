@@ -1,4 +1,4 @@
-"""`endo bench quality|perf|attention|signals|rerank|corpus`: each benchmark is a module exposing
+"""`endo bench quality|perf|attention|signals|rerank|corpus|fit-reranker`: each benchmark is a module exposing
 `add_arguments(parser)` and `run(args)`; add one by adding a line to BENCHES. A benchmark whose module is absent
 says so when run."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 from endo_retrieval.cli.commands import int_list, model_argument
 
-HELP = "benchmarks: quality | perf | attention | signals | rerank | corpus"
+HELP = "benchmarks: quality | perf | attention | signals | rerank | corpus | fit-reranker"
 
 # benchmark -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args)
 BENCHES = {
@@ -21,6 +21,8 @@ BENCHES = {
     "rerank": ("endo_bench.rerank", "", "a MiniLM vector store alone and followed by the heads reranker"),
     "corpus": ("endo_bench.corpus_bench", "",
                "corpus retrieval through LlamaIndex retrievers: paragraph recall@k, all-gold@k, MRR, intervals"),
+    "fit-reranker": ("endo_bench.fit_reranker", "",
+                     "fit EndoReranker's fusion weights per first stage into the model's heads profile"),
 }
 
 

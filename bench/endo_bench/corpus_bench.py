@@ -3,12 +3,14 @@
 Every paragraph of a HotpotQA-layout file is pooled into one corpus, one `TextNode` per title ('Title: s1 s2 ...',
 metadata {"title": title}); each question is asked through a retriever built the way a user builds it, and its
 gold is the distinct titles of its supporting facts. Rows:
-- `endo`, `bm25`, `s3-hybrid`: `EndoRetriever` with that method. It returns evidence spans, several of which may
-  come from one paragraph: paragraphs are ranked by their first span, and the retriever is asked for
-  SPANS_PER_PARAGRAPH spans per wanted paragraph (twice as many again while too few distinct ones come back);
-- `llamaindex-bm25`: LlamaIndex's own `BM25Retriever`;
-- `minilm`: a `VectorStoreIndex` of all-MiniLM-L6-v2 embeddings; `minilm+reranker`: its top `--candidates`
-  re-ordered by `EndoReranker`.
+- `endo`, `bm25`, `s3-hybrid`: `EndoRetriever` with that method, one hit per paragraph (its best passage or span);
+- `llamaindex-bm25`: LlamaIndex's own `BM25Retriever`; `minilm`: a `VectorStoreIndex` of all-MiniLM-L6-v2
+  embeddings;
+- rerankers after either first stage's top `--candidates`: `minilm+reranker` and `bm25+reranker` (`EndoReranker`
+  as users build it, fusing the first stage's scores with the retrieval heads'), `minilm+heads` (`EndoReranker(
+  fuse=False)`: the heads alone), `minilm+llmrerank` and `bm25+llmrerank` (LlamaIndex's `LLMRerank` reading the
+  same local model's answers through `EndoLLM`; where it parses fewer than TOP paragraphs from them, the first
+  stage's order fills the rest, and the row's note counts those questions).
 Per row: paragraph recall@k and all-gold@k (k = 2, 5, 10) and MRR over the top 10 distinct paragraphs, each with a
 95% bootstrap interval over questions and its paired difference to the `--reference` row; latency p50/p95 of the
 whole query and of each stage known; the index build time. Writes JSON (schema endo-bench-corpus/1), with each
@@ -33,10 +35,14 @@ SCHEMA = "endo-bench-corpus/1"
 TOP = 10  # distinct paragraphs ranked per question
 KS = (2, 5, TOP)
 METRICS = (*(f"recall@{k}" for k in KS), *(f"all@{k}" for k in KS), "mrr")
-SPANS_PER_PARAGRAPH = 4
-WIDENINGS = 4  # at most this many doublings of the span count for one question
 ENDO_SYSTEMS = ("endo", "bm25", "s3-hybrid")
-SYSTEMS = (*ENDO_SYSTEMS, "llamaindex-bm25", "minilm", "minilm+reranker")
+FIRST_STAGES = ("minilm", "bm25")  # FirstStage kinds, named as the reranker's fitted weights are
+FIRST_STAGE_ROWS = {"llamaindex-bm25": "bm25", "minilm": "minilm"}  # a first stage alone
+RERANKED = ("minilm+reranker", "minilm+heads", "bm25+reranker", "minilm+llmrerank", "bm25+llmrerank")
+SYSTEMS = (*ENDO_SYSTEMS, *FIRST_STAGE_ROWS, *RERANKED)
+CHOICE_BATCH = 10  # LLMRerank's own default: candidates shown to the model per call
+# cl100k_base.tiktoken as tiktoken caches it: the SHA-1 of its download address
+CL100K_FILE = "9b5ad71b2ce5302211f9c61530b329a4922fc6a4"
 REFERENCE, FALLBACK_REFERENCE = "llamaindex-bm25", "bm25"
 RESAMPLES = 1000
 # asked once after each build, its time counted in the index's: lazily built parts (a BM25 table on the first
@@ -54,7 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the row every difference is taken to (default {REFERENCE}; {FALLBACK_REFERENCE} when "
                         "that row is not run)")
     p.add_argument("--candidates", type=int, default=20,
-                   help=f"MiniLM's top-k handed to the reranker (default 20; at least {TOP})")
+                   help=f"the first stage's top-k handed to a reranker (default 20; at least {TOP})")
+    p.add_argument("--choice-batch-size", type=int, default=CHOICE_BATCH,
+                   help=f"LLMRerank's candidates per model call (default {CHOICE_BATCH}, LlamaIndex's)")
     p.add_argument("--limit", type=int, default=None, help="the first N questions (the corpus is still every "
                    "paragraph of the file)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap resampling seed")
@@ -120,12 +128,25 @@ def question_metrics(per_question: dict[str, list], gold_counts) -> dict[str, np
 # ---------------------------------------------------------------- the systems, each as a user builds it
 
 
-class EndoSpans:
-    """`EndoRetriever` with one method; spans are mapped to their paragraphs through metadata["doc_id"]."""
+class Row:
+    """One system of the table: `load` its models (untimed), `build` its index over the nodes, `ask` a question
+    for its ranked paragraph ids and the milliseconds of each stage it knows."""
+
+    reused_s = 0.0  # the build time of a structure an earlier row built and this row shares
+
+    def reset(self) -> None:
+        """Forget what the warm-up question counted."""
+
+    def note(self) -> str | None:
+        return None
+
+
+class EndoSpans(Row):
+    """`EndoRetriever` with one method. It returns one hit per node, the node's best passage or span, under the
+    node's own id (also in metadata["doc_id"]): that id is the paragraph."""
 
     def __init__(self, method: str, bb):
         self.name, self.method, self.bb = method, method, bb
-        self.widened = 0  # questions that needed more spans than the first ask
 
     def load(self, shared: dict) -> None:
         pass  # the backbone is loaded before any system
@@ -133,24 +154,13 @@ class EndoSpans:
     def build(self, nodes: list, shared: dict) -> None:
         from llama_index.retrievers.endo import EndoRetriever
 
-        self.n_paragraphs = len(nodes)  # the index shows its own progress bar on a terminal
+        # the index shows its own progress bar on a terminal
         self.retriever = EndoRetriever.from_defaults(nodes=nodes, method=self.method, backbone=self.bb,
-                                                     similarity_top_k=SPANS_PER_PARAGRAPH * TOP)
+                                                     similarity_top_k=TOP)
 
     def ask(self, question: str) -> tuple[list[str], dict[str, float]]:
-        want = min(TOP, self.n_paragraphs)
-        k, stages = SPANS_PER_PARAGRAPH * TOP, {}
-        for attempt in range(WIDENINGS + 1):
-            self.retriever.similarity_top_k = k
-            found = self.retriever.retrieve(question)
-            for stage, ms in _stage_ms(found).items():  # summed over the asks this question took
-                stages[stage] = stages.get(stage, 0.0) + ms
-            ids = distinct(n.node.metadata["doc_id"] for n in found)
-            if len(ids) >= want or len(found) < k:  # enough, or the retriever has nothing more to give
-                break
-            k *= 2
-        self.widened += attempt > 0
-        return ids, stages
+        found = self.retriever.retrieve(question)
+        return distinct(n.node.node_id for n in found), _stage_ms(found)
 
 
 def _stage_ms(found: list) -> dict[str, float]:
@@ -162,25 +172,39 @@ def _stage_ms(found: list) -> dict[str, float]:
     return {}
 
 
-class LlamaIndexBM25:
-    """LlamaIndex's own BM25Retriever (the package llama-index-retrievers-bm25)."""
+class FirstStage:
+    """A retriever that needs no language model, asked for its top k: 'bm25' (LlamaIndex's BM25Retriever, the
+    package llama-index-retrievers-bm25) or 'minilm' (a VectorStoreIndex of all-MiniLM-L6-v2 embeddings)."""
 
-    name = "llamaindex-bm25"
+    def __init__(self, kind: str, k: int):
+        if kind not in FIRST_STAGES:
+            raise ValueError(f"Unknown first stage {kind!r}; known: {', '.join(FIRST_STAGES)}.")
+        self.kind, self.k = kind, k
 
     def load(self, shared: dict) -> None:
+        if self.kind == "minilm":
+            load_embedder(shared)
+            return
         try:
             from llama_index.retrievers.bm25 import BM25Retriever
         except ImportError as err:
             raise Unavailable("llama-index-retrievers-bm25 is not installed (pip install "
                               f"'llama-index-retrievers-bm25==0.8.0', part of the bench extra): {err}") from err
         logging.getLogger("bm25s").setLevel(logging.WARNING)  # bm25s sets its own logger to DEBUG on import
-        self.cls = BM25Retriever
+        self.bm25 = BM25Retriever
 
-    def build(self, nodes: list, shared: dict) -> None:
-        self.retriever = self.cls.from_defaults(nodes=nodes, similarity_top_k=min(TOP, len(nodes)))
+    def build(self, nodes: list, shared: dict) -> float:
+        """Build the retriever; returns the seconds of a shared structure an earlier row built (else 0)."""
+        k = min(self.k, len(nodes))  # BM25 refuses a k past the corpus
+        if self.kind == "bm25":
+            self.retriever = self.bm25.from_defaults(nodes=nodes, similarity_top_k=k)
+            return 0.0
+        index, reused_s = vector_index(nodes, shared)
+        self.retriever = index.as_retriever(similarity_top_k=k)
+        return reused_s
 
-    def ask(self, question: str) -> tuple[list[str], dict[str, float]]:
-        return distinct(n.node.node_id for n in self.retriever.retrieve(question)), {}
+    def retrieve(self, question: str) -> list:
+        return self.retriever.retrieve(question)
 
 
 def load_embedder(shared: dict) -> None:
@@ -191,8 +215,8 @@ def load_embedder(shared: dict) -> None:
 
 
 def vector_index(nodes: list, shared: dict) -> tuple[object, float]:
-    """One MiniLM VectorStoreIndex for both vector rows: (the index, the seconds of its build when an earlier
-    row built it, else 0: the caller's own clock is running)."""
+    """One MiniLM VectorStoreIndex for every MiniLM row: (the index, the seconds of its build when an earlier row
+    built it, else 0: the caller's own clock is running)."""
     if "vector" in shared:
         return shared["vector"]
     from llama_index.core import VectorStoreIndex
@@ -203,57 +227,122 @@ def vector_index(nodes: list, shared: dict) -> tuple[object, float]:
     return index, 0.0
 
 
-class MiniLM:
-    name = "minilm"
+class Retrieved(Row):
+    """A first stage alone, its top TOP."""
+
+    def __init__(self, name: str, first: FirstStage):
+        self.name, self.first = name, first
 
     def load(self, shared: dict) -> None:
-        load_embedder(shared)
+        self.first.load(shared)
 
     def build(self, nodes: list, shared: dict) -> None:
-        index, self.reused_s = vector_index(nodes, shared)
-        self.retriever = index.as_retriever(similarity_top_k=min(TOP, len(nodes)))
+        self.reused_s = self.first.build(nodes, shared)
 
     def ask(self, question: str) -> tuple[list[str], dict[str, float]]:
-        return distinct(n.node.node_id for n in self.retriever.retrieve(question)), {}
+        return distinct(n.node.node_id for n in self.first.retrieve(question)), {}
 
 
-class MiniLMReranker:
-    """MiniLM's top `candidates`, then EndoReranker keeps the best TOP."""
+class Reranked(Row):
+    """A first stage's top `--candidates`, then a node postprocessor that keeps the best TOP. When the
+    postprocessor hands back fewer distinct nodes than it was asked for (LLMRerank keeps only what it can parse of
+    the model's answer), the rest of the top TOP follow in the first stage's order; `filled` counts those
+    questions, `empty` those where it handed back none."""
 
-    name = "minilm+reranker"
+    def __init__(self, name: str, first: FirstStage, make_postprocessor):
+        self.name, self.first, self.make_postprocessor = name, first, make_postprocessor
+        self.reset()
 
-    def __init__(self, candidates: int, bb):
-        self.candidates, self.bb = candidates, bb
+    def reset(self) -> None:
+        self.filled = self.empty = 0
 
     def load(self, shared: dict) -> None:
-        from llama_index.postprocessor.endo import EndoReranker
-
-        load_embedder(shared)
-        self.reranker = EndoReranker(top_n=TOP, backbone=self.bb)
+        self.first.load(shared)
+        self.postprocessor = self.make_postprocessor()
 
     def build(self, nodes: list, shared: dict) -> None:
-        index, self.reused_s = vector_index(nodes, shared)
-        self.retriever = index.as_retriever(similarity_top_k=min(self.candidates, len(nodes)))
+        self.reused_s = self.first.build(nodes, shared)
 
     def ask(self, question: str) -> tuple[list[str], dict[str, float]]:
         start = time.perf_counter()
-        candidates = self.retriever.retrieve(question)
+        candidates = self.first.retrieve(question)
         middle = time.perf_counter()
-        best = self.reranker.postprocess_nodes(candidates, query_str=question)
+        try:
+            best = self.postprocessor.postprocess_nodes(candidates, query_str=question)
+        except IndexError:  # LLMRerank indexes its batch with the model's numbers: one out of range raises
+            best = []
         stages = {"first_stage": 1e3 * (middle - start), "rerank": 1e3 * (time.perf_counter() - middle)}
-        return distinct(n.node.node_id for n in best), stages
+        kept = distinct(n.node.node_id for n in best)
+        first = [n.node.node_id for n in candidates]
+        if len(kept) < min(TOP, len(set(first))):
+            self.filled += 1
+            self.empty += not kept
+        return distinct(kept + first), stages
+
+    def note(self) -> str | None:
+        if not self.filled:
+            return None
+        return (f"questions with fewer than {TOP} distinct paragraphs from the reranker: {self.filled} (with none: "
+                f"{self.empty}); the rest of their top {TOP} came in the first stage's order")
+
+
+def endo_llm(bb):
+    """The local model as the LLM that LLMRerank reads its answers from (a function, so tests can stub it)."""
+    from llama_index.llms.endo import EndoLLM
+
+    return EndoLLM(backbone=bb)
 
 
 class Unavailable(RuntimeError):
     """A row that cannot run here; its reason is reported instead of a crash."""
 
 
-def make_system(name: str, args, bb):
+def make_system(name: str, args, bb) -> Row:
     if name in ENDO_SYSTEMS:
         return EndoSpans(name, bb)
-    if name == "llamaindex-bm25":
-        return LlamaIndexBM25()
-    return MiniLM() if name == "minilm" else MiniLMReranker(args.candidates, bb)
+    if name in FIRST_STAGE_ROWS:
+        return Retrieved(name, FirstStage(FIRST_STAGE_ROWS[name], TOP))
+    kind, second = name.split("+")
+    first = FirstStage(kind, args.candidates)
+    if second == "llmrerank":
+        def make():
+            from llama_index.core.postprocessor import LLMRerank
+
+            return LLMRerank(llm=endo_llm(bb), top_n=TOP, choice_batch_size=args.choice_batch_size)
+    else:
+        def make():
+            from llama_index.postprocessor.endo import EndoReranker
+
+            # "reranker": as a user builds it, fused with the first stage; "heads": the retrieval heads alone
+            return EndoReranker(top_n=TOP, backbone=bb, fuse=second == "reranker", first_stage=kind)
+    return Reranked(name, first, make)
+
+
+def load_backbone(model):
+    """The local model, loaded once before any index is timed (a function, so tests can stub it)."""
+    from endo_retrieval.model.backbone import Backbone
+
+    return Backbone.of(model)
+
+
+def use_shipped_tiktoken_cache() -> None:
+    """LlamaIndex counts tokens with tiktoken's cl100k_base, which tiktoken downloads unless it finds the file in
+    TIKTOKEN_CACHE_DIR. llama_index.core points that variable at the copy it ships only while the variable is
+    unset, so on a machine that sets it elsewhere (without the file) and has no network, building a
+    VectorStoreIndex fails. There, point the variable at the shipped copy."""
+    import importlib.util
+    import os
+
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR")
+    if cache is None or (cache and (Path(cache) / CL100K_FILE).is_file()):
+        return  # unset: llama_index.core uses its own copy; or the file is where the variable says
+    spec = importlib.util.find_spec("llama_index.core")
+    if spec is None or spec.origin is None:
+        return  # no LlamaIndex: nothing here counts tokens with it
+    shipped = Path(spec.origin).parent / "_static" / "tiktoken_cache"
+    if (shipped / CL100K_FILE).is_file():
+        logger.info("TIKTOKEN_CACHE_DIR=%r lacks cl100k_base; using LlamaIndex's copy in %s", cache, shipped)
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(shipped)
 
 
 # ---------------------------------------------------------------- one row
@@ -268,9 +357,8 @@ def measure(system, nodes: list, items: list[dict], titles_of: dict[str, str], s
     start = time.perf_counter()
     system.build(nodes, shared)
     system.ask(WARM_UP)
-    index_s = time.perf_counter() - start + getattr(system, "reused_s", 0.0)
-    if hasattr(system, "widened"):
-        system.widened = 0  # the warm-up's asks are not the questions'
+    index_s = time.perf_counter() - start + system.reused_s
+    system.reset()
     per_question = {**{f"hits@{k}": [] for k in KS}, "first_gold_rank": [], "query_ms": []}
     stage_ms: dict[str, list[float]] = {}
     for item in tqdm(items, desc=f"corpus {system.name}", unit="question", disable=None):
@@ -284,8 +372,8 @@ def measure(system, nodes: list, items: list[dict], titles_of: dict[str, str], s
     latency = {"query": percentiles(per_question["query_ms"]), **{s: percentiles(v) for s, v in stage_ms.items()}}
     row = {"system": system.name, "n": len(items), "latency_ms": latency, "index_s": round(index_s, 3),
            "per_question": per_question}
-    if getattr(system, "widened", 0):
-        row["note"] = f"{system.widened} questions needed more than {SPANS_PER_PARAGRAPH * TOP} spans"
+    if system.note():
+        row["note"] = system.note()
     return row
 
 
@@ -327,11 +415,14 @@ def run(args) -> int:
     systems = parse_systems(args.systems)
     if args.candidates < TOP:
         raise ValueError(f"--candidates must be at least {TOP} (the reranker keeps {TOP}), got {args.candidates}")
+    if args.choice_batch_size < 1:
+        raise ValueError(f"--choice-batch-size must be at least 1, got {args.choice_batch_size}")
     out = Path(args.out)
     if out.suffix != ".json":
         raise ValueError(f"--out must name a .json file, got {out}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     wall = time.perf_counter()
+    use_shipped_tiktoken_cache()
     titles, texts, items = hotpotqa_corpus(args.data, args.limit)
     no_gold = [it["_id"] for it in items if not it["supporting_facts"]]
     items = [it for it in items if it["supporting_facts"]]  # recall is undefined without gold
@@ -339,11 +430,7 @@ def run(args) -> int:
         raise ValueError(f"{args.data}: no question with supporting facts to score")
     nodes = corpus_nodes(titles, texts)
     titles_of = {n.node_id: t for n, t in zip(nodes, titles)}
-    bb = None
-    if any(s not in ("llamaindex-bm25", "minilm") for s in systems):
-        from endo_retrieval.model.backbone import Backbone
-
-        bb = Backbone.of(args.model)  # loaded once, before any index is timed
+    bb = load_backbone(args.model) if any(s not in FIRST_STAGE_ROWS for s in systems) else None
     rows, shared = [], {}
     for name in systems:
         try:
@@ -369,17 +456,20 @@ def run(args) -> int:
 def run_config(args, bb, systems, reference, n_paragraphs, items, gold_counts, no_gold, wall_s) -> dict:
     return {"model": bb.model_id if bb else None, "model_hash": bb.model_hash if bb else None,
             "data": str(args.data), "limit": args.limit, "seed": args.seed, "systems": systems,
-            "reference": reference, "candidates": args.candidates, "top": TOP, "ks": list(KS),
-            "spans_per_paragraph": SPANS_PER_PARAGRAPH, "bootstrap": {"resamples": RESAMPLES, "level": 0.95},
+            "reference": reference, "candidates": args.candidates, "choice_batch_size": args.choice_batch_size,
+            "top": TOP, "ks": list(KS), "bootstrap": {"resamples": RESAMPLES, "level": 0.95},
             "corpus_paragraphs": n_paragraphs, "n_questions": len(items), "embedder": "all-MiniLM-L6-v2",
             "device": str(bb.device) if bb else "cpu", "question_ids": [it["_id"] for it in items],
             "gold_per_question": gold_counts, "left_out_no_gold": no_gold, "wall_s": round(wall_s, 1),
             "notes": ["gold: the distinct titles of a question's supporting facts; a paragraph counts once, at its "
-                      "first (best) span",
-                      "index_s: building the index plus one warm-up question; the two MiniLM rows share one "
-                      "vector index and both report its build",
-                      "latency_ms.query: the whole question, every ask included when an EndoRetriever was asked "
-                      "again for more spans; other keys are the stages a system reports",
+                      "first (best) hit",
+                      "index_s: building the index plus one warm-up question; the MiniLM rows share one vector "
+                      "index and each reports its build",
+                      "latency_ms.query: the whole question; other keys are the stages a system reports "
+                      "(first_stage and rerank for the rerankers)",
+                      "llmrerank rows: LLMRerank keeps only the paragraphs it parses from the model's answer; "
+                      "where that is fewer than the top, the first stage's order fills the rest, and the row's "
+                      "note says for how many questions",
                       "intervals: 95% percentile bootstrap over questions; diff: row minus reference, paired "
                       "(the same resampled questions for both)"]}
 

@@ -1,10 +1,13 @@
 """`endo bench corpus` and the bootstrap intervals every bench figure carries: the intervals on inputs whose answer
-is known, the corpus metrics on rankings scored by hand, and the command end to end on a made-up HotpotQA file."""
+is known, the corpus metrics on rankings scored by hand, the command end to end on a made-up HotpotQA file, the
+rerankers' rows, and `endo bench fit-reranker`."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -218,3 +221,220 @@ def test_bench_corpus_end_to_end(tmp_path, backbone):
     (bm25_diff,) = [line for line in diff_table if line.startswith("| bm25 | ")]
     cells = bm25_diff.strip("| ").split(" | ")[1:]
     assert len(cells) == len(METRICS) and all(re.fullmatch(SIGNED_CELL, c) for c in cells), bm25_diff
+
+
+# ---------------------------------------------------------------- rerankers after a first stage
+
+
+def scripted_llm(answer: str):
+    """A LlamaIndex LLM that answers every prompt with one fixed text (the bench's handling of LLMRerank's parse
+    is under test, not the model); `calls` counts its answers."""
+    from llama_index.core.llms import CompletionResponse, CustomLLM, LLMMetadata
+
+    class Scripted(CustomLLM):
+        calls: int = 0
+
+        @property
+        def metadata(self) -> LLMMetadata:
+            return LLMMetadata()
+
+        def complete(self, prompt, formatted=False, **kwargs):
+            self.calls += 1
+            return CompletionResponse(text=answer)
+
+        def stream_complete(self, prompt, formatted=False, **kwargs):
+            raise NotImplementedError
+
+    return Scripted()
+
+
+class ListedFirstStage:
+    """A first stage that returns the same nodes, best first, for any question."""
+
+    kind = "listed"
+
+    def __init__(self, n: int):
+        from llama_index.core.schema import NodeWithScore, TextNode
+
+        self.nodes = [NodeWithScore(node=TextNode(id_=f"c{i}", text=f"candidate {i}"), score=float(n - i))
+                      for i in range(n)]
+
+    def load(self, shared):
+        pass
+
+    def retrieve(self, question):
+        return list(self.nodes)
+
+
+@pytest.mark.parametrize("answer, top, empty, calls", [
+    ("I cannot rank these.", [f"c{i}" for i in range(10)], 1, 2),  # nothing parsed: the first stage's order
+    # each batch of 10 names its 2nd document: c1 and c11 lead, the first stage's order fills the rest
+    ("Doc: 2, Relevance: 9", ["c1", "c11", "c0", *(f"c{i}" for i in range(2, 9))], 0, 2),
+    ("Doc: -40, Relevance: 3", [f"c{i}" for i in range(10)], 1, 1),  # LLMRerank raises IndexError at once
+])
+def test_llmrerank_shortfall_is_filled_from_the_first_stage_and_counted(answer, top, empty, calls):
+    from llama_index.core.postprocessor import LLMRerank
+
+    from endo_bench.corpus_bench import TOP, Reranked
+
+    llm = scripted_llm(answer)
+    row = Reranked("listed+llmrerank", ListedFirstStage(15),
+                   lambda: LLMRerank(llm=llm, top_n=TOP, choice_batch_size=10))
+    row.load({})
+    ids, stages = row.ask("Which candidate?")
+    assert ids == top and llm.calls == calls  # 15 candidates: batches of 10 and 5
+    assert (row.filled, row.empty) == (1, empty) and set(stages) == {"first_stage", "rerank"}
+    assert row.note() == ("questions with fewer than 10 distinct paragraphs from the reranker: 1 "
+                          f"(with none: {empty}); the rest of their top 10 came in the first stage's order")
+    row.reset()
+    assert row.note() is None
+
+
+def test_a_full_answer_needs_no_fill():
+    from llama_index.core.postprocessor import LLMRerank
+
+    from endo_bench.corpus_bench import Reranked
+
+    answer = "\n".join(f"Doc: {i}, Relevance: {i}" for i in range(1, 11))  # the highest number is the best
+    row = Reranked("listed+llmrerank", ListedFirstStage(10), lambda: None)
+    row.postprocessor = LLMRerank(llm=scripted_llm(answer), top_n=10, choice_batch_size=10)
+    ids, _ = row.ask("Which candidate?")
+    assert ids == [f"c{i}" for i in range(9, -1, -1)] and row.filled == 0 and row.note() is None
+
+
+def test_bm25_llmrerank_row_end_to_end_with_a_scripted_model(tmp_path, monkeypatch):
+    """The row as `endo bench corpus` runs it, the model's answers unparsable: every question's top is BM25's, so
+    its figures are llamaindex-bm25's, and the note and the stage latencies are reported."""
+    pytest.importorskip("llama_index.retrievers.bm25")
+    from endo_bench import corpus_bench
+    from endo_retrieval.cli import main
+
+    monkeypatch.setattr(corpus_bench, "load_backbone", lambda model: None)
+    monkeypatch.setattr(corpus_bench, "endo_llm", lambda bb: scripted_llm("Sorry, no idea."))
+    out = tmp_path / "corpus.json"
+    assert main(["bench", "corpus", "--data", str(made_up_hotpotqa(tmp_path / "toy.json")), "--out", str(out),
+                 "--systems", "llamaindex-bm25,bm25+llmrerank", "--choice-batch-size", "4"]) == 0
+    result = check_report(out, ["llamaindex-bm25", "bm25+llmrerank"], "llamaindex-bm25")
+    bm25, llm = result["rows"]
+    assert llm["per_question"] | {"query_ms": None} == bm25["per_question"] | {"query_ms": None}
+    assert llm["note"].startswith("questions with fewer than 10 distinct paragraphs from the reranker: 4 "
+                                  "(with none: 4)")
+    assert set(llm["latency_ms"]) == {"query", "first_stage", "rerank"} and "note" not in bm25
+    assert result["config"]["choice_batch_size"] == 4
+    table = out.with_suffix(".md").read_text()
+    assert "| bm25+llmrerank | rerank | " in table and "- bm25+llmrerank: questions with fewer than 10" in table
+
+
+@pytest.mark.slow
+def test_reranker_rows_end_to_end(tmp_path, backbone):
+    """Every reranker row on the real default model: each runs and reports, with its two stages timed."""
+    pytest.importorskip("llama_index.retrievers.bm25")
+    from endo_bench.corpus_bench import RERANKED
+    from endo_retrieval.cli import main
+
+    out = tmp_path / "corpus.json"
+    systems = ["llamaindex-bm25", *RERANKED]
+    assert main(["bench", "corpus", "--data", str(made_up_hotpotqa(tmp_path / "toy.json")), "--out", str(out),
+                 "--systems", ",".join(systems), "--choice-batch-size", "20"]) == 0
+    result = check_report(out, systems, "llamaindex-bm25")
+    for row in result["rows"][1:]:
+        assert {"first_stage", "rerank"} <= set(row["latency_ms"]), row["system"]
+        assert row["recall@10"]["value"] == 1.0, row["system"]  # 15 paragraphs: every gold in any top 10
+    notes = [r for r in result["rows"] if "note" in r]
+    assert all(r["system"].endswith("+llmrerank") for r in notes)
+
+
+# ---------------------------------------------------------------- fit-reranker
+
+
+def test_fit_reranker_writes_its_entry_into_the_given_profile(tmp_path, monkeypatch, capsys):
+    """BM25 candidates, their scores and gold flags reach the fit (stubbed: the heads need the model), and its entry
+    lands in the --out profile beside what the profile held."""
+    pytest.importorskip("llama_index.retrievers.bm25")
+    from endo_bench import corpus_bench
+    from endo_retrieval.calibration import reranker
+    from endo_retrieval.cli import main
+
+    seen = []
+
+    def fake_fit(bb, questions, step=0.1, progress=False):
+        seen.extend(questions)
+        return {"first_stage": 0.3, "heads": 0.7, "fit": {"n_questions": len(questions), "step": step}}
+
+    monkeypatch.setattr(corpus_bench, "load_backbone", lambda model: None)
+    monkeypatch.setattr(reranker, "fit_reranker_section", fake_fit)
+    profile = tmp_path / "heads.json"
+    profile.write_text(json.dumps({"heads": [[3, 1]], "reranker": {"minilm": {"first_stage": 0.6, "heads": 0.4}}}))
+    assert main(["bench", "fit-reranker", "--data", str(made_up_hotpotqa(tmp_path / "toy.json")),
+                 "--first-stages", "bm25", "--candidates", "5", "--step", "0.25", "--out", str(profile)]) == 0
+    saved = json.loads(profile.read_text())
+    entry = {"first_stage": 0.3, "heads": 0.7,
+             "fit": {"n_questions": 4, "step": 0.25, "data": "toy.json", "candidates": 5}}
+    assert saved == {"heads": [[3, 1]], "reranker": {"minilm": {"first_stage": 0.6, "heads": 0.4}, "bm25": entry}}
+    assert json.loads(capsys.readouterr().out) == {"bm25": entry}
+    assert [q["question"] for q in seen] == [t[0] for t in TOPICS]
+    for q, gold_count in zip(seen, [2, 2, 1, 2]):
+        scores = q["first_stage_scores"]
+        assert len(q["candidates"]) == len(q["gold"]) == len(scores) == 5
+        assert scores == sorted(scores, reverse=True) and scores[0] > 0
+        assert sum(q["gold"]) == gold_count  # BM25 has every gold paragraph in its top 5 here
+    # the candidates are the paragraphs' texts, as the reranker reads them
+    assert seen[2]["candidates"][0] == "Zephyr bridge: The Zephyr bridge is painted green." and seen[2]["gold"][0]
+
+
+def test_fit_reranker_bad_options(tmp_path, capsys):
+    from endo_retrieval.cli import main
+
+    data = str(made_up_hotpotqa(tmp_path / "toy.json"))
+    assert main(["bench", "fit-reranker", "--data", data, "--first-stages", "minilm,dense"]) == 2
+    assert "--first-stages takes a comma-separated list of minilm, bm25" in capsys.readouterr().err
+    assert main(["bench", "fit-reranker", "--data", data, "--out", str(tmp_path / "none.json")]) == 2
+    assert "no heads profile there" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fit_reranker_on_the_default_model(tmp_path, backbone, capsys):
+    """The real fit into a copy of the model's heads profile: a weight on the grid, the recall it reached."""
+    pytest.importorskip("llama_index.retrievers.bm25")
+    import shutil
+
+    from endo_retrieval.cli import main
+    from endo_retrieval.model.profiles import heads_profile_path
+
+    profile = tmp_path / "heads.json"
+    shutil.copy(heads_profile_path(backbone), profile)
+    before = json.loads(profile.read_text())
+    assert main(["bench", "fit-reranker", "--data", str(made_up_hotpotqa(tmp_path / "toy.json")),
+                 "--first-stages", "bm25", "--candidates", "10", "--out", str(profile)]) == 0
+    entry = json.loads(profile.read_text())["reranker"]["bm25"]
+    assert entry == json.loads(capsys.readouterr().out)["bm25"]
+    assert entry["first_stage"] + entry["heads"] == pytest.approx(1.0) and round(entry["first_stage"] * 10) \
+        == pytest.approx(entry["first_stage"] * 10)
+    assert entry["fit"]["n_questions"] == 4 and entry["fit"]["recall"]["@5"] == 1.0
+    assert {k: v for k, v in json.loads(profile.read_text()).items() if k != "reranker"} \
+        == {k: v for k, v in before.items() if k != "reranker"}
+
+
+# ---------------------------------------------------------------- tiktoken's cache
+
+
+def test_tiktoken_cache_pointed_at_llamaindex_copy_when_the_variable_misses_it(tmp_path, monkeypatch):
+    import hashlib
+
+    from endo_bench.corpus_bench import CL100K_FILE, use_shipped_tiktoken_cache
+
+    url = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
+    assert CL100K_FILE == hashlib.sha1(url.encode()).hexdigest()  # tiktoken's cache key for the file
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # set, without the file
+    use_shipped_tiktoken_cache()
+    shipped = os.environ["TIKTOKEN_CACHE_DIR"]
+    assert shipped.endswith("llama_index/core/_static/tiktoken_cache") and (Path(shipped) / CL100K_FILE).is_file()
+
+    (tmp_path / CL100K_FILE).write_text("a cache of one's own")  # the file where the variable says: left alone
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    use_shipped_tiktoken_cache()
+    assert os.environ["TIKTOKEN_CACHE_DIR"] == str(tmp_path)
+
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR")  # unset: llama_index.core uses its copy itself
+    use_shipped_tiktoken_cache()
+    assert "TIKTOKEN_CACHE_DIR" not in os.environ
