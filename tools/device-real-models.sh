@@ -69,8 +69,8 @@ zero_label() {  # finish the zero-label profile if its pipeline fit was stopped,
   local m=$1 zl=/root/res/calibrate/zl_$1.json
   grep -q '"pipeline"' "$zl" || endo prepare --model "$(model "$m")" --documents /root/docs_fit300 --profile "$zl" \
     --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 --depths 20 --read-tokens 128,256 || return 1
-  ENDO_HEADS_PROFILE=$zl endo bench corpus --model "$(model "$m")" --data "$hot/dev300.json" --systems endo \
-    --out "$res/zero_label_corpus_dev300_$m.json" &
+  [ -f "$res/zero_label_corpus_dev300_$m.json" ] || ENDO_HEADS_PROFILE=$zl endo bench corpus --model "$(model "$m")" \
+    --data "$hot/dev300.json" --systems endo --out "$res/zero_label_corpus_dev300_$m.json" &
   ENDO_HEADS_PROFILE=$zl endo bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens 8192 \
     --budget 1024 --no-generate --methods endo --out "$res/zero_label_dev300_8192_$m.json" &
   wait
@@ -127,14 +127,12 @@ latency)  # one process at a time, nothing beside it: the times per query that t
   for m in "$@"; do
     endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit 100 --systems endo,llamaindex-bm25 \
       --out "$res/latency_corpus_$m.json" > "$res/latency_corpus_$m.log" 2>&1
-    endo bench quality $(margs "$m") --data "$hot/dev300.json" --limit 50 --context-tokens 8192 --budget 1024 \
-      --no-generate --methods endo,bm25-sent --out "$res/latency_quality_$m.json" > "$res/latency_quality_$m.log" 2>&1
   done ;;
 rerank)  # the reranker's fusion fitted on fit300 per first stage, then the rerankers users would pick, on dev300
   for m in "$@"; do
     bg "rerank_$m" rerank_one "$m"
-    bg "llmrerank_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit 100 \
-      --systems minilm,minilm+llmrerank,llamaindex-bm25,bm25+llmrerank --out "$res/llmrerank_dev300_$m.json"
+    bg "llmrerank_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit 100 --choice-batch-size 20 \
+      --systems llamaindex-bm25,bm25+llmrerank,minilm,minilm+llmrerank --out "$res/llmrerank_dev100_$m.json"
   done ;;
 papers)  # the 1.5B model past its window: passkeys for the decode-time backends and ILRe
   m=${1:-q15}
