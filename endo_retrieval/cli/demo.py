@@ -4,7 +4,8 @@ It writes a small corpus of company profiles and biographies in filler text, hid
 (company -> founder, founder -> birthplace), indexes it once, shows the evidence S3-Hybrid, BM25 and S3-Pure
 select for the multi-hop question in two rounds (the first round's evidence joins the question of the second; the
 gold sentences highlighted on a terminal), then the passages the default `endo` pipeline ranks first (BM25
-candidates, read by the model, ranked by its retrieval heads), and lets the local model answer from each.
+candidates, read by the model, ranked by its retrieval heads) and those `endo-2hop` adds (asking the index again
+with the bridge words the heads found in the first hop's best passages), and lets the local model answer from each.
 """
 from __future__ import annotations
 
@@ -117,18 +118,22 @@ def run(args) -> int:
         for s in sorted(spans, key=lambda s: s.start):
             print(f"  [{s.doc_id} {'+'.join(s.signals)}] {_show(s.text, gold, color)}")
         print()
-    t = time.perf_counter()  # the default pipeline: BM25 candidates, the model reads them, its heads rank them
-    spans = idx.search(QUESTION, k=4, method="endo")
-    evidence["endo"] = "\n".join(s.text for s in spans)
-    print(f"--- endo (the default): {sum(g in evidence['endo'] for g in gold)}/{len(gold)} gold sentences in the top "
-          f"{len(spans)} passages, answer {'found' if ANSWER in evidence['endo'] else 'missing'} "
-          f"({time.perf_counter() - t:.2f}s)")
-    for s in spans:
-        stages = ", ".join(f"{k} {v:.2f}" for k, v in s.stage_scores.items())
-        text = " ".join(s.text.split())
-        print(f"  [{s.doc_id} {stages}] {_show(text if len(text) < 240 else text[:240] + ' ...', gold, color)}")
-    print()
-    for method in ("endo", "s3-hybrid", "bm25"):
+    for method, label in (("endo", "endo (the default)"), ("endo-2hop", "endo-2hop (a second hop that retrieves)")):
+        t = time.perf_counter()  # BM25 candidates, the model reads them, its heads rank them (then a second hop)
+        spans = idx.search(QUESTION, k=4, method=method)
+        evidence[method] = "\n".join(s.text for s in spans)
+        print(f"--- {label}: {sum(g in evidence[method] for g in gold)}/{len(gold)} gold sentences in the top "
+              f"{len(spans)} passages, answer {'found' if ANSWER in evidence[method] else 'missing'} "
+              f"({time.perf_counter() - t:.2f}s)")
+        for s in spans:
+            stages = ", ".join(f"{k} {v:.2f}" for k, v in s.stage_scores.items() if k not in ("hop", "bridge"))
+            if "hop" in s.stage_scores:
+                bridge = s.stage_scores.get("bridge")
+                stages += f", hop {s.stage_scores['hop']}" + (f" through {bridge!r}" if bridge else "")
+            text = " ".join(s.text.split())
+            print(f"  [{s.doc_id} {stages}] {_show(text if len(text) < 240 else text[:240] + ' ...', gold, color)}")
+        print()
+    for method in ("endo", "endo-2hop", "s3-hybrid", "bm25"):
         prompt = (f"Use the notes to answer.\nNotes:\n{evidence[method]}\n\nQuestion: {QUESTION}\n"
                   "Answer with the town name only.")
         answer = bb.generate(prompt, max_new_tokens=16)

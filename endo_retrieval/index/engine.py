@@ -46,6 +46,7 @@ HEADER = "endo-index.json"
 HEADER_FIELDS = {"format": str, "version": int, "model": str, "model_hash": str, "method": str, "chunk_size": int,
                  "sae_layers": list}  # and "prune": a share in (0, 1] or null
 S3_METHODS = ("s3-hybrid", "s3")  # the methods that need the SAE feature postings
+PIPELINE_METHODS = ("endo", "endo-2hop")  # the methods that rank passages (pipeline.py); endo-2hop adds a hop
 CHUNK = 2048  # Table 6: streaming chunk size
 GROUP_CHUNKS = MIN_REPLAYS  # whole chunks per stream call while the text arrives: a call replays these shapes
 HANDOFF_TOKENS = SEGMENT_TOKENS  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers,
@@ -277,9 +278,9 @@ class EndoIndex:
             raise ValueError("The index is empty; add documents first.")
         check_budget(budget)
         method = self.check_method(method)
-        if method == "endo":
-            raise ValueError("select() fills a budget with sentences by s3-hybrid, s3 or bm25; the endo pipeline "
-                             "ranks passages: use search().")
+        if method in PIPELINE_METHODS:
+            raise ValueError(f"select() fills a budget with sentences by s3-hybrid, s3 or bm25; the {method} "
+                             "pipeline ranks passages: use search().")
         bounds = self.corpus.segment_bounds()
         scores = scores if scores is not None else self.signal_scores(question, method)
         width = {name: peak_width(name, kernel) for name in scores}
@@ -313,8 +314,8 @@ class EndoIndex:
             raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings, so "
                              f"it cannot search with {method!r}; it searches with {', '.join(self.methods)}. Build "
                              "it with method='s3-hybrid' to search with every method.")
-        if method == "endo":
-            self.pipeline()  # a model without retrieval heads fails here, with the command that makes them
+        if method in PIPELINE_METHODS:
+            self.pipeline(method)  # a model without retrieval heads fails here, with the command that makes them
         return method
 
     @locked("read")
@@ -329,23 +330,25 @@ class EndoIndex:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
         method = self.check_method(method)
-        if method == "endo":
+        if method in PIPELINE_METHODS:
             if not len(self.corpus):
                 raise ValueError("The index is empty; add documents first.")
             if budget is not None:
                 check_budget(budget)
-            return self.pipeline().search(self.corpus, self.passages(), _unicode(as_text(question)), k, budget,
+            return self.pipeline(method).search(self.corpus, self.passages(), _unicode(as_text(question)), k, budget,
                                           where=where)
         spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
         return sorted(spans, key=lambda s: -s.score)[:k]
 
-    def pipeline(self):
-        """The `endo` pipeline over this index's model (its settings from the model's profile), made once."""
-        if getattr(self, "_pipeline", None) is None:
+    def pipeline(self, method: str = "endo"):
+        """The `endo` (or `endo-2hop`) pipeline over this index's model (its settings from the model's profile),
+        made once per method."""
+        pipelines = self.__dict__.setdefault("_pipelines", {})
+        if method not in pipelines:
             from endo_retrieval.index.pipeline import EndoPipeline
 
-            self._pipeline = EndoPipeline(self.backbone)
-        return self._pipeline
+            pipelines[method] = EndoPipeline(self.backbone, two_hop=method == "endo-2hop")
+        return pipelines[method]
 
     @locked("read")
     def passages(self):

@@ -12,6 +12,12 @@ question, for bridge questions whose second passage shares no word with the ques
 The final score is the weighted sum of the stage scores, each standardised over the candidates, with weights fitted
 on labelled data (`endo calibrate-pipeline`); the fit's grid holds BM25 alone, so on the data it was fitted on the
 pipeline does not fall below its first stage.
+
+`endo-2hop` (opt-in, `two_hop=True`) adds a second hop that retrieves: the hop above only re-ranks what BM25 found,
+so a passage sharing no word with the question stays out of reach however well the model reads. From the tokens
+the heads attend to most inside the best first-hop passages, the words the question does not hold (a name, grown
+to its whole span: `methods.heads.bridge_terms`) ask BM25 again; the new passages are read behind the best
+first-hop ones, as stage 2 reads, and join the ranking (`second_hop`). No text is generated.
 """
 from __future__ import annotations
 
@@ -29,6 +35,11 @@ from endo_retrieval.scoring.bm25 import words
 PASSAGE_TOKENS = 256  # a document longer than this is cut into passages of whole sentences up to this many tokens
 # the pipeline's settings where the model's profile has none (the shipped profile holds the values fitted on data)
 DEFAULTS = {"depth": 20, "read_tokens": 128, "best_last": True, "weights": {"bm25": 0.5, "heads": 0.5}}
+# `endo-2hop`'s settings where the profile has no `pipeline2hop` section (not fitted yet): first-hop passages the
+# bridge is taken from and read again (`anchors`), bridge terms taken from each (`terms`), the next first-hop
+# passages read again beside them as a reference (`refs`), new passages read (`depth2`), and the weight of "reached
+# through the bridge" in the final fusion (`bridge`, see `second_hop`; 0 until fitted)
+TWO_HOP_DEFAULTS = {"anchors": 2, "terms": 3, "refs": 2, "depth2": 4, "bridge": 0.0}
 
 
 @dataclass
@@ -87,6 +98,19 @@ def best_part(corpus: CorpusMap, sentences: np.ndarray, a: int, b: int, question
     return sorted(keep)
 
 
+def bridge_reach(bm25: OkapiPostings):
+    """word -> how far it can lead as a bridge: its BM25 idf where at least two passages hold it, else 0. A word
+    only one passage holds leads nowhere past that passage (the anchor it was read in), and one that most passages
+    hold leads to none in particular (idf near 0)."""
+    def leads(word: str) -> float:
+        row = bm25.terms.get(word)
+        if row is None or bm25.indptr[row + 1] - bm25.indptr[row] < 2:
+            return 0.0
+        return max(float(bm25.okapi.idf[word]), 0.0)
+
+    return leads
+
+
 def part_text(corpus: CorpusMap, parts: list[tuple[int, int]]) -> str:
     """The text of `best_part`'s pieces, joined by ' ... ' where something was left out between them."""
     return " ... ".join(corpus.span_text(a, b)[3].strip() for a, b in parts)
@@ -106,6 +130,8 @@ class EndoPipeline:
     # questions recall@5 fell from 80.5 (fp32, as bf16 on a GPU) to 75.5, so it is off unless asked for
     int8: bool = False
     heads: list | None = None
+    two_hop: bool = False  # `endo-2hop`: a second hop that asks the index again with the bridge (`second_hop`)
+    two_hop_settings: dict | None = None  # TWO_HOP_DEFAULTS' keys; None: the profile's `pipeline2hop`, else those
 
     def __post_init__(self):
         from endo_retrieval.methods.heads import profile_heads
@@ -125,6 +151,11 @@ class EndoPipeline:
         unknown = set(self.weights) - {"bm25", "heads", "hop2"}
         if unknown:
             raise ValueError(f"Unknown stage score(s) {sorted(unknown)}; the pipeline weighs bm25, heads and hop2.")
+        given = self.two_hop_settings or (heads_profile(self.backbone) or {}).get("pipeline2hop") or {}
+        unknown = set(given) - set(TWO_HOP_DEFAULTS) - {"fit"}
+        if unknown:
+            raise ValueError(f"Unknown two-hop setting(s) {sorted(unknown)}; known: {', '.join(TWO_HOP_DEFAULTS)}.")
+        self.two_hop_settings = {name: given.get(name, default) for name, default in TWO_HOP_DEFAULTS.items()}
 
     def candidates(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None,
                    where=None) -> tuple[np.ndarray, np.ndarray]:
@@ -148,23 +179,122 @@ class EndoPipeline:
     def stage_scores(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None,
                      where=None) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
         """(candidate passage indices, {stage: score per candidate}, {stage: milliseconds})."""
-        from endo_retrieval.methods.heads import passage_signals
+        top, signals, ms, _ = self.first_hop(corpus, passages, question, depth, where)
+        return top, signals, ms
+
+    def first_hop(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None, where=None):
+        """`stage_scores` and the read it came from: (top, signals, ms, (PassageReading, read order))."""
+        from endo_retrieval.methods.heads import read_passages
 
         t0 = time.perf_counter()
         top, bm25 = self.candidates(corpus, passages, question, depth, where)
         t1 = time.perf_counter()
         texts = self.read_texts(corpus, passages, top, question)
         order = np.arange(len(top))[::-1] if self.best_last else np.arange(len(top))
-        signals = {"bm25": bm25}
+        signals, reading = {"bm25": bm25}, None
         if len(top):
-            read = passage_signals(self.backbone, [texts[i] for i in order], question, self.heads,
-                                   second_hop=bool(self.weights.get("hop2")), int8=self.int8,
-                                   first_stage=bm25[order])
-            for name, s in read.items():
+            reading = read_passages(self.backbone, [texts[i] for i in order], question, self.heads,
+                                    second_hop=bool(self.weights.get("hop2")), int8=self.int8,
+                                    first_stage=bm25[order])
+            for name, s in reading.signals.items():
                 signals[name] = np.empty(len(top))
                 signals[name][order] = s
         t2 = time.perf_counter()
-        return top, signals, {"bm25": 1000 * (t1 - t0), "heads": 1000 * (t2 - t1)}
+        return top, signals, {"bm25": 1000 * (t1 - t0), "heads": 1000 * (t2 - t1)}, (reading, order)
+
+    def bridge(self, reading, order: np.ndarray, best: np.ndarray, question: str, leads=None
+               ) -> list[tuple[str, float]]:
+        """The bridge terms (`bridge_terms`) of the first-hop candidates at positions `best` of the candidate list,
+        from the first read's token attention: `terms` of each passage in turn, distinct. Each passage gives its
+        own, as the other might hold the stronger words while only this one names the bridge. `leads(word)`: how
+        far a word can lead (`bridge_reach`); a term's attention is weighed by its best word's, and a term that
+        leads nowhere is dropped (the heads pick what to look at, the corpus what can lead somewhere)."""
+        from endo_retrieval.methods.heads import bridge_terms
+
+        read, position = reading, np.argsort(order)  # candidate i was read at position[i]
+        out: dict[str, tuple[str, float]] = {}
+        for i in best:
+            a, b = read.chars[int(position[i])]
+            inside = (read.offsets[:, 1] > a) & (read.offsets[:, 0] < b)
+            scores = np.where(inside, read.token_scores, -np.inf)
+            found = bridge_terms(read.text, read.offsets, scores, question, len(read.offsets))
+            if leads is not None:
+                rarity = [max([leads(w) for w in words(t)] or [0.0]) for t, _ in found]
+                found = [(t, round(s * r, 6)) for (t, s), r in zip(found, rarity) if s > 0 and r > 0]
+                found.sort(key=lambda ts: -ts[1])
+            for term, score in found[: self.two_hop_settings["terms"]]:
+                out.setdefault(term.lower(), (term, score))
+        return list(out.values())
+
+    def second_hop(self, corpus: CorpusMap, passages: Passages, question: str, top: np.ndarray, fused: np.ndarray,
+                   first, where=None):
+        """`endo-2hop`'s second hop: (new passage indices, their scores on the first hop's scale, their stage
+        scores, {passage: bridge terms it holds}, {stage: ms}); nothing new when no bridge term finds a passage
+        outside the first hop's candidates.
+
+        The bridge: the terms the heads attend to most inside the `anchors` best first-hop passages (by fused
+        score), not the question's. BM25 ranks the passages (under the same `where`) for the bridge terms alone
+        and for the question plus them; a passage holding no bridge word is left out (the question alone reached
+        it, which is the first hop's job), the rest go by reciprocal-rank fusion of the two rankings, and the
+        first `depth2` not among the first hop's candidates are new.
+        The second read: the anchors, the `refs` first-hop candidates ranked next, and the new passages, as one
+        context (what stage 2 reads of each, in its order), then the question: "heads" as in stage 2, "hop2" with
+        the anchors as the evidence in front of the question, so the bridge is read before the question asks
+        about it. Their weighted sum (the first hop's weights; BM25 of the question is left out, as it ranked the
+        new passages low by construction) is standardised over this read.
+        The score, on the first hop's scale: the refs, read in both hops, tie the two scales by their means (the
+        anchors where there are no refs; not the anchors beside them, whose first-hop score is far above the
+        rest and which the second read sees twice, in the context and as evidence). Both scales are standardised,
+        so one standard deviation is one in either (matching the spread too, over two to four passages, swung a
+        new passage's score by several units). A new passage the second read scores like the refs' average so
+        gets their first-hop average; then `bridge` is added: the weight of the signal "reached through the
+        bridge" (1 for a new passage) in the same weighted sum, 0 by default (until fitted, a passage is ranked
+        for what the model reads in it, not for how it was found)."""
+        from endo_retrieval.methods.heads import read_passages
+        from endo_retrieval.scoring.fusion import rrf, standardise
+
+        t0 = time.perf_counter()
+        cfg = self.two_hop_settings
+        reading, order = first
+        anchors = np.lexsort((np.arange(len(top)), -fused))[: cfg["anchors"]]
+        terms = self.bridge(reading, order, anchors, question, bridge_reach(passages.bm25))
+        none = (np.zeros(0, np.int64), np.zeros(0), {}, {}, {"bridge": 1000 * (time.perf_counter() - t0)})
+        if not terms:
+            return none
+        asked = " ".join(t for t, _ in terms)
+        alone, alone_scores = self.candidates(corpus, passages, asked, len(passages), where)
+        with_question, _ = self.candidates(corpus, passages, f"{question} {asked}", len(passages), where)
+        holds = set(alone[alone_scores > 0].tolist())
+        fusion = dict(zip(alone.tolist(), rrf(-np.arange(len(alone), dtype=float))))
+        for i, r in zip(with_question.tolist(), rrf(-np.arange(len(with_question), dtype=float))):
+            fusion[i] = fusion.get(i, 0.0) + r
+        seen = set(top.tolist())
+        new = [i for i in sorted(holds, key=lambda i: (-fusion[i], i)) if i not in seen][: cfg["depth2"]]
+        t1 = time.perf_counter()
+        if not new:
+            return none
+        known = np.lexsort((np.arange(len(top)), -fused))[: cfg["anchors"] + cfg["refs"]]  # anchors first
+        read = np.concatenate([top[known], new]).astype(np.int64)
+        texts = self.read_texts(corpus, passages, read, question)
+        order2 = np.arange(len(read))[::-1] if self.best_last else np.arange(len(read))
+        position = np.argsort(order2)
+        signals = read_passages(self.backbone, [texts[i] for i in order2], question, self.heads, second_hop=True,
+                                int8=self.int8, evidence=position[: len(anchors)].tolist()).signals
+        signals = {name: s[position] for name, s in signals.items()}  # back to: anchors, refs, new
+        weights = {name: self.weights.get(name, 0.0) for name in ("heads", "hop2")}
+        z = standardise(fuse(signals, weights if any(weights.values()) else {"hop2": 1.0}))
+        tie = slice(len(anchors), len(known)) if len(known) > len(anchors) else slice(0, len(known))
+        score = fused[known][tie].mean() + (z[len(known):] - z[: len(known)][tie].mean()) + cfg["bridge"]
+        bm25 = passages.bm25.get_scores(words(question))[new] if words(question) else np.zeros(len(new))
+        stage = {"bm25": bm25} | {name: s[len(known):] for name, s in signals.items()}
+        lowered = {t: set(words(t)) for t, _ in terms}
+        found_by = {}
+        for i in new:
+            held = set(words(corpus.span_text(int(passages.starts[i]), int(passages.ends[i]))[3]))
+            found_by[i] = [t for t, w in lowered.items() if w & held]
+        t2 = time.perf_counter()
+        return (np.asarray(new, np.int64), score, stage, found_by,
+                {"bridge": 1000 * (t1 - t0), "hop2_read": 1000 * (t2 - t1)})
 
     def search(self, corpus: CorpusMap, passages: Passages, question: str, k: int, budget: int | None = None,
                where=None) -> list[Span]:
@@ -173,11 +303,22 @@ class EndoPipeline:
         best part (`best_part`) of budget // k tokens; a cut passage's text joins its pieces with ' ... ', and its
         character offsets run from the first piece's start to the last one's end."""
         t0 = time.perf_counter()
-        top, signals, ms = self.stage_scores(corpus, passages, question, where=where)
+        top, signals, ms, first = self.first_hop(corpus, passages, question, where=where)
         if not len(top):  # no document passes `where`
             return []
         fused = fuse(signals, self.weights)
-        rank = np.lexsort((np.arange(len(top)), -fused))[:k]  # ties keep stage 1's order
+        scores = [{name: round(float(s[r]), 6) for name, s in signals.items()} | {"fused": float(fused[r])}
+                  for r in range(len(top))]
+        if self.two_hop:
+            new, score, stage, found_by, hop_ms = self.second_hop(corpus, passages, question, top, fused, first,
+                                                                  where)
+            ms |= hop_ms
+            scores = [s | {"hop": 1} for s in scores] + [
+                {name: round(float(s[r]), 6) for name, s in stage.items()} | {"fused": float(score[r]), "hop": 2,
+                                                                               "bridge": "; ".join(found_by[i])}
+                for r, i in enumerate(new.tolist())]
+            top, fused = np.concatenate([top, new]), np.concatenate([fused, score])
+        rank = np.lexsort((np.arange(len(top)), -fused))[:k]  # ties keep stage 1's order (then hop 2's)
         ms["total"] = 1000 * (time.perf_counter() - t0)
         q, spans = set(words(question)), []
         for r in rank:
@@ -189,9 +330,8 @@ class EndoPipeline:
             _, _, c1, _ = corpus.span_text(parts[-1][0], parts[-1][1])
             doc = corpus.doc(doc_id)
             text = part_text(corpus, parts) if len(parts) > 1 else doc.text[c0:c1]
-            scores = {name: round(float(s[r]), 6) for name, s in signals.items()} | {"fused": float(fused[r])}
             spans.append(Span(parts[0][0], parts[-1][1], c0, c1, text, float(fused[r]),
                               tuple(s for s, w in self.weights.items() if w), doc_id, doc.metadata,
-                              stage_scores=scores, stage_ms=dict(ms),
+                              stage_scores=scores[r], stage_ms=dict(ms),
                               whole_document=(parts[0][0], parts[-1][1]) == (doc.start, doc.end)))
         return spans

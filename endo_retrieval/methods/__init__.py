@@ -28,7 +28,8 @@ def get_method(name: str, **kwargs) -> Method:
 # best pipeline measured on dev300 (docs/results.md): BM25 candidates, the model reads them, its heads rank them.
 DEFAULT_METHOD = "endo"
 # the methods an index of a corpus searches with (`EndoIndex.search`); s3 and s3-hybrid need its feature postings
-SEARCH_METHODS = ("endo", "s3-hybrid", "s3", "bm25")
+# `endo-2hop`: endo with a second hop that asks the index again with the bridge the heads found (opt-in)
+SEARCH_METHODS = ("endo", "endo-2hop", "s3-hybrid", "s3", "bm25")
 
 
 def compress(context: str, question: str, budget: int = 1024, method: str = DEFAULT_METHOD, backbone=None

@@ -15,6 +15,7 @@ has both measurements).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.index.corpus import CorpusMap
-from endo_retrieval.scoring.bm25 import SentenceBM25
+from endo_retrieval.scoring.bm25 import _STOP as STOP_WORDS, SentenceBM25
 from endo_retrieval.methods.base import BaseMethod
 from endo_retrieval.model.profiles import heads_profile
 from endo_retrieval.model.reading import Reading, ask, read, segment_cuts
@@ -211,24 +212,47 @@ HOP_PASSAGES = 2  # first-hop passages the second hop re-reads
 
 
 def passage_signals(backbone, passages: Sequence[str], question: str, heads: Sequence[tuple[int, int]] | None = None,
-                    second_hop: bool = False, int8: bool = False, first_stage: np.ndarray | None = None
-                    ) -> dict[str, np.ndarray]:
+                    second_hop: bool = False, int8: bool = False, first_stage: np.ndarray | None = None,
+                    evidence: Sequence[int] | None = None) -> dict[str, np.ndarray]:
     """Per passage: "heads", `rank_passages`'s score; with second_hop, "hop2": the same heads when the question
     comes behind the HOP_PASSAGES best first-hop passages (by reciprocal-rank fusion of the heads and
-    `first_stage`'s scores when given), which a bridge question needs to find a passage that shares no word with
-    it. int8 (CPU): the model reads through int8 linear maps."""
+    `first_stage`'s scores when given; `evidence`: these passages instead), which a bridge question needs to find
+    a passage that shares no word with it. int8 (CPU): the model reads through int8 linear maps."""
+    return read_passages(backbone, passages, question, heads, second_hop, int8, first_stage, evidence).signals
+
+
+@dataclass
+class PassageReading:
+    """What one read of passages gives: the per-passage `signals`, and per token of the read `text` the heads'
+    calibrated attention summed over the heads (`token_scores`), its character `offsets`, and each passage's
+    character range [start, end) in `text` (`chars`)."""
+
+    signals: dict
+    text: str
+    offsets: np.ndarray
+    token_scores: np.ndarray
+    chars: list[tuple[int, int]]
+
+
+def read_passages(backbone, passages: Sequence[str], question: str, heads: Sequence[tuple[int, int]] | None = None,
+                  second_hop: bool = False, int8: bool = False, first_stage: np.ndarray | None = None,
+                  evidence: Sequence[int] | None = None) -> PassageReading:
+    """`passage_signals` with the token-level attention it was taken from (for a bridge: `bridge_terms`)."""
     from endo_retrieval.scoring.fusion import rrf
 
     if not passages:
-        return {"heads": np.zeros(0)} | ({"hop2": np.zeros(0)} if second_hop else {})
+        empty = {"heads": np.zeros(0)} | ({"hop2": np.zeros(0)} if second_hop else {})
+        return PassageReading(empty, "", np.zeros((0, 2), np.int64), np.zeros(0), [])
     if any(not isinstance(p, str) for p in passages):
         raise HeadsError("passages must be strings")
     heads = [tuple(map(int, h)) for h in (heads or profile_heads(backbone))]
     question = _question(question)
-    text, starts = "", []
+    text, chars = "", []
     for p in passages:
-        starts.append(len(text))
-        text += (p.strip() or "-") + PASSAGE_SEPARATOR
+        body = p.strip() or "-"
+        chars.append((len(text), len(text) + len(body)))
+        text += body + PASSAGE_SEPARATOR
+    starts = [a for a, _ in chars]
     prepared = prepare_context(backbone, text, sorted({l for l, _ in heads}), int8=int8)
     offsets = prepared.corpus.doc("context").offsets  # the tokens the model read: each passage's first one
     token_of = np.minimum(np.searchsorted(np.maximum.accumulate(offsets[:, 1]), np.asarray(starts), side="right"),
@@ -236,9 +260,69 @@ def passage_signals(backbone, passages: Sequence[str], question: str, heads: Seq
     calibrated, _ = calibrated_attention(backbone, prepared, heads, question)
     out = {"heads": sentence_max(calibrated, token_of).sum(0)}
     if second_hop:
-        ranks = rrf(out["heads"], first_stage) if first_stage is not None else out["heads"]
-        first = sorted(np.argsort(-ranks, kind="stable")[:HOP_PASSAGES].tolist())
-        evidence = " ".join(passages[i].strip() for i in first)
-        calibrated, _ = calibrated_attention(backbone, prepared, heads, question, prefix=f"\n\nEvidence: {evidence}")
-        out["hop2"] = sentence_max(calibrated, token_of).sum(0)
-    return out
+        if evidence is None:
+            ranks = rrf(out["heads"], first_stage) if first_stage is not None else out["heads"]
+            evidence = np.argsort(-ranks, kind="stable")[:HOP_PASSAGES].tolist()
+        read_first = " ".join(passages[i].strip() for i in sorted(evidence))
+        hop, _ = calibrated_attention(backbone, prepared, heads, question, prefix=f"\n\nEvidence: {read_first}")
+        out["hop2"] = sentence_max(hop, token_of).sum(0)
+    return PassageReading(out, text, offsets, calibrated.sum(0), chars)
+
+
+# ---------------------------------------------------------------- the bridge of a second hop that retrieves
+
+BRIDGE_TERMS = 4  # words or names a second hop asks the index with
+STEM = 5
+_TERM = re.compile(r"\w+(?:['\u2019]\w+)*")  # a word, an apostrophe inside it kept (O'Neill, Kelly's)
+
+
+def _base(word: str) -> str:
+    """The word lowercased, without what follows an apostrophe: "town's" is the question's "town"."""
+    return re.split("['\u2019]", word.lower())[0]
+
+
+def bridge_terms(text: str, offsets: np.ndarray, token_scores: np.ndarray, question: str, n: int = BRIDGE_TERMS
+                 ) -> list[tuple[str, float]]:
+    """The words of `text` the question's heads attend to most that the question does not hold: [(term, score)],
+    best first, at most `n`, distinct (case-insensitive). A token scores its word (a word takes its strongest
+    token, as a passage does); neighbouring capitalised words separated only by spaces join into one term (a name:
+    "Jonas Eberle") scored by its strongest word; stop words, words without a letter and the question's words are
+    skipped and break such a run. Tokens scored -inf (outside the passages to take a bridge from) give nothing."""
+    asked = {_base(w) for w in _TERM.findall(question)}
+    # a crude stem: a word sharing its first STEM letters with a question word is the question's ("founded" for
+    # "founder"), so the bridge is what the passage adds, not another form of what was asked
+    stems = {w[:STEM] for w in asked if len(w) >= STEM}
+    ends = np.maximum.accumulate(offsets[:, 1]) if len(offsets) else np.zeros(0, np.int64)
+    units: list[tuple[str, float, int]] = []  # (term, score, char end) of the open run, then closed terms
+    best: dict[str, tuple[str, float]] = {}
+    run: list[tuple[str, float, int, int]] = []  # the capitalised words of the current run: (word, score, a, b)
+
+    def close_run():
+        if run:
+            term, score = " ".join(w for w, *_ in run), max(s for _, s, *_ in run)
+            units.append((term, score, run[-1][3]))
+            run.clear()
+
+    for m in _TERM.finditer(text):
+        word, a, b = m.group(), m.start(), m.end()
+        first, last = int(np.searchsorted(ends, a, side="right")), int(np.searchsorted(offsets[:, 0], b))
+        score = float(np.max(token_scores[first:last])) if last > first else -np.inf
+        low = _base(word)
+        skip = (low in asked or low[:STEM] in stems or low in STOP_WORDS or not any(c.isalpha() for c in word)
+                or not np.isfinite(score))
+        joins = bool(run) and not skip and word[0].isupper() and text[run[-1][3]:a].isspace()
+        if not joins:
+            close_run()
+        if skip:
+            continue
+        if word[0].isupper():
+            run.append((word, score, a, b))
+        else:
+            units.append((word, score, b))
+    close_run()
+    for term, score, _ in units:
+        key = term.lower()
+        if key not in best or score > best[key][1]:
+            best[key] = (term, score)
+    ranked = sorted(best.values(), key=lambda t: -t[1])
+    return [(term, round(score, 6)) for term, score in ranked[:n]]

@@ -82,8 +82,8 @@ def test_the_pipeline_ranks_passages_with_fused_scores_and_refuses_what_the_inde
     from endo_retrieval import EndoIndex
 
     index = EndoIndex(backbone)  # the default: endo, no SAE pass, so no feature postings
-    assert index.methods == ("endo", "bm25")
-    with pytest.raises(ValueError, match="cannot search with 's3-hybrid'; it searches with endo, bm25"):
+    assert index.methods == ("endo", "endo-2hop", "bm25")
+    with pytest.raises(ValueError, match="cannot search with 's3-hybrid'; it searches with endo, endo-2hop, bm25"):
         EndoRetriever(index, method="s3-hybrid")
     nodes = [TextNode(id_=f"n{i}", text=t) for i, t in enumerate([
         "The Varna bridge was built in 1871. Workers found quartz under its piers.",
@@ -166,7 +166,8 @@ def test_the_command_line_indexes_for_the_pipeline_and_answers_with_its_stage_sc
                        }.items():
         (notes / name).write_text(text)
     assert main(["index", str(notes), "--out", str(tmp_path / "ix")]) == 0
-    assert "0 postings" in capsys.readouterr().out  # the default pipeline's index only tokenises
+    summary = capsys.readouterr().out
+    assert "(method endo)" in summary and "postings" not in summary  # the default pipeline's index only tokenises
     assert main(["query", str(tmp_path / "ix"), "Which mineral was found under the bridge?", "--k", "2", "--json"]) == 0
     hits = json.loads(capsys.readouterr().out)
     assert Path(hits[0]["doc_id"]).name == "bridge.txt" and hits[0]["score"] >= hits[1]["score"]
