@@ -68,7 +68,7 @@ def search_hits(index: EndoIndex, question: str, k: int, budget: int | None = No
         return []
     if return_passages:
         return index.search(question, k, budget, method, where)
-    if index.check_method(method) == "endo":
+    if index.check_method(method) in ("endo", "endo-2hop"):  # the pipelines score every candidate in one read
         # one read scores every candidate, so ask for all of them at once; a budget of b * n // k over n passages
         # cuts each to b // k tokens, as when k passages are asked
         n = max(k, index.pipeline().depth)

@@ -134,6 +134,11 @@ rerank)  # the reranker's fusion fitted on fit300 per first stage, then the rera
     bg "llmrerank_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit 100 --choice-batch-size 20 \
       --systems llamaindex-bm25,bm25+llmrerank,minilm,minilm+llmrerank --out "$res/llmrerank_dev100_$m.json"
   done ;;
+twohop)  # the second hop that retrieves, beside the default pipeline
+  for m in "$@"; do
+    bg "twohop_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --systems endo,endo-2hop,llamaindex-bm25 \
+      --out "$res/twohop_dev300_$m.json"
+  done ;;
 papers)  # the 1.5B model past its window: passkeys for the decode-time backends and ILRe
   m=${1:-q15}
   bg "passkey_dense_$m" endo bench attention $(margs "$m") --data passkey:$data/pg_essays --depths 4 --measure accuracy \
