@@ -31,8 +31,11 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow"
 
+# make bench MODEL=~/.cache/endo-models/qwen2.5-coder-1.5b-instruct.gguf: the same bench for another model
+MODEL ?=
 bench: setup
-	$(BIN)/endo bench corpus --data ../shared/data/hotpotqa/dev300.json --systems endo,llamaindex-bm25,minilm --out bench-out/corpus.json
+	$(BIN)/endo bench corpus --data ../shared/data/hotpotqa/dev300.json --systems endo,llamaindex-bm25,minilm \
+	  $(if $(MODEL),--model $(MODEL)) --out bench-out/corpus$(if $(MODEL),-$(notdir $(basename $(MODEL)))).json
 
 # the core wheel and every ecosystem distribution's wheel, into dist/
 dist: setup

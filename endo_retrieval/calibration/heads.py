@@ -146,7 +146,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=None, help="heads to keep (default: the best of 4, 8, 12, 16)")
     p.add_argument("--top", type=int, default=10, help="a head scores the share of gold in its top N sentences")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None, help="a local model folder or GGUF file (default: the embedded model)")
+    p.add_argument("--model", default=None,
+                   help="a GGUF file, a Hugging Face folder or hub id (default: the embedded model)")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="profile path (default: the model's shipped profile)")
     p.add_argument("--dump", default=None, help=argparse.SUPPRESS)  # .npz of the labelled tables (analysis)

@@ -25,8 +25,9 @@ def _read(path: Path) -> str:
 
 def model_argument(p) -> None:
     """`--model`, the same on every command that runs a model."""
-    p.add_argument("--model", default=None, metavar="PATH", help="a local model: a Hugging Face folder or a GGUF "
-                   "file of the llama, mistral, qwen2 or qwen3 family (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, metavar="PATH|ID", help="a model of the llama, mistral, qwen2 or qwen3 "
+                   "family: a GGUF file, a Hugging Face folder, or a hub id (owner/name[@revision], through the hub's "
+                   "own cache) (default: the embedded SmolLM2-135M-Instruct)")
 
 
 # ---- endo index --------------------------------------------------------------------------------------------
