@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.model.backbone import BackboneError
+from endo_retrieval.model.threads import threads_for_cpu_work
 
 HOST_CACHES_FROM = 32768  # contexts at least this long keep their segments' caches in host memory between questions
 
@@ -58,9 +59,16 @@ def segment_cuts(sentence_starts: np.ndarray, n_tokens: int, segment: int) -> li
     return cuts + [n_tokens]
 
 
-def read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[int] | None = None,
-         stream: bool = False, sink: int = 4, window: int = 512, chunk_size: int = 2048, int8: bool = False
-         ) -> Reading:
+def read(backbone, ids: np.ndarray, layers: Sequence[int], **options) -> Reading:
+    """`_read` with as many CPU threads as other processes leave idle (`model.threads`; the read is most of a
+    question's CPU time, the query parts after it are short)."""
+    with threads_for_cpu_work(backbone.device):
+        return _read(backbone, ids, layers, **options)
+
+
+def _read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[int] | None = None,
+          stream: bool = False, sink: int = 4, window: int = 512, chunk_size: int = 2048, int8: bool = False
+          ) -> Reading:
     """Forward the context up to max(layers) and keep what its query parts need.
 
     Default: one causal forward per segment (`cuts`, default one segment), each with its own KV cache, so a query
