@@ -192,7 +192,7 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys):
 
     data = str(made_up_hotpotqa(tmp_path / "toy.json"))
     assert main(["bench", "corpus", "--data", data, "--out", str(tmp_path / "c.json"), "--systems", "nope"]) == 2
-    assert "known systems: endo, bm25" in capsys.readouterr().err
+    assert "known systems: endo, endo-2hop, bm25" in capsys.readouterr().err
     assert main(["bench", "corpus", "--data", data, "--out", str(tmp_path / "c.json"), "--candidates", "5"]) == 2
     assert main(["bench", "corpus", "--data", data, "--out", str(tmp_path / "c.txt")]) == 2
 
