@@ -58,21 +58,24 @@ def check_k(k, name: str = "k") -> int:
 
 
 def search_hits(index: EndoIndex, question: str, k: int, budget: int | None = None, method: str | None = None,
-                where=None, return_passages: bool = False) -> list[Span]:
+                where=None, return_passages: bool = False, depth: int | None = None,
+                read_tokens: int | None = None) -> list[Span]:
     """The k best hits, best first. By default each from another document: a document's best passage (`endo`) or
     span (`s3-hybrid`, `s3`, `bm25`), with that passage's offsets in its document. Fewer than k come back only when
     fewer documents are found: `endo` ranks the candidates the model read (its `depth` passages), the other methods
     what fits `budget` (default: as many spans as it takes). `return_passages=True`: the k best passages as the
-    index ranks them, several of which may come from one document."""
+    index ranks them, several of which may come from one document. `depth`, `read_tokens`: the pipeline's
+    (`EndoIndex.search`)."""
+    pipeline = {"depth": depth, "read_tokens": read_tokens}
     if check_k(k) == 0:
         return []
     if return_passages:
-        return index.search(question, k, budget, method, where)
+        return index.search(question, k, budget, method, where, **pipeline)
     if index.check_method(method) in ("endo", "endo-2hop"):  # the pipelines score every candidate in one read
         # one read scores every candidate, so ask for all of them at once; a budget of b * n // k over n passages
         # cuts each to b // k tokens, as when k passages are asked
-        n = max(k, index.pipeline().depth)
-        passages = index.search(question, n, None if budget is None else budget * n // k, method, where)
+        n = max(k, index.pipeline(index.check_method(method), **pipeline).depth)
+        passages = index.search(question, n, None if budget is None else budget * n // k, method, where, **pipeline)
         return best_per_document(passages)[:k]
     ask, before = k, None
     while True:  # a document may hold several of the best spans: widen the ask until k documents are found
@@ -81,6 +84,17 @@ def search_hits(index: EndoIndex, question: str, k: int, budget: int | None = No
         if len(found) >= k or spans == before or (budget is not None and len(spans) < ask):
             return found[:k]  # enough, or nothing more to find (under the budget when one is given)
         ask, before = 2 * ask, spans
+
+
+def check_pipeline_settings(index: EndoIndex, method: str | None, depth: int | None, read_tokens: int | None) -> None:
+    """A retriever's `depth` / `read_tokens`, checked when it is built (a bad value fails there, not at the first
+    query); they tune the `endo` pipelines and are refused for another method, which they would not change."""
+    if depth is None and read_tokens is None:
+        return
+    method = index.check_method(method)
+    if method not in ("endo", "endo-2hop"):
+        raise ValueError(f"depth and read_tokens tune the endo pipelines; {method!r} reads no candidates.")
+    index.pipeline(method, depth, read_tokens)
 
 
 def best_per_document(spans: Sequence[Span]) -> list[Span]:

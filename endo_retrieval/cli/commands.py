@@ -124,6 +124,10 @@ def query_add_arguments(p) -> None:
     p.add_argument("--k", type=int, default=4, help="number of evidence spans (default 4)")
     p.add_argument("--budget", type=int, default=None, help="token budget over all spans (default 128 per span)")
     p.add_argument("--method", default=None, choices=SEARCH_METHODS, help="default: the index's own")
+    p.add_argument("--depth", type=int, default=None, help="endo: candidates the model reads (default: the model's "
+                   "fitted value, 20 for the shipped models; fewer is faster)")
+    p.add_argument("--read-tokens", type=int, default=None, help="endo: tokens read of each candidate (default: "
+                   "the fitted value, 128 or 256)")
     p.add_argument("--json", action="store_true", help="print JSON")
     model_argument(p)  # the index's own model: an index answers only with the model that built it
 
@@ -138,7 +142,8 @@ def query_run(args) -> int:
     from endo_retrieval.index.engine import EndoIndex
 
     index = EndoIndex.load(args.index, args.model)
-    hits = index.search(args.question, k=args.k, budget=args.budget, method=args.method)
+    hits = index.search(args.question, k=args.k, budget=args.budget, method=args.method, depth=args.depth,
+                        read_tokens=args.read_tokens)
     if args.json:
         print(json.dumps([span_json(h) for h in hits], indent=2, ensure_ascii=False))
         return 0

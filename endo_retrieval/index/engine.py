@@ -320,12 +320,16 @@ class EndoIndex:
 
     @locked("read")
     def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None,
-               where: Callable[[dict], bool] | None = None) -> list[Span]:
+               where: Callable[[dict], bool] | None = None, depth: int | None = None,
+               read_tokens: int | None = None) -> list[Span]:
         """The k best evidence spans, best first (by score, higher is better). `endo` returns whole passages
         (under `budget` tokens in all when given, each cut to its best part); the other methods sentence spans
         under `budget` tokens (default 128 per span). `where(metadata)`: only documents it accepts can come back
         (for `endo` they are the only candidates; the other methods drop the rest, so fewer than k may come).
-        A question longer than MAX_QUESTION_CHARS (methods/base.py) is cut to that length, with a warning."""
+        A question longer than MAX_QUESTION_CHARS (methods/base.py) is cut to that length, with a warning.
+        `depth` (candidates the model reads) and `read_tokens` (tokens read of each) trade the pipeline's recall for
+        its time; None: the model profile's fitted values (docs/results.md, "How the pipeline's settings were
+        chosen", has the recall of each)."""
         question = capped_question(question)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
@@ -335,20 +339,22 @@ class EndoIndex:
                 raise ValueError("The index is empty; add documents first.")
             if budget is not None:
                 check_budget(budget)
-            return self.pipeline(method).search(self.corpus, self.passages(), _unicode(as_text(question)), k, budget,
-                                          where=where)
+            return self.pipeline(method, depth, read_tokens).search(self.corpus, self.passages(),
+                                                                    _unicode(as_text(question)), k, budget, where=where)
         spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
         return sorted(spans, key=lambda s: -s.score)[:k]
 
-    def pipeline(self, method: str = "endo"):
-        """The `endo` (or `endo-2hop`) pipeline over this index's model (its settings from the model's profile),
-        made once per method."""
+    def pipeline(self, method: str = "endo", depth: int | None = None, read_tokens: int | None = None):
+        """The `endo` (or `endo-2hop`) pipeline over this index's model (settings left None from the model's
+        profile), made once per method and settings."""
         pipelines = self.__dict__.setdefault("_pipelines", {})
-        if method not in pipelines:
+        key = (method, depth, read_tokens)
+        if key not in pipelines:
             from endo_retrieval.index.pipeline import EndoPipeline
 
-            pipelines[method] = EndoPipeline(self.backbone, two_hop=method == "endo-2hop")
-        return pipelines[method]
+            pipelines[key] = EndoPipeline(self.backbone, depth=depth, read_tokens=read_tokens,
+                                          two_hop=method == "endo-2hop")
+        return pipelines[key]
 
     @locked("read")
     def passages(self):

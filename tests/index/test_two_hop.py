@@ -144,3 +144,10 @@ def test_an_index_searches_with_endo_2hop_and_saves_as_before(backbone, tmp_path
         [h.doc_id for h in index.search(QUESTION, k=3, method="endo")]
     with pytest.raises(ValueError, match="endo-2hop pipeline ranks passages: use search"):
         index.select(QUESTION, 64, "endo-2hop")
+
+
+def test_one_context_refuses_the_corpus_only_method_and_names_what_to_use():
+    from endo_retrieval import compress
+
+    with pytest.raises(ValueError, match="'endo-2hop' ranks a corpus.*use 'endo'"):
+        compress("The bridge crosses the river.", "What crosses the river?", method="endo-2hop")

@@ -450,3 +450,26 @@ def test_fit_reranker_section_reads_with_the_reranker_and_saves_into_the_profile
     save_reranker_entry(tiny, "bm25", entry)
     assert json.loads(tiny_profile.read_text())["reranker"]["bm25"] == entry
     assert reranker_weights(tiny, "bm25") == {"first_stage": entry["first_stage"], "heads": entry["heads"]}
+
+
+# ---- the pipeline's knob: candidates read and tokens read of each ---------------------------------------------------
+def test_depth_and_read_tokens_reach_the_pipeline_in_both_adapters_and_bad_ones_fail_when_built(tiny, tmp_path):
+    from llama_index.retrievers.endo import EndoRetriever
+
+    # with 2 candidates read, at most 2 documents can come back (the default reads every passage of this corpus)
+    assert len(li_retriever(tiny, similarity_top_k=4).retrieve(QUESTION)) == 4
+    shallow = li_retriever(tiny, similarity_top_k=4, depth=2, read_tokens=16)
+    assert len(shallow.retrieve(QUESTION)) <= 2
+    assert shallow.index.pipeline("endo", 2, 16).read_tokens == 16
+    shallow.persist(tmp_path / "li")
+    reloaded = EndoRetriever.from_persist_dir(tmp_path / "li", backbone=tiny)
+    assert (reloaded.depth, reloaded.read_tokens) == (2, 16)
+    assert len(lc_retriever(tiny, k=4).invoke(QUESTION)) == 4
+    assert len(lc_retriever(tiny, k=4, depth=2).invoke(QUESTION)) <= 2
+    for bad in ({"depth": 0}, {"read_tokens": 2}):
+        with pytest.raises(ValueError, match="depth|read_tokens"):
+            li_retriever(tiny, **bad)
+        with pytest.raises(ValueError, match="depth|read_tokens"):
+            lc_retriever(tiny, **bad)
+    with pytest.raises(ValueError, match="tune the endo pipelines"):
+        li_retriever(tiny, method="bm25", depth=5)

@@ -14,7 +14,7 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from endo_retrieval.index.engine import Document, EndoIndex
-from endo_retrieval.integrations import check_k, open_index, provenance, search_hits
+from endo_retrieval.integrations import check_k, check_pipeline_settings, open_index, provenance, search_hits
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span
 
@@ -53,6 +53,9 @@ class EndoRetriever(BaseRetriever):
     method: str = DEFAULT_METHOD
     filter: dict | None = None  # LangChain's metadata filter (`_matcher`); `invoke(query, filter=...)` overrides it
     return_passages: bool = False  # the best passages, several of which may come from one document
+    # the pipeline's time against its recall: candidates the model reads, tokens read of each (None: fitted)
+    depth: int | None = None
+    read_tokens: int | None = None
     # hits scoring below it are dropped, so fewer than k may come; the score is metadata["endo_score"] (for `endo`
     # the fused one, 0 being the candidates' average); `invoke(query, score_threshold=...)` overrides it
     score_threshold: float | None = None
@@ -63,6 +66,7 @@ class EndoRetriever(BaseRetriever):
         self._index = open_index(to_documents(self.texts, self.documents), self.index_dir, self.method,
                                  self.backbone)
         self._index.check_method(self.method)
+        check_pipeline_settings(self._index, self.method, self.depth, self.read_tokens)
         _matcher(self.filter)  # a filter it cannot read fails here, not at the first query
         self.texts = self.documents = None  # the index holds them now; don't keep a second copy
 
@@ -124,7 +128,8 @@ class EndoRetriever(BaseRetriever):
                 ) -> list[LCDocument]:
         threshold = self.score_threshold if score_threshold is None else score_threshold
         spans = search_hits(self._index, query, self.k if k is None else k, self.budget, self.method,
-                            _matcher(filter if filter is not None else self.filter), self.return_passages)
+                            _matcher(filter if filter is not None else self.filter), self.return_passages,
+                            self.depth, self.read_tokens)
         return [span_document(s, self.return_passages) for s in spans if threshold is None or s.score >= threshold]
 
 

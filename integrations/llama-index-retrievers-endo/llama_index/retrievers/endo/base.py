@@ -26,7 +26,8 @@ from llama_index.core.tools import RetrieverTool
 from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilters
 
 from endo_retrieval.index.engine import Document, EndoIndex
-from endo_retrieval.integrations import PROVENANCE_KEYS, check_k, open_index, provenance, search_hits
+from endo_retrieval.integrations import (PROVENANCE_KEYS, check_k, check_pipeline_settings, open_index, provenance,
+                                        search_hits)
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.methods.base import Span
 
@@ -123,7 +124,7 @@ class EndoRetriever(BaseRetriever):
     def __init__(self, index: EndoIndex, similarity_top_k: int = 4, budget: int | None = None,
                  method: str = DEFAULT_METHOD, filters: MetadataFilters | None = None,
                  return_passages: bool = False, callback_manager: CallbackManager | None = None,
-                 verbose: bool = False):
+                 verbose: bool = False, depth: int | None = None, read_tokens: int | None = None):
         check_k(similarity_top_k, "similarity_top_k")  # 0 is allowed and retrieves nothing
         index.check_method(method)  # a method the index cannot serve fails here, not at the first query
         self.index = index
@@ -132,6 +133,9 @@ class EndoRetriever(BaseRetriever):
         self.method = method
         self.filters = filters  # only nodes whose metadata passes can come back (never with a placeholder score)
         self.return_passages = bool(return_passages)  # the best passages, not one hit per node
+        # the pipeline's time against its recall: candidates the model reads, tokens read of each (None: fitted)
+        self.depth, self.read_tokens = depth, read_tokens
+        check_pipeline_settings(index, method, depth, read_tokens)
         metadata_predicate(filters)  # an unsupported operator fails here
         super().__init__(callback_manager=callback_manager, verbose=verbose)
 
@@ -140,14 +144,15 @@ class EndoRetriever(BaseRetriever):
                       persist_dir: str | os.PathLike | None = None, similarity_top_k: int = 4,
                       budget: int | None = None, method: str = DEFAULT_METHOD, backbone=None,
                       filters: MetadataFilters | None = None, return_passages: bool = False,
-                      **kwargs) -> "EndoRetriever":
+                      depth: int | None = None, read_tokens: int | None = None, **kwargs) -> "EndoRetriever":
         """Index `nodes` or `documents` (whole documents are fine: evidence is cut to sentences at query time),
         or load `persist_dir` when given alone. With both, the new index is saved to the (empty) persist_dir."""
         if nodes is not None and documents is not None:
             raise ValueError("Pass nodes or documents, not both.")
         given = nodes if nodes is not None else documents
         index = open_index(None if given is None else to_documents(given), persist_dir, method, backbone)
-        return cls(index, similarity_top_k, budget, method, filters, return_passages, **kwargs)
+        return cls(index, similarity_top_k, budget, method, filters, return_passages, depth=depth,
+                   read_tokens=read_tokens, **kwargs)
 
     @classmethod
     def from_documents(cls, documents: Sequence[BaseNode], **kwargs) -> "EndoRetriever":
@@ -178,7 +183,7 @@ class EndoRetriever(BaseRetriever):
         """Save the index (atomically) and this retriever's settings into `persist_dir`."""
         self.index.save(persist_dir)
         settings = {"similarity_top_k": self.similarity_top_k, "budget": self.budget, "method": self.method,
-                    "return_passages": self.return_passages}
+                    "return_passages": self.return_passages, "depth": self.depth, "read_tokens": self.read_tokens}
         tmp = Path(persist_dir) / f".{SETTINGS_FILE}.tmp"
         tmp.write_text(json.dumps(settings))
         os.replace(tmp, Path(persist_dir) / SETTINGS_FILE)
@@ -197,7 +202,7 @@ class EndoRetriever(BaseRetriever):
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         k = check_k(self.similarity_top_k, "similarity_top_k")  # checked again: the attribute may have been set
         spans = search_hits(self.index, query_bundle.query_str, k, self.budget, self.method,
-                            metadata_predicate(self.filters), self.return_passages)
+                            metadata_predicate(self.filters), self.return_passages, self.depth, self.read_tokens)
         if spans and spans[0].stage_ms:
             dispatcher.event(EndoRetrievalStages(method=self.method, stage_ms=spans[0].stage_ms))
         return [span_node(s, self.return_passages) for s in spans]
