@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from endo_retrieval.index.engine import Document, EndoIndex
+from endo_retrieval.index.engine import PIPELINE_METHODS, Document, EndoIndex
 from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, compress
 from endo_retrieval.methods.base import Span
 
@@ -71,10 +71,11 @@ def search_hits(index: EndoIndex, question: str, k: int, budget: int | None = No
         return []
     if return_passages:
         return index.search(question, k, budget, method, where, **pipeline)
-    if index.check_method(method) in ("endo", "endo-2hop"):  # the pipelines score every candidate in one read
+    method = index.check_method(method)
+    if method in PIPELINE_METHODS:  # the pipelines score every candidate in one read
         # one read scores every candidate, so ask for all of them at once; a budget of b * n // k over n passages
         # cuts each to b // k tokens, as when k passages are asked
-        n = max(k, index.pipeline(index.check_method(method), **pipeline).depth)
+        n = max(k, index.pipeline(method, **pipeline).depth)
         passages = index.search(question, n, None if budget is None else budget * n // k, method, where, **pipeline)
         return best_per_document(passages)[:k]
     ask, before = k, None
@@ -92,7 +93,7 @@ def check_pipeline_settings(index: EndoIndex, method: str | None, depth: int | N
     if depth is None and read_tokens is None:
         return
     method = index.check_method(method)
-    if method not in ("endo", "endo-2hop"):
+    if method not in PIPELINE_METHODS:
         raise ValueError(f"depth and read_tokens tune the endo pipelines; {method!r} reads no candidates.")
     index.pipeline(method, depth, read_tokens)
 

@@ -62,11 +62,11 @@ def objective(items: list[tuple[dict, list[str], set[str]]], weights: dict) -> d
     return {k: float(np.mean(v)) for k, v in out.items()}
 
 
-def fit(items, step: float = 0.1) -> tuple[dict, dict]:
-    """(weights, recall@k) maximising the mean of recall@2 and recall@5; the corners come first, so a tie keeps
-    the simpler fusion."""
+def fit(items, step: float = 0.1, stages: tuple[str, ...] = STAGES) -> tuple[dict, dict]:
+    """(weights, recall@k) maximising the mean of recall@2 and recall@5; the corners come first (`stages[0]`, the
+    first stage, before the others), so a tie keeps the simpler fusion."""
     best_w, best, best_r = None, -1.0, None
-    for w in sorted(simplex(list(STAGES), step), key=lambda w: (-max(w.values()), -w["bm25"])):
+    for w in sorted(simplex(list(stages), step), key=lambda w: (-max(w.values()), -w[stages[0]])):
         r = objective(items, w)
         if (r[2] + r[5]) / 2 > best + 1e-9:
             best_w, best, best_r = w, (r[2] + r[5]) / 2, r

@@ -19,7 +19,9 @@ from typing import Sequence
 
 import numpy as np
 
-from endo_retrieval.calibration.pipeline import objective, write_json
+from endo_retrieval.calibration.pipeline import fit, objective, write_json
+
+STAGES = ("first_stage", "heads")  # the reranker's two signals, the first stage first (it wins ties)
 
 
 def fit_reranker_weights(per_question_first_stage_scores: Sequence[Sequence[float]],
@@ -31,14 +33,7 @@ def fit_reranker_weights(per_question_first_stage_scores: Sequence[Sequence[floa
     if not 0 < step <= 1:
         raise ValueError(f"step must be in (0, 1], got {step!r}.")
     items = reranker_items(per_question_first_stage_scores, per_question_heads_scores, per_question_gold_mask)
-    grid = np.round(np.linspace(0, 1, round(1 / step) + 1), 6).tolist()
-    best_w, best, best_recall = None, -1.0, None
-    for w in sorted(grid, key=lambda w: (-max(w, 1 - w), -w)):  # 1, 0, 0.9, 0.1, ...: corners first
-        weights = {"first_stage": w, "heads": round(1 - w, 6)}
-        recall = objective(items, weights)
-        if (recall[2] + recall[5]) / 2 > best + 1e-9:
-            best_w, best, best_recall = weights, (recall[2] + recall[5]) / 2, recall
-    return best_w, best_recall
+    return fit(items, step, STAGES)  # w = 1, 0, 0.9, 0.1, ...: corners first
 
 
 def reranker_items(first_stage, heads, gold) -> list[tuple[dict, list[str], set[str]]]:

@@ -19,7 +19,7 @@ REGISTRY = {
 def get_method(name: str, **kwargs) -> Method:
     """An instance of the method called `name` (see REGISTRY); kwargs go to its constructor."""
     if name not in REGISTRY:
-        if name in CORPUS_ONLY:
+        if name in SEARCH_METHODS:  # a corpus method with no one-context twin: a second hop has no index to ask
             raise ValueError(f"{name!r} ranks a corpus (EndoIndex.search, the retrievers); for one context use "
                              f"'endo', which reads all of it: known methods here: {', '.join(REGISTRY)}.")
         raise ValueError(f"Unknown method {name!r}; known methods: {', '.join(REGISTRY)}.")
@@ -33,7 +33,6 @@ DEFAULT_METHOD = "endo"
 # the methods an index of a corpus searches with (`EndoIndex.search`); s3 and s3-hybrid need its feature postings
 # `endo-2hop`: endo with a second hop that asks the index again with the bridge the heads found (opt-in)
 SEARCH_METHODS = ("endo", "endo-2hop", "s3-hybrid", "s3", "bm25")
-CORPUS_ONLY = ("endo-2hop",)  # a second hop asks the index again; one context has no index to ask
 
 
 def compress(context: str, question: str, budget: int = 1024, method: str = DEFAULT_METHOD, backbone=None
