@@ -15,9 +15,12 @@ one node and `ray start --address=HEAD:6379` on the others make a cluster that `
 * `ilre_scores`: the chunks of one long context spread over workers (each chunk needs only its sink and window
   frame); [ILRe Eq. 5]'s softmax over the whole context is merged with a per-part logsumexp, then [ILRe Alg. 1]
   allocates.
+* the default pipeline `endo` over shards and readers: `distributed_pipeline.py` (`ReaderPool`), whose stage 1
+  runs on these shards (`Shard.passage_candidates`) with the whole index's BM25 statistics.
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import os
@@ -26,14 +29,14 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from endo_retrieval.index import segments
-from endo_retrieval.index.engine import (CHUNK, Document, EndoIndex, check_search_method, interleave, peak_width,
-                                         scored_spans)
+from endo_retrieval.index.engine import (CHUNK, PIPELINE_METHODS, S3_METHODS, Document, EndoIndex,
+                                         check_search_method, interleave, peak_width, scored_spans)
 from endo_retrieval.index.files import writer_lock
 from endo_retrieval.index.inverted import FeatureIndex
 from endo_retrieval.methods.base import Span, check_budget
@@ -43,7 +46,8 @@ SIGNALS = {"s3": ["s3"], "bm25": ["bm25"], "s3-hybrid": ["s3", "bm25"]}  # in En
 PEAK_BATCH = 64  # peaks a shard sends per signal and round trip (a budget of 512 tokens takes ~10-30)
 
 
-def _ray():
+def ray_cluster():
+    """The `ray` module, joined to a cluster: the one `ray.init` or `connect` joined, else a new local one."""
     try:
         import ray
     except ImportError:
@@ -72,19 +76,23 @@ class BuildError(RuntimeError):
 @dataclass
 class ModelRecipe:
     """How a worker loads the driver's model and SAEs itself (weights are read once per worker, never shipped):
-    `model` a folder (None: the default model), `sae` an SAE folder (None: the shipped SAEs)."""
+    `model` a folder or GGUF file (None: the default model), `sae` an SAE folder (None: the shipped SAEs; None
+    where the model has none, which serves `endo` and `bm25`: an S3 build then fails with what to run)."""
 
     model: str | None = None
     sae: str | None = None
 
     def __call__(self):
         from endo_retrieval.model.backbone import Backbone
-        from endo_retrieval.model.sae import SAEBank
+        from endo_retrieval.model.sae import SAEBank, SAEError
 
         backbone = Backbone(self.model) if self.model else Backbone.default()
-        saes = SAEBank.load(self.sae, backbone.model_hash, backbone.device) if self.sae else \
-            SAEBank.for_backbone(backbone)
-        return backbone, saes
+        if self.sae:
+            return backbone, SAEBank.load(self.sae, backbone.model_hash, backbone.device)
+        try:
+            return backbone, SAEBank.for_backbone(backbone)
+        except SAEError:
+            return backbone, None
 
 
 class ModelWorker:
@@ -137,15 +145,39 @@ class ModelWorker:
         return out
 
 
-def start_workers(n: int | None = None, setup: Callable | None = None) -> list:
-    """`n` ModelWorker actors (default: one per GPU in the cluster, else one per CPU), one GPU each when the
-    cluster has GPUs, else one CPU each."""
-    ray = _ray()
+def start_workers(n: int | None = None, setup: Callable | None = None, kind: type | None = None, *args,
+                  max_concurrency: int = 1) -> list:
+    """`n` actors of `kind` (default ModelWorker; built as kind(setup, *args)), by default one per GPU in the
+    cluster, else one per CPU; one GPU each when the cluster has GPUs, else one CPU each. `max_concurrency` > 1:
+    calls run in threads (the backbone's lock keeps its model calls one at a time)."""
+    ray = ray_cluster()
     gpus = int(ray.cluster_resources().get("GPU", 0))
     n = n or gpus or int(ray.cluster_resources().get("CPU", 1))
     resources = {"num_gpus": 1} if gpus else {"num_cpus": 1}
-    actor = ray.remote(max_restarts=0)(ModelWorker)
-    return [actor.options(**resources).remote(setup or ModelRecipe()) for _ in range(n)]
+    actor = ray.remote(max_restarts=0)(kind or ModelWorker)
+    return [actor.options(**resources, max_concurrency=max_concurrency).remote(setup or ModelRecipe(), *args)
+            for _ in range(n)]
+
+
+def spread(items: Iterable, slots: Sequence, submit: Callable) -> Iterator[tuple[object, object]]:
+    """`submit(slot, item)` (an actor call; its ref) for every item, each on a free slot; yields (item, ready ref)
+    in the order the calls finish, and frees the slot when the consumer asks for the next one. A slot is an actor,
+    listed once per call it may run at a time. Calls still pending when the consumer stops early (an error) are
+    cancelled."""
+    ray = ray_cluster()
+    todo, idle, pending = deque(items), deque(slots), {}
+    try:
+        while todo or pending:
+            while todo and idle:
+                item, slot = todo.popleft(), idle.popleft()
+                pending[submit(slot, item)] = (item, slot)
+            (ready,), _ = ray.wait(list(pending), num_returns=1)
+            item, slot = pending.pop(ready)
+            yield item, ready
+            idle.append(slot)
+    finally:
+        for ref in pending:
+            ray.cancel(ref)  # an actor's call cannot be forced; a pending one is dropped, a running one flagged
 
 
 def shares(docs: Sequence[Document], n: int) -> list[list[Document]]:
@@ -176,7 +208,7 @@ class RayIndexer:
             return self._build(Path(directory), docs, append)
 
     def _build(self, directory: Path, docs: Sequence[Document | str], append: bool) -> Path:
-        ray = _ray()
+        ray = ray_cluster()
         (directory / segments.SEGMENTS).mkdir(parents=True, exist_ok=True)
         old = segments.listed(directory) if append else []
         docs = [d if isinstance(d, Document) else Document(f"doc-{i}", d) for i, d in enumerate(docs)]
@@ -187,26 +219,19 @@ class RayIndexer:
             if d.doc_id in seen:
                 raise ValueError(f"Duplicate document id {d.doc_id!r}; ids must be unique (remove the old one first).")
             seen.add(d.doc_id)
-        todo = deque(enumerate(shares(docs, len(self.workers) * self.shares_per_worker)))
-        idle, pending, written = deque(self.workers), {}, {}
+        todo = enumerate(shares(docs, len(self.workers) * self.shares_per_worker))
+        written = {}
         try:
-            while todo or pending:
-                while todo and idle:
-                    i, share = todo.popleft()
-                    worker = idle.popleft()
-                    pending[worker.index.remote(share, self.settings)] = (i, share, worker)
-                (ready,), _ = ray.wait(list(pending), num_returns=1)
-                i, share, worker = pending.pop(ready)
-                try:
-                    written[i] = segments.write(directory, ray.get(ready))
-                except Exception as e:
-                    raise BuildError(f"a worker failed indexing documents {share[0].doc_id!r}..{share[-1].doc_id!r} "
-                                     f"({type(e).__name__}: {_first_line(e)}); nothing was committed and the index "
-                                     f"in {directory} is as it was") from e
-                idle.append(worker)
+            with contextlib.closing(spread(todo, self.workers, lambda w, job: w.index.remote(job[1], self.settings))
+                                    ) as finished:
+                for (i, share), ready in finished:
+                    try:
+                        written[i] = segments.write(directory, ray.get(ready))
+                    except Exception as e:
+                        raise BuildError(f"a worker failed indexing documents {share[0].doc_id!r}.."
+                                         f"{share[-1].doc_id!r} ({type(e).__name__}: {_first_line(e)}); nothing was "
+                                         f"committed and the index in {directory} is as it was") from e
         except BaseException:
-            for ref in pending:
-                ray.cancel(ref, force=True)
             for entry in written.values():
                 shutil.rmtree(directory / segments.SEGMENTS / entry["name"], ignore_errors=True)
             raise
@@ -251,12 +276,21 @@ def _okapi_totals(parts: list[dict]) -> dict:
     return {"idf": whole.idf, "avgdl": sum(p["words"] for p in parts) / whole.corpus_size}
 
 
+def _use_okapi_totals(postings, whole: dict) -> None:
+    """Score one shard's BM25 postings with the whole corpus's idf and mean length (`_okapi_totals`)."""
+    okapi = postings.okapi
+    okapi.idf, okapi.avgdl = whole["idf"], whole["avgdl"]
+    doc_len = np.asarray(okapi.doc_len, dtype=np.float64)
+    postings.norm = okapi.k1 * (1 - okapi.b + okapi.b * doc_len / okapi.avgdl)
+
+
 class Shard:
-    """Some of an index's segments in one process, answering with the whole index's statistics."""
+    """Some of an index's segments in one process, answering with the whole index's statistics: S3 and BM25 over
+    sentences (`open`, `more`), and the `endo` pipeline's stage 1, BM25 over passages (`passage_candidates`)."""
 
     def __init__(self, directory: str, parts: list[dict], shift: int, prune: float | None):
         self.index, self.corpus = segments.load_parts(directory, parts)
-        self.shift, self.prune, self.streams, self._bm25 = shift, prune, {}, None
+        self.shift, self.prune, self.streams, self._bm25, self._passages = shift, prune, {}, None, None
 
     @property
     def bm25(self):
@@ -266,19 +300,53 @@ class Shard:
             self._bm25 = SentenceBM25.build(self.corpus)
         return self._bm25
 
+    @property
+    def passages(self):
+        from endo_retrieval.index.pipeline import Passages
+
+        if self._passages is None:
+            self._passages = Passages.build(self.corpus)
+        return self._passages
+
     def stats(self) -> dict:
         return {"freq": {l: self.index.freq(l) for l in self.index.layers},
                 "n_tokens": {l: self.index.n_tokens(l) for l in self.index.layers},
-                "bm25": {k: _okapi_stats(getattr(self.bm25, k)) for k in ("sentences", "windows")}}
+                "bm25": {k: _okapi_stats(getattr(self.bm25, k)) for k in ("sentences", "windows")}
+                | {"passages": _okapi_stats(self.passages.bm25)}}
 
     def use_totals(self, totals: dict) -> None:
         self.index.__class__, self.index.totals = _WholeIndexStats, totals
         for k in ("sentences", "windows"):
-            postings, whole = getattr(self.bm25, k), totals["bm25"][k]
-            okapi = postings.okapi
-            okapi.idf, okapi.avgdl = whole["idf"], whole["avgdl"]
-            doc_len = np.asarray(okapi.doc_len, dtype=np.float64)
-            postings.norm = okapi.k1 * (1 - okapi.b + okapi.b * doc_len / okapi.avgdl)
+            _use_okapi_totals(getattr(self.bm25, k), totals["bm25"][k])
+        _use_okapi_totals(self.passages.bm25, totals["bm25"]["passages"])
+
+    def passage_candidates(self, stage1, question: str, where=None) -> list[tuple]:
+        """The `endo` pipeline's stage 1 over this shard's passages, scored with the whole index's BM25 statistics:
+        its best `stage1.depth` as (-score, global start, passage here, what the model reads of it), best first.
+        `stage1`: the reader's EndoPipeline without its model (stage 1 and `read_texts` read only its settings)."""
+        top, scores = stage1.candidates(self.corpus, self.passages, question, where=where)
+        texts = stage1.read_texts(self.corpus, self.passages, top, question)
+        starts = self.passages.starts[top] + self.shift
+        return list(zip((-scores).tolist(), starts.tolist(), top.tolist(), texts))
+
+    def passage_spans(self, picks: list[int], question: str, max_tokens: int | None) -> list[tuple]:
+        """The passages `picks` (indices here) as `EndoPipeline.search` returns them: each whole, or cut to its best
+        part (`best_part`) of `max_tokens`; (start, end, char start, char end, text, doc id, metadata, whole
+        document), positions global."""
+        from endo_retrieval.index.pipeline import best_part, part_text
+        from endo_retrieval.scoring.bm25 import words
+
+        corpus, passages, q, out = self.corpus, self.passages, set(words(question)), []
+        for i in picks:
+            a, b = int(passages.starts[i]), int(passages.ends[i])
+            parts = [(a, b)] if max_tokens is None else best_part(corpus, passages.sentences, a, b, q, max_tokens)
+            doc_id, c0, _, _ = corpus.span_text(parts[0][0], parts[0][1])
+            _, _, c1, _ = corpus.span_text(parts[-1][0], parts[-1][1])
+            doc = corpus.doc(doc_id)
+            text = part_text(corpus, parts) if len(parts) > 1 else doc.text[c0:c1]
+            out.append((parts[0][0] + self.shift, parts[-1][1] + self.shift, c0, c1, text, doc_id, doc.metadata,
+                        (parts[0][0], parts[-1][1]) == (doc.start, doc.end)))
+        return out
 
     def open(self, qid: str, features, question: str, signals: list[str], kernel: int) -> dict:
         """Score the question here, and start one peak stream per signal; returns their first batches."""
@@ -318,23 +386,27 @@ class Shard:
 
 class ShardedIndex:
     """A committed index (`RayIndexer`) opened as `shards` actors, each holding a contiguous run of its segments.
-    `select` and `search` answer as `EndoIndex.load(directory)` would, spans and ranking alike (a test)."""
+    `select` and `search` answer as `EndoIndex.load(directory)` would, spans and ranking alike (a test), for the
+    methods the shards answer alone (`methods`); `endo` needs the model's readers: `ReaderPool(this index)`.
+    `backbone`, `saes`: the question's encoder for S3, loaded only for an index that holds S3 postings."""
 
     def __init__(self, directory: str | os.PathLike, shards: int = 2, backbone=None, saes=None,
                  int8_queries: bool | None = None):
-        ray = _ray()
+        ray = ray_cluster()
         parts = segments.listed_committed(directory)
         if not parts:
             raise ValueError(f"{directory} holds no index of segments; build it with RayIndexer "
                              "(`endo index --ray`), or open a plain index with EndoIndex.load")
         head = parts[0]["header"]
-        self.method, self.prune = head["method"], head.get("prune")
-        # the question's encoder: the model and SAEs, no postings (a question is encoded once, here)
-        self.encoder = EndoIndex(backbone, self.method, saes=saes, chunk_size=head["chunk_size"], prune=self.prune,
-                                 int8_queries=int8_queries)
-        if self.encoder.backbone.model_hash != head["model_hash"]:
-            raise ValueError(f"The index in {directory} was built with model {head['model']}, not with the loaded "
-                             f"{self.encoder.backbone.model_id}; load that model.")
+        self.directory, self.method, self.prune = Path(directory), head["method"], head.get("prune")
+        self.model, self.model_hash = head["model"], head["model_hash"]
+        self.encoder = None  # the question's encoder for S3: the model and SAEs, no postings (encoded once, here)
+        if self.method in S3_METHODS:
+            self.encoder = EndoIndex(backbone, self.method, saes=saes, chunk_size=head["chunk_size"],
+                                     prune=self.prune, int8_queries=int8_queries)
+            if self.encoder.backbone.model_hash != self.model_hash:
+                raise ValueError(f"The index in {directory} was built with model {self.model}, not with the loaded "
+                                 f"{self.encoder.backbone.model_id}; load that model.")
         runs_ = shares_of(parts, shards)
         shifts = np.cumsum([0] + [sum(p["positions"] for p in run) for run in runs_])[:-1]
         actor = ray.remote(Shard)
@@ -343,17 +415,34 @@ class ShardedIndex:
         layers = list(stats[0]["freq"])
         totals = {"freq": {l: sum(s["freq"][l] for s in stats) for l in layers},
                   "n_tokens": {l: sum(s["n_tokens"][l] for s in stats) for l in layers},
-                  "bm25": {k: _okapi_totals([s["bm25"][k] for s in stats]) for k in ("sentences", "windows")}}
+                  "bm25": {k: _okapi_totals([s["bm25"][k] for s in stats])
+                           for k in ("sentences", "windows", "passages")}}
         ray.get([s.use_totals.remote(totals) for s in self.shards])
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods the shards answer alone: S3's where the index holds its postings, and BM25."""
+        return ("s3-hybrid", "s3", "bm25") if self.method in S3_METHODS else ("bm25",)
+
+    def check_method(self, method: str | None) -> str:
+        """`method` (None: the index's own) when the shards answer it alone, else a ValueError saying what does."""
+        method = check_search_method(method or self.method)
+        if method in PIPELINE_METHODS:
+            raise ValueError(f"{method!r} ranks passages with the model: open readers over this index, "
+                             "ReaderPool(index) (endo_retrieval.distributed_pipeline), and search there.")
+        if method not in self.methods:
+            raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings, so "
+                             f"it cannot search with {method!r}; it searches with {', '.join(self.methods)}.")
+        return method
 
     def select(self, question: str, budget: int, method: str | None = None, kernel: int = QA_KERNEL,
                s3_share: float = 0.5) -> list[Span]:
         """`EndoIndex.select` over the shards (lead_tail 0, as `search` uses it)."""
         from endo_retrieval.model.backbone import as_text
 
-        ray = _ray()
+        ray = ray_cluster()
         check_budget(budget)
-        method, question, qid = check_search_method(method or self.method), as_text(question), uuid.uuid4().hex
+        method, question, qid = self.check_method(method), as_text(question), uuid.uuid4().hex
         signals = SIGNALS[method]
         features = self.encoder.query_features(question) if "s3" in signals else None
         first = ray.get([s.open.remote(qid, features, question, signals, kernel) for s in self.shards])
@@ -369,10 +458,13 @@ class ShardedIndex:
         texts = ray.get([self.shards[self._owner(records, a)].span.remote(a, b) for a, b in spans])
         return scored_spans(spans, texts, taken)
 
-    def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None) -> list[Span]:
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}.")
-        return sorted(self.select(question, budget or 128 * k, method), key=lambda s: -s.score)[:k]
+    def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None,
+               where: Callable[[dict], bool] | None = None) -> list[Span]:
+        """`EndoIndex.search` for the methods the shards answer alone (`methods`)."""
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
+        spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
+        return sorted(spans, key=lambda s: -s.score)[:k]
 
     def _merged(self, qid: str, name: str, firsts: list, records: dict) -> Iterator[int]:
         """One signal's peaks over all shards, in the order NMS takes them over the union: (density desc, position
@@ -383,7 +475,7 @@ class ShardedIndex:
         def refill(i: int) -> None:
             got, done = buffers[i]
             while not got and not done:
-                more, done = _ray().get(self.shards[i].more.remote(qid, [name]))[name]
+                more, done = ray_cluster().get(self.shards[i].more.remote(qid, [name]))[name]
                 got.extend(more)
                 buffers[i] = (got, done)
             if got:
@@ -434,7 +526,7 @@ def ilre_scores(ilre, context_ids: np.ndarray, query_ids: np.ndarray, workers: l
     (each holding the same model as `ilre.backbone`). Each part streams its chunks behind their sink and window
     frames; the last also streams the query part. [ILRe Eq. 5]'s softmax runs over the whole context: every part's
     logsumexp is combined with logaddexp before each part turns its logits into probabilities."""
-    ray = _ray()
+    ray = ray_cluster()
     ilre._check_query(query_ids)
     context_ids, query_ids = np.asarray(context_ids), np.asarray(query_ids)
     n_chunks = math.ceil(len(context_ids) / ilre.chunk_size)

@@ -68,10 +68,8 @@ def index_run(args) -> int:
         from endo_retrieval import distributed
         from endo_retrieval.index import segments
 
-        if args.method not in ("s3-hybrid", "s3"):
-            raise ValueError(f"--ray builds S3 feature postings on workers; an index for {args.method!r} only "
-                             "tokenises, which one process does quickly: drop --ray, or pass --method s3-hybrid.")
-
+        # every method: an index for endo or bm25 only tokenises, but its segments are what ShardedIndex opens as
+        # shards (the pipeline's stage 1 where the corpus lives; docs/scale.md)
         distributed.connect(args.ray or None)
         distributed.RayIndexer(args.workers, setup=distributed.ModelRecipe(args.model), method=args.method
                                ).build(out, docs, append=args.append)

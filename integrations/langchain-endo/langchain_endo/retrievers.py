@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from contextvars import ContextVar
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
@@ -33,6 +34,10 @@ def span_document(span: Span, passage: bool = False) -> LCDocument:
     """A hit as a Document: its source document's id, or a passage's own id (its document's and offsets)."""
     return LCDocument(page_content=span.text, metadata=provenance(span),
                       id=f"{span.doc_id}:{span.char_start}-{span.char_end}" if passage else span.doc_id)
+
+
+# the index `from_index` hands to the retriever it builds (pydantic builds it, so not through an argument)
+_GIVEN_INDEX: ContextVar = ContextVar("given_index", default=None)
 
 
 class EndoRetriever(BaseRetriever):
@@ -63,12 +68,23 @@ class EndoRetriever(BaseRetriever):
     _index: EndoIndex = PrivateAttr()
 
     def model_post_init(self, __context: Any) -> None:
-        self._index = open_index(to_documents(self.texts, self.documents), self.index_dir, self.method,
-                                 self.backbone)
+        given = _GIVEN_INDEX.get()  # from_index
+        self._index = given if given is not None else open_index(to_documents(self.texts, self.documents),
+                                                                 self.index_dir, self.method, self.backbone)
         self._index.check_method(self.method)
         check_pipeline_settings(self._index, self.method, self.depth, self.read_tokens)
         _matcher(self.filter)  # a filter it cannot read fails here, not at the first query
         self.texts = self.documents = None  # the index holds them now; don't keep a second copy
+
+    @classmethod
+    def from_index(cls, index, **kwargs) -> "EndoRetriever":
+        """A retriever over an index already open: an `EndoIndex`, or anything with its `search` and `check_method`
+        (an index served by Ray: `endo_retrieval.distributed_pipeline.ReaderPool`). `kwargs`: the fields (k, ...)."""
+        token = _GIVEN_INDEX.set(index)
+        try:
+            return cls(**kwargs)
+        finally:
+            _GIVEN_INDEX.reset(token)
 
     @field_validator("k", mode="before")
     @classmethod
