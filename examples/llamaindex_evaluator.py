@@ -6,6 +6,7 @@ expected ids. Hit rate and MRR over the top `--k`. Runs offline.
 """
 import argparse
 import asyncio
+import os
 import json
 
 from llama_index.core.evaluation import RetrieverEvaluator
@@ -53,6 +54,8 @@ def main(argv=None) -> str:
     args = p.parse_args(argv)
     nodes, questions = task(args.data, args.limit)
     systems = {"endo (EndoRetriever)": EndoRetriever.from_defaults(nodes=nodes, similarity_top_k=args.k)}
+    # bm25s imports JAX where it is installed, and JAX's first use takes 75% of the GPU's memory for itself
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         from llama_index.retrievers.bm25 import BM25Retriever
 

@@ -6,7 +6,8 @@
 # Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), the models joined by
 # tools/device-parts.sh under /root/parts/NAME.file, MiniLM unpacked under /root/parts/minilm/.
 #
-#   bash tools/device-real-models.sh PHASE NAME...     PHASE: calibrate | bench | latency | rerank | papers | collect
+#   bash tools/device-real-models.sh PHASE NAME...
+# PHASE: calibrate | bench | latency | rerank | rerankers | llmrerank | zero | twohop | s3 | decode | reattention | papers | collect
 # NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
 #
 # Every phase stops its processes at DEADLINE seconds (default 550) and packs what they wrote, with their logs,
@@ -23,6 +24,9 @@ cp -rn /root/parts/minilm/minilm/* /root/site/ 2>/dev/null || true
 export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_NUM_THREADS=2
 # LlamaIndex ships tiktoken's encodings, but uses them only when TIKTOKEN_CACHE_DIR is unset (the image sets it)
 export TIKTOKEN_CACHE_DIR=/root/site/llama_index/core/_static/tiktoken_cache
+# bm25s (LlamaIndex's BM25Retriever) imports JAX where it is installed, as on the device image, and JAX then takes
+# 75% of the GPU's memory for itself: its top-k stays on the CPU
+export JAX_PLATFORMS=cpu
 cp -rn /root/parts/smollm/smollm/* /root/site/ 2>/dev/null || true  # the default model's package, when carried
 assets=/root/site/endo_retrieval/assets
 slug() { case $1 in q15) echo qwen2.5-coder-1.5b-instruct ;; q05) echo qwen2.5-coder-0.5b-instruct ;;
@@ -134,11 +138,62 @@ rerank)  # the reranker's fusion fitted on fit300 per first stage, then the rera
     bg "llmrerank_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit 100 --choice-batch-size 20 \
       --systems llamaindex-bm25,bm25+llmrerank,minilm,minilm+llmrerank --out "$res/llmrerank_dev100_$m.json"
   done ;;
+rerankers)  # the rerankers over MiniLM and BM25 first stages, the weights the shipped profile holds
+  for m in "$@"; do
+    bg "rerankers_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" \
+      --systems minilm,minilm+reranker,minilm+heads,llamaindex-bm25,bm25+reranker --out "$res/rerankers_dev300_$m.json"
+  done ;;
+llmrerank)  # LlamaIndex's LLMRerank driven by the same local model, after BM25 and after MiniLM
+  for m in "$@"; do
+    bg "llmrerank_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit 100 --choice-batch-size 20 \
+      --systems llamaindex-bm25,bm25+llmrerank,minilm,minilm+llmrerank --out "$res/llmrerank_dev100_$m.json"
+  done ;;
 twohop)  # the second hop that retrieves, beside the default pipeline
   for m in "$@"; do
     bg "twohop_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --systems endo,endo-2hop,llamaindex-bm25 \
       --out "$res/twohop_dev300_$m.json"
   done ;;
+s3)  # S3-Attention on a real model: SAEs on its keys (WikiText-2, as the paper), then S3 / S3-Hybrid beside BM25
+  m=${1:-q15}
+  s3_chain() {
+    local sae=$assets/sae/$(slug "$m")  # where the shipped SAEs live: found by the model's hash in card.json
+    [ -f "$sae/card.json" ] || endo train-sae --model "$(model "$m")" --corpus "$data/wikitext2/valid.txt" \
+      --heldout "$data/wikitext2/test.txt" --out "$sae" > "$res/train_sae_$m.log" 2>&1 || return 1
+    mkdir -p "$res/sae_$m" && cp "$sae/card.json" "$res/sae_$m/"
+    endo bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens 8192 --budget 1024 \
+      --limit ${S3_LIMIT:-300} --no-generate --methods s3,s3-hybrid,bm25-sent,endo --out "$res/s3_dev300_8192_$m.json" > "$res/s3_8192_$m.log" 2>&1 &
+    endo bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens 32768 --budget 2048 \
+      --limit ${S3_LIMIT_32K:-100} --no-generate --methods s3,s3-hybrid,bm25-sent --out "$res/s3_dev300_32768_$m.json" \
+      > "$res/s3_32768_$m.log" 2>&1 &
+    endo bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens 8192 --budget 1024 \
+      --limit ${S3_LIMIT_KL:-100} --methods full,s3-hybrid,bm25-sent --out "$res/s3_kl_dev300_8192_$m.json" > "$res/s3_kl_$m.log" 2>&1 &
+    wait
+  }
+  bg "s3_$m" s3_chain ;;
+decode)  # retrieval-completion attention and PrHS on a real model: phi maps distilled (PHI=1), error, accuracy, latency
+  m=${1:-q15}
+  phi=${PHI:+,topk+phi}
+  phi_chain() {
+    [ -z "$phi" ] || endo train-phi --model "$(model "$m")" --corpus "$data/pg_essays" --length 8192 --steps 300 \
+      || return 1
+    endo bench attention --model "$(model "$m")" --measure error --attention dense,topk$phi,prhs \
+      --context-tokens 8192,16384,32768 --budgets 0.01,0.02,0.03,0.05 --error-windows 4 --error-queries 16 \
+      --error-text "$data/pg_essays" ${phi:+--phi default} --out "$res/error_8k-32k_$m.json" > "$res/error_$m.log" 2>&1 &
+    [ "${ACC:-1}" = 0 ] || endo bench attention --model "$(model "$m")" --measure accuracy --attention dense,topk$phi,prhs \
+      --accuracy-budget 0.05 --context-tokens 8192,32768 --depths 5 --data passkey:$data/pg_essays \
+      --data "$hot/dev30.json" --limit 10 ${phi:+--phi default --phi-tolerance 4.1} --out "$res/accuracy_8k-32k_$m.json" \
+      > "$res/accuracy_$m.log" 2>&1 &
+    wait
+  }
+  bg "phi_$m" phi_chain
+  bg "latency_attn_$m" endo bench attention --model "$(model "$m")" --measure latency --attention dense,topk,prhs \
+    --accuracy-budget 0.125 --latency-keys 32768 --latency-batch 4 --error-text "$data/pg_essays" --out "$res/attn_latency_32k_$m.json" ;;
+reattention)  # passkeys inside (32k) and past (64k, 128k) the 1.5B model's window, dense against ReAttention
+  m=${1:-q15}
+  for att in dense reattention; do for c in 32768 65536 131072; do
+    bg "passkey_${att}_${c}_$m" endo bench attention $(margs "$m") --data passkey:$data/pg_essays --depths 4 \
+      --measure accuracy --attention $att --context-tokens $c --out "$res/passkey_${att}_${c}_$m.json"
+  done; done ;;
 papers)  # the 1.5B model past its window: passkeys for the decode-time backends and ILRe
   m=${1:-q15}
   bg "passkey_dense_$m" endo bench attention $(margs "$m") --data passkey:$data/pg_essays --depths 4 --measure accuracy \
@@ -148,9 +203,14 @@ papers)  # the 1.5B model past its window: passkeys for the decode-time backends
   bg "passkey_ilre_$m" endo bench quality $(margs "$m") --data passkey:$data/pg_essays --limit 10 --no-generate \
     --context-tokens 32768,131072 --budget 1024 --methods ilre,endo,bm25-sent --out "$res/passkey_ilre_$m.json" ;;
 esac
-# wait for the processes, at most until the deadline; then stop the rest and pack what exists
+# wait for the processes, at most until the deadline (the GPU's memory logged each minute); then stop the rest
 end=$deadline  # seconds since the script began
-while [ $SECONDS -lt $end ] && jobs -r | grep -q .; do sleep 5; done
+while [ $SECONDS -lt $end ] && jobs -r | grep -q .; do
+  [ $((SECONDS % 60)) -lt 5 ] && { echo "t=$SECONDS"; nvidia-smi --query-gpu=memory.used,utilization.gpu \
+    --format=csv,noheader; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; \
+    ps -eo pid,etimes,args | grep '[b]in/endo' | cut -c1-160; } >> "$res/gpu_memory.log" 2>&1
+  sleep 5
+done
 jobs -r | grep -q . && echo "deadline: stopping what still runs" && pkill -f /root/site/bin/endo; sleep 2
 tail -n 3 "$res"/*.log
 [ "$phase" = collect ] && res=/root/res
