@@ -13,8 +13,10 @@ gold is the distinct titles of its supporting facts. Rows:
   stage's order fills the rest, and the row's note counts those questions).
 Per row: paragraph recall@k and all-gold@k (k = 2, 5, 10) and MRR over the top 10 distinct paragraphs, each with a
 95% bootstrap interval over questions and its paired difference to the `--reference` row; latency p50/p95 of the
-whole query and of each stage known; the index build time. Writes JSON (schema endo-bench-corpus/1), with each
-question's hits so rows can be compared later, and a Markdown table beside it.
+whole query and of each stage known; the model's forwards per question and, on CUDA, the launches and kernels of a
+few warm questions (`launches.py`); the index build time. `--plain-reads`: the pipeline reads one query part per
+forward, as before its reads were batched (the same rankings, more forwards). Writes JSON (schema
+endo-bench-corpus/1), with each question's hits so rows can be compared later, and a Markdown table beside it.
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import re
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="the first N questions (the corpus is still every "
                    "paragraph of the file)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap resampling seed")
+    p.add_argument("--plain-reads", action="store_true", help="the endo pipelines read one query part per forward "
+                   "(five per question, not two; the same rankings): the path before batching, for timing beside it")
+    p.add_argument("--unstemmed", action="store_true", help="the endo pipelines' stage 1 indexes words, not their "
+                   "stems (before stemming, for quality beside it)")
     model_argument(p)
 
 
@@ -185,6 +193,9 @@ class FirstStage:
         if self.kind == "minilm":
             load_embedder(shared)
             return
+        # bm25s imports JAX where it is installed, and JAX's first use takes 75% of the GPU's memory for itself
+        # (beside the model, the next allocation fails); its top-k is as fast on the CPU
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
         try:
             from llama_index.retrievers.bm25 import BM25Retriever
         except ImportError as err:
@@ -348,10 +359,13 @@ def use_shipped_tiktoken_cache() -> None:
 # ---------------------------------------------------------------- one row
 
 
-def measure(system, nodes: list, items: list[dict], titles_of: dict[str, str], shared: dict) -> dict:
+def measure(system, nodes: list, items: list[dict], titles_of: dict[str, str], shared: dict, bb=None) -> dict:
     """Load the system's models (untimed), build its index (timed, with its warm-up question), then ask every
-    question."""
+    question, counting the forwards of the model `bb` (when given) each takes; on CUDA, profile the first
+    LAUNCH_QUESTIONS again, now warm, for their launches."""
     from tqdm import tqdm
+
+    from endo_bench.launches import LAUNCH_QUESTIONS, counting_forwards, cuda_launches
 
     system.load(shared)
     start = time.perf_counter()
@@ -362,9 +376,12 @@ def measure(system, nodes: list, items: list[dict], titles_of: dict[str, str], s
     per_question = {**{f"hits@{k}": [] for k in KS}, "first_gold_rank": [], "query_ms": []}
     stage_ms: dict[str, list[float]] = {}
     for item in tqdm(items, desc=f"corpus {system.name}", unit="question", disable=None):
-        start = time.perf_counter()
-        ids, stages = system.ask(item["question"])
-        per_question["query_ms"].append(round(1e3 * (time.perf_counter() - start), 3))
+        with counting_forwards(bb) if bb is not None else nullcontext([None]) as forwards:
+            start = time.perf_counter()
+            ids, stages = system.ask(item["question"])
+            per_question["query_ms"].append(round(1e3 * (time.perf_counter() - start), 3))
+        if bb is not None:
+            per_question.setdefault("forwards", []).append(forwards[0])
         for key, value in score_ranking([titles_of[i] for i in ids], gold_titles(item)).items():
             per_question[key].append(value)
         for stage, ms in stages.items():
@@ -372,6 +389,13 @@ def measure(system, nodes: list, items: list[dict], titles_of: dict[str, str], s
     latency = {"query": percentiles(per_question["query_ms"]), **{s: percentiles(v) for s, v in stage_ms.items()}}
     row = {"system": system.name, "n": len(items), "latency_ms": latency, "index_s": round(index_s, 3),
            "per_question": per_question}
+    if bb is not None:
+        row["forwards_per_question"] = round(float(np.mean(per_question["forwards"])), 2)
+        profiled = [cuda_launches(lambda: system.ask(item["question"]), bb.device)
+                    for item in items[:LAUNCH_QUESTIONS]]
+        if profiled and profiled[0] is not None:
+            row["cuda_per_question"] = {key: round(float(np.mean([p[key] for p in profiled])), 1)
+                                        for key in profiled[0]} | {"questions": len(profiled)}
     if system.note():
         row["note"] = system.note()
     return row
@@ -431,13 +455,19 @@ def run(args) -> int:
     nodes = corpus_nodes(titles, texts)
     titles_of = {n.node_id: t for n, t in zip(nodes, titles)}
     bb = load_backbone(args.model) if any(s not in FIRST_STAGE_ROWS for s in systems) else None
-    rows, shared = [], {}
-    for name in systems:
-        try:
-            rows.append(measure(make_system(name, args, bb), nodes, items, titles_of, shared))
-        except Exception as err:  # noqa: BLE001 - one row that cannot run must not lose the others
-            logger.warning("%s: skipped: %s", name, err)
-            rows.append({"system": name, "n": 0, "skipped": f"{type(err).__name__}: {err}"})
+    from endo_retrieval.index import pipeline
+
+    rows, shared, batched, stems = [], {}, pipeline.BATCHED_READS, pipeline.STEMS
+    pipeline.BATCHED_READS, pipeline.STEMS = not args.plain_reads, not args.unstemmed
+    try:
+        for name in systems:
+            try:
+                rows.append(measure(make_system(name, args, bb), nodes, items, titles_of, shared, bb))
+            except Exception as err:  # noqa: BLE001 - one row that cannot run must not lose the others
+                logger.warning("%s: skipped: %s", name, err)
+                rows.append({"system": name, "n": 0, "skipped": f"{type(err).__name__}: {err}"})
+    finally:
+        pipeline.BATCHED_READS, pipeline.STEMS = batched, stems
     reference = pick_reference(args.reference, rows)
     gold_counts = [len(gold_titles(it)) for it in items]
     add_intervals(rows, gold_counts, reference, args.seed)
@@ -459,14 +489,20 @@ def run_config(args, bb, systems, reference, n_paragraphs, items, gold_counts, n
             "reference": reference, "candidates": args.candidates, "choice_batch_size": args.choice_batch_size,
             "top": TOP, "ks": list(KS), "bootstrap": {"resamples": RESAMPLES, "level": 0.95},
             "corpus_paragraphs": n_paragraphs, "n_questions": len(items), "embedder": "all-MiniLM-L6-v2",
-            "device": str(bb.device) if bb else "cpu", "question_ids": [it["_id"] for it in items],
+            "device": str(bb.device) if bb else "cpu", "reads": "plain" if args.plain_reads else "batched",
+            "stage1_terms": "words" if args.unstemmed else "stems",
+            "question_ids": [it["_id"] for it in items],
             "gold_per_question": gold_counts, "left_out_no_gold": no_gold, "wall_s": round(wall_s, 1),
             "notes": ["gold: the distinct titles of a question's supporting facts; a paragraph counts once, at its "
                       "first (best) hit",
                       "index_s: building the index plus one warm-up question; the MiniLM rows share one vector "
                       "index and each reports its build",
                       "latency_ms.query: the whole question; other keys are the stages a system reports "
-                      "(first_stage and rerank for the rerankers)",
+                      "(first_stage and rerank for the rerankers; the endo pipelines: bm25, then heads: the model's "
+                      "read of the candidates, itself read, question and hop2, each waited for on CUDA)",
+                      "forwards_per_question: calls of the model's decoder per question (mean); cuda_per_question: "
+                      "torch.profiler's count over the first warm questions: launches (host calls that start a "
+                      "kernel or a captured graph), kernels run, memory copies",
                       "llmrerank rows: LLMRerank keeps only the paragraphs it parses from the model's answer; "
                       "where that is fewer than the top, the first stage's order fills the rest, and the row's "
                       "note says for how many questions",
@@ -476,7 +512,8 @@ def run_config(args, bb, systems, reference, n_paragraphs, items, gold_counts, n
 
 def order_keys(row: dict) -> dict:
     """The row's keys in reading order, the bulky per-question lists last."""
-    head = ["system", "n", "skipped", *METRICS, "diff", "latency_ms", "index_s", "note", "per_question"]
+    head = ["system", "n", "skipped", *METRICS, "diff", "latency_ms", "forwards_per_question", "cuda_per_question",
+            "index_s", "note", "per_question"]
     return {k: row[k] for k in head if k in row}
 
 
@@ -518,6 +555,15 @@ def markdown(result: dict) -> str:
         q = r["latency_ms"]["query"]
         lines.append(f"| {r['system']} | {r['n']} | " + " | ".join(cell(r[m]) for m in METRICS)
                      + f" | {q['p50']:.1f} / {q['p95']:.1f} | {r['index_s']:.2f} |")
+    counted = [r for r in measured if "forwards_per_question" in r]
+    if counted:
+        lines += ["", f"Model work per question ({cfg.get('reads', 'batched')} reads):", "",
+                  "| system | forwards | CUDA launches | CUDA kernels | copies |", "|---|---|---|---|---|"]
+        for r in counted:
+            cuda = r.get("cuda_per_question") or {}
+            lines.append(f"| {r['system']} | {r['forwards_per_question']:g} | "
+                         + " | ".join(f"{cuda[k]:g}" if k in cuda else "–" for k in ("launches", "kernels", "copies"))
+                         + " |")
     if cfg["reference"]:
         lines += ["", f"Difference to `{cfg['reference']}` (row minus reference; paired bootstrap 95% interval):",
                   "", "| system | " + " | ".join(f"Δ {n}" for n in names) + " |", "|" + "---|" * (len(names) + 1)]

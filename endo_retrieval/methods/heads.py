@@ -9,7 +9,10 @@ In-Context Re-ranking (Chen et al., ICLR 2025): subtract the same mass under a c
 removes what the model attends to whatever the question (the first tokens, punctuation, recent tokens).
 
 The model reads the context once and asks it the question, the content-free question and a second hop
-(`model/reading.py`); with the default segments the question sees every token at every layer. `stream=True`
+(`model/reading.py`); with the default segments the question sees every token at every layer. Batched (the
+default), the question and the content-free question are read in the context's own forward and the second hop's
+two in one more (`reading.ask_parts`): two forwards for what took five one part at a time (`batched=False`, the
+plain twin the tests hold the batched reads against). `stream=True`
 reads with ILRe's streaming prefill instead, bounded without segments, but the heads rank worse (docs/papers.md
 has both measurements).
 """
@@ -26,7 +29,7 @@ from endo_retrieval.index.corpus import CorpusMap
 from endo_retrieval.scoring.bm25 import _STOP as STOP_WORDS, SentenceBM25
 from endo_retrieval.methods.base import BaseMethod
 from endo_retrieval.model.profiles import heads_profile
-from endo_retrieval.model.reading import Reading, ask, read, segment_cuts
+from endo_retrieval.model.reading import Reading, StageClock, ask, ask_parts, read, segment_cuts
 from endo_retrieval.scoring.attention import logits
 from endo_retrieval.scoring.select import sentence_spans
 
@@ -103,22 +106,25 @@ def prepare_context(backbone, context: str, layers: Sequence[int], segment: int 
 
 
 def calibrated_attention(backbone, prepared: Prepared, heads: Sequence[tuple[int, int]], question: str,
-                         prefix: str = "", layers: Sequence[int] = ()) -> tuple[np.ndarray, dict]:
+                         prefix: str = "", layers: Sequence[int] = (), batched: bool = True
+                         ) -> tuple[np.ndarray, dict]:
     """Per head, the question's attention over the context minus the content-free question's (ICR): (len(heads),
     L), and the question's queries at the heads' layers plus `layers`. Without a prefix the content-free
-    attention is the same for every question, so it is computed once per context."""
+    attention is the same for every question, so it is computed once per context. batched: the two query parts
+    in one forward per segment (`ask_parts`, or none where the read asked them), else one each (`ask`)."""
     layers = sorted({l for l, _ in heads} | set(layers))
     ids, rows = query_part(backbone, question, prefix)
-    queries = ask(backbone, prepared.reading, ids, layers)
-    real = head_attention(prepared.reading, queries, heads, rows)
     key = (prefix, tuple(heads))
     null = prepared.null.get(key)
+    parts = [(ids, rows)] + ([query_part(backbone, NULL_QUESTION, prefix)] if null is None else [])
+    asked = ask_parts(backbone, prepared.reading, [p for p, _ in parts], layers) if batched else \
+        [ask(backbone, prepared.reading, p, layers) for p, _ in parts]
     if null is None:
-        null_ids, null_rows = query_part(backbone, NULL_QUESTION, prefix)
-        null = head_attention(prepared.reading, ask(backbone, prepared.reading, null_ids, layers), heads, null_rows)
+        null = head_attention(prepared.reading, asked[1], heads, parts[1][1])
         if not prefix:
             prepared.null[key] = null
-    return (real - null).cpu().numpy(), queries
+    real = head_attention(prepared.reading, asked[0], heads, rows)
+    return (real - null).cpu().numpy(), asked[0]
 
 
 def calibrated_scores(backbone, prepared: Prepared, heads: Sequence[tuple[int, int]], question: str,
@@ -213,30 +219,35 @@ HOP_PASSAGES = 2  # first-hop passages the second hop re-reads
 
 def passage_signals(backbone, passages: Sequence[str], question: str, heads: Sequence[tuple[int, int]] | None = None,
                     second_hop: bool = False, int8: bool = False, first_stage: np.ndarray | None = None,
-                    evidence: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+                    evidence: Sequence[int] | None = None, batched: bool = True) -> dict[str, np.ndarray]:
     """Per passage: "heads", `rank_passages`'s score; with second_hop, "hop2": the same heads when the question
     comes behind the HOP_PASSAGES best first-hop passages (by reciprocal-rank fusion of the heads and
     `first_stage`'s scores when given; `evidence`: these passages instead), which a bridge question needs to find
-    a passage that shares no word with it. int8 (CPU): the model reads through int8 linear maps."""
-    return read_passages(backbone, passages, question, heads, second_hop, int8, first_stage, evidence).signals
+    a passage that shares no word with it. int8 (CPU): the model reads through int8 linear maps. batched: the query
+    parts read together (the module docstring), else one forward each."""
+    return read_passages(backbone, passages, question, heads, second_hop, int8, first_stage, evidence,
+                         batched).signals
 
 
 @dataclass
 class PassageReading:
     """What one read of passages gives: the per-passage `signals`, and per token of the read `text` the heads'
-    calibrated attention summed over the heads (`token_scores`), its character `offsets`, and each passage's
-    character range [start, end) in `text` (`chars`)."""
+    calibrated attention summed over the heads (`token_scores`), its character `offsets`, each passage's
+    character range [start, end) in `text` (`chars`), and the milliseconds of each stage (`ms`): "read" (the
+    forward through the passages; batched, with the question and the content-free question behind them),
+    "question" (their attention; not batched, their two forwards too), "hop2" (the second hop's two query parts)."""
 
     signals: dict
     text: str
     offsets: np.ndarray
     token_scores: np.ndarray
     chars: list[tuple[int, int]]
+    ms: dict = field(default_factory=dict)
 
 
 def read_passages(backbone, passages: Sequence[str], question: str, heads: Sequence[tuple[int, int]] | None = None,
                   second_hop: bool = False, int8: bool = False, first_stage: np.ndarray | None = None,
-                  evidence: Sequence[int] | None = None) -> PassageReading:
+                  evidence: Sequence[int] | None = None, batched: bool = True) -> PassageReading:
     """`passage_signals` with the token-level attention it was taken from (for a bridge: `bridge_terms`)."""
     from endo_retrieval.scoring.fusion import rrf
 
@@ -253,20 +264,28 @@ def read_passages(backbone, passages: Sequence[str], question: str, heads: Seque
         chars.append((len(text), len(text) + len(body)))
         text += body + PASSAGE_SEPARATOR
     starts = [a for a, _ in chars]
-    prepared = prepare_context(backbone, text, sorted({l for l, _ in heads}), int8=int8)
+    clock = StageClock(backbone.device)
+    # batched: the question and the content-free question ride in the read's own forward (int8 reads ask one part
+    # per forward: `model.reading.read`)
+    parts = [query_part(backbone, q)[0] for q in (question, NULL_QUESTION)] if batched and not int8 else ()
+    prepared = prepare_context(backbone, text, sorted({l for l, _ in heads}), int8=int8, parts=parts)
+    clock.lap("read")
     offsets = prepared.corpus.doc("context").offsets  # the tokens the model read: each passage's first one
     token_of = np.minimum(np.searchsorted(np.maximum.accumulate(offsets[:, 1]), np.asarray(starts), side="right"),
                           len(offsets) - 1)
-    calibrated, _ = calibrated_attention(backbone, prepared, heads, question)
+    calibrated, _ = calibrated_attention(backbone, prepared, heads, question, batched=batched)
     out = {"heads": sentence_max(calibrated, token_of).sum(0)}
+    clock.lap("question")
     if second_hop:
         if evidence is None:
             ranks = rrf(out["heads"], first_stage) if first_stage is not None else out["heads"]
             evidence = np.argsort(-ranks, kind="stable")[:HOP_PASSAGES].tolist()
         read_first = " ".join(passages[i].strip() for i in sorted(evidence))
-        hop, _ = calibrated_attention(backbone, prepared, heads, question, prefix=f"\n\nEvidence: {read_first}")
+        hop, _ = calibrated_attention(backbone, prepared, heads, question, prefix=f"\n\nEvidence: {read_first}",
+                                      batched=batched)
         out["hop2"] = sentence_max(hop, token_of).sum(0)
-    return PassageReading(out, text, offsets, calibrated.sum(0), chars)
+        clock.lap("hop2")
+    return PassageReading(out, text, offsets, calibrated.sum(0), chars, clock.ms)
 
 
 # ---------------------------------------------------------------- the bridge of a second hop that retrieves

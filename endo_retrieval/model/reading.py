@@ -4,12 +4,20 @@ The model reads the context (`read`) in segments (default: one; the heads use th
 sentence starts, one causal forward each with its own KV cache, and a query part (`ask`: a question, a content-free
 question, a second hop) is read after every segment: within a segment the query part sees every token at every
 layer, as in one forward. Long contexts keep the segments' caches in host memory, so the accelerator holds one
-segment at a time. `stream=True` reads with ILRe's streaming prefill instead (ILRe section 3.3: chunks behind S sink
-+ W window tokens), bounded without segments, but a query part then sees only the frame at the lower layers.
+segment at a time. `stream=True` reads with ILRe's streaming prefill instead (ILRe section 3.3: chunks behind S
+sink + W window tokens), bounded without segments, but a query part then sees only the frame at the lower layers.
+
+A small model's forward over a few thousand tokens costs less than launching its kernels, so query parts known
+together go together: `ask_parts` reads several behind the cache in one forward, and `read(..., parts=...)` reads
+them in the segment's own forward, behind its tokens. Each part sees the context and itself, never another part
+(`parts_mask`), at the positions it has when asked alone, so its queries are the plain `ask`'s (the twin the tests
+hold them against); the ids the parts begin with in common (a second hop's evidence) are read once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -43,10 +51,33 @@ class Reading:
     segments: list[Segment]
     on_host: bool = False  # the segments' caches and keys wait in host memory; each comes over when asked
     int8: bool = False  # read through the int8 copy of the layers (CPU): its query parts must be too
+    # query parts the read's own forwards asked (`read(..., parts=)`): their ids' bytes -> `ask`'s answer at the
+    # read's layers; `ask_parts` takes each once
+    asked: dict = field(default_factory=dict)
+    threads: int | None = None  # CPU: the threads the read was fitted to (`model.threads`); `ask_parts` keeps them
 
     @property
     def streamed(self) -> bool:
         return self.segments[0].cache is None
+
+
+class StageClock:
+    """Milliseconds per stage of one piece of work, each read once the accelerator has run the stage (its kernels
+    run asynchronously: unwaited, a stage would be charged to the next one that reads a result)."""
+
+    def __init__(self, device):
+        self.device, self.ms = torch.device(device), {}
+        self.last = self.now()
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        t = self.now()
+        self.ms[stage] = self.ms.get(stage, 0.0) + 1000 * (t - self.last)
+        self.last = t
 
 
 def segment_cuts(sentence_starts: np.ndarray, n_tokens: int, segment: int) -> list[int]:
@@ -63,12 +94,30 @@ def read(backbone, ids: np.ndarray, layers: Sequence[int], **options) -> Reading
     """`_read` with as many CPU threads as other processes leave idle (`model.threads`; the read is most of a
     question's CPU time, the query parts after it are short)."""
     with threads_for_cpu_work(backbone.device):
-        return _read(backbone, ids, layers, **options)
+        reading = _read(backbone, ids, layers, **options)
+        reading.threads = torch.get_num_threads() if backbone.device.type == "cpu" else None
+        return reading
+
+
+@contextmanager
+def _read_threads(reading: Reading):
+    """The read's fitted CPU thread count for the query parts asked after it: a second hop's parts are a few
+    hundred tokens, and beside a busy process torch's own count collapsed on them as on a read (seconds, not tens
+    of milliseconds)."""
+    if reading.threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(reading.threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[int] | None = None,
-          stream: bool = False, sink: int = 4, window: int = 512, chunk_size: int = 2048, int8: bool = False
-          ) -> Reading:
+          stream: bool = False, sink: int = 4, window: int = 512, chunk_size: int = 2048, int8: bool = False,
+          parts: Sequence[np.ndarray] = ()) -> Reading:
     """Forward the context up to max(layers) and keep what its query parts need.
 
     Default: one causal forward per segment (`cuts`, default one segment), each with its own KV cache, so a query
@@ -76,7 +125,11 @@ def _read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[in
     in host memory, and accelerator memory holds one segment at a time. stream=True: ILRe's streaming prefill
     instead (chunks behind S sink + W window tokens, positions framed), whose query part sees only the frame at
     the lower layers: memory is bounded without segments, but the heads rank worse (docs/papers.md).
-    int8 (CPU): through dynamically int8-quantized linear maps, about twice as fast."""
+    int8 (CPU): through dynamically int8-quantized linear maps, about twice as fast.
+    parts: query parts read in each segment's forward behind its tokens (`parts_mask`), kept in `Reading.asked`
+    for `ask_parts`: a question then costs no forward of its own (not with stream=True: asked afterwards; not with
+    int8, whose linear maps quantize each forward's activations by that forward's own range, so parts read together
+    would not score as they do alone)."""
     ids = np.asarray(ids, dtype=np.int64)
     layers = sorted({int(l) for l in layers})
     if len(ids) == 0:
@@ -94,23 +147,171 @@ def _read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[in
         return Reading(len(ids), [Segment(0, keys, None, frame)])
     from transformers import DynamicCache
 
+    if int8 and len(parts):
+        raise BackboneError("int8 reads ask their query parts one at a time (each forward is quantized by its own "
+                            "range): pass no parts")
     cuts = list(cuts) if cuts is not None else [0, len(ids)]
     on_host = len(ids) >= HOST_CACHES_FROM and backbone.device.type != "cpu"
-    segments = []
+    parts = [np.asarray(p, dtype=np.int64) for p in parts]
+    segments, asked = [], [[] for _ in parts]
     for a, b in zip(cuts[:-1], cuts[1:]):
         cache = DynamicCache()
-        x = torch.as_tensor(ids[a:b], device=backbone.device)[None]
-        with backbone.lock, torch.inference_mode(), \
-                backbone.run_to(layers[-1], layers, ("k",), int8, projections_only=True) as store:
-            backbone.model.model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
-                                 use_cache=True)
-        positions = torch.arange(b - a, device=backbone.device)
-        keys = {l: backbone.apply_rope(store["k"][l][0], positions).to(backbone.dtype) for l in layers}
+        n = b - a
+        if parts:  # the segment, then every part behind it (`parts_mask`), in one forward
+            x, pos = _behind(ids[a:b], parts, n, backbone.device)
+            mask = parts_mask(n, parts, backbone.device)
+            with backbone.lock, torch.inference_mode(), \
+                    backbone.run_to(layers[-1], layers, ("k", "q"), int8, projections_only=True) as store, \
+                    _attention(backbone, PARTS_ATTENTION):
+                try:
+                    backbone.model.model(input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                                         use_cache=True)
+                finally:
+                    cache.crop(n)
+            for mine, queries in zip(asked, _part_queries(backbone, store, layers, parts, n, n)):
+                mine.append(queries)
+        else:
+            x = torch.as_tensor(ids[a:b], device=backbone.device)[None]
+            with backbone.lock, torch.inference_mode(), \
+                    backbone.run_to(layers[-1], layers, ("k",), int8, projections_only=True) as store:
+                backbone.model.model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
+                                     use_cache=True)
+        positions = torch.arange(n, device=backbone.device)
+        keys = {l: backbone.apply_rope(store["k"][l][0][:, :n], positions).to(backbone.dtype) for l in layers}
         if on_host:
             _move_cache(cache, "cpu")
             keys = {l: _to(k, "cpu") for l, k in keys.items()}
         segments.append(Segment(a, keys, cache))
-    return Reading(len(ids), segments, on_host, int8)
+    reading = Reading(len(ids), segments, on_host, int8)
+    reading.asked = {_key(p, layers): queries for p, queries in zip(parts, asked)}
+    return reading
+
+
+# ---------------------------------------------------------------- query parts together
+
+PARTS_ATTENTION = "endo_context_then_parts"
+
+
+def shared_lead(parts: Sequence[np.ndarray]) -> int:
+    """How many leading ids every part shares (at most all but the last of the shortest): read once, as its rows
+    are the same in each (a second hop's evidence, "Question:")."""
+    if len(parts) < 2:
+        return 0
+    shortest = min(len(p) for p in parts) - 1
+    same = np.all([p[:shortest] == parts[0][:shortest] for p in parts[1:]], axis=0)
+    return int(np.argmin(np.append(same, False)))
+
+
+def parts_mask(before: int, parts: Sequence[np.ndarray], device) -> torch.Tensor:
+    """Which keys each query part's token attends to, (1, 1, rows, before + rows) over the rows `_behind` lays
+    out (the parts' shared lead once, then each part's tail): the `before` tokens in front of the parts (the
+    context, read in this forward or cached), then its own part's tokens up to itself; never another part's, so
+    each part reads as if it were asked alone."""
+    lead = shared_lead(parts)
+    sizes = torch.as_tensor([lead] + [len(p) - lead for p in parts])
+    group = torch.repeat_interleave(torch.arange(len(sizes)), sizes)  # 0: the lead, i + 1: part i's tail
+    own = ((group[:, None] == group[None, :]) | (group[None, :] == 0)) & \
+        torch.ones(len(group), len(group), dtype=torch.bool).tril()
+    return torch.cat([torch.ones(len(group), before, dtype=torch.bool), own], 1)[None, None].to(device)
+
+
+def context_then_parts_attention(module, query, key, value, attention_mask, **kwargs):
+    """Hugging Face's attention-interface contract, for a forward over a context and the query parts behind it.
+    `attention_mask` (`parts_mask`) holds the parts' rows only; the rows in front of them are the context's, read
+    without a cache in front, causally, through SDPA's causal kernel as a plain read is (one mask over every row
+    takes a slower kernel: on a CPU, 1.8x the attention time of a 2,560-token read)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    context = query.shape[2] - attention_mask.shape[-2]
+    parts, _ = sdpa_attention_forward(module, query[:, :, context:], key, value, attention_mask, **kwargs)
+    if not context:
+        return parts, None
+    read, _ = sdpa_attention_forward(module, query[:, :, :context], key[:, :, :context], value[:, :, :context],
+                                     None, **kwargs)
+    return torch.cat([read, parts], dim=1), None
+
+
+@contextmanager
+def _attention(backbone, name: str):
+    """The model's forwards in here attend with implementation `name` (registered with Hugging Face)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, context_then_parts_attention)
+    config = backbone.model.config
+    before, config._attn_implementation = config._attn_implementation, name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def _behind(context: np.ndarray, parts: Sequence[np.ndarray], start: int, device
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, positions), each (1, T) on `device`: `context`, then the parts' shared lead once and each part's tail,
+    every part at positions start, start + 1, ... (where it would be asked alone)."""
+    lead = shared_lead(parts)
+    ids = np.concatenate([context, parts[0][:lead], *(p[lead:] for p in parts)])
+    positions = np.concatenate([np.arange(len(context)), np.arange(start, start + lead)] +
+                               [np.arange(start + lead, start + len(p)) for p in parts])
+    return torch.as_tensor(ids, device=device)[None], torch.as_tensor(positions, device=device)[None]
+
+
+def _part_queries(backbone, store, layers, parts, first_row: int, start: int) -> list[dict[int, torch.Tensor]]:
+    """Each part's RoPE-rotated queries, layer -> (n_heads, len(part), d), out of one forward's captured states
+    over `_behind`'s rows from `first_row` on: the shared lead's rows, then its tail's."""
+    lead = shared_lead(parts)
+    positions = torch.arange(start, start + max(len(p) for p in parts), device=backbone.device)
+    out, row = [], first_row + lead
+    for p in parts:
+        tail = len(p) - lead
+        out.append({l: backbone.apply_rope(torch.cat([store["q"][l][0][:, first_row:first_row + lead],
+                                                      store["q"][l][0][:, row:row + tail]], 1), positions[:len(p)])
+                    for l in layers})
+        row += tail
+    return out
+
+
+def _key(part: np.ndarray, layers: Sequence[int]) -> tuple:
+    return np.asarray(part, dtype=np.int64).tobytes(), tuple(layers)
+
+
+def ask_parts(backbone, reading: Reading, parts: Sequence[np.ndarray], layers: Sequence[int]
+              ) -> list[list[dict[int, torch.Tensor]]]:
+    """`ask` for each of `parts`, in one forward per segment (`parts_mask`) instead of one per part and segment;
+    a part the read already asked at these layers (`read(..., parts=)`) is taken from it, once."""
+    layers = sorted({int(l) for l in layers})
+    parts = [np.asarray(p, dtype=np.int64) for p in parts]
+    out = [reading.asked.pop(_key(p, layers), None) for p in parts]
+    todo = [i for i, got in enumerate(out) if got is None]
+    # one part per forward where reading them together gains nothing (a streamed frame is recomputed per part) or
+    # changes the scores (int8 quantizes each forward's activations by their own range)
+    if todo and (reading.streamed or reading.int8):
+        for i in todo:
+            out[i] = ask(backbone, reading, parts[i], layers)
+    elif todo:
+        asked, todo_parts = [[] for _ in todo], [parts[i] for i in todo]
+        for segment in reading.segments:
+            cache = segment.cache
+            if reading.on_host:
+                _move_cache(cache, backbone.device)
+            n = segment.n_tokens
+            x, pos = _behind(np.empty(0, np.int64), todo_parts, n, backbone.device)
+            mask = parts_mask(n, todo_parts, backbone.device)
+            with backbone.lock, torch.inference_mode(), _read_threads(reading), \
+                    backbone.run_to(layers[-1], layers, ("q",), reading.int8, projections_only=True) as store, \
+                    _attention(backbone, PARTS_ATTENTION):
+                try:
+                    backbone.model.model(input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                                         use_cache=True)
+                finally:
+                    cache.crop(n)
+                    if reading.on_host:
+                        _move_cache(cache, "cpu")
+            for mine, queries in zip(asked, _part_queries(backbone, store, layers, todo_parts, 0, n)):
+                mine.append(queries)
+        for i, queries in zip(todo, asked):
+            out[i] = queries
+    return out
 
 
 def _move_cache(cache, device) -> None:

@@ -223,6 +223,63 @@ def test_bench_corpus_end_to_end(tmp_path, backbone):
     assert len(cells) == len(METRICS) and all(re.fullmatch(SIGNED_CELL, c) for c in cells), bm25_diff
 
 
+def test_a_rows_forwards_are_counted_per_question_and_cuda_counts_only_on_cuda():
+    """`measure` counts the decoder's calls each question makes (here a stand-in model: 3, then 1, then 2 calls)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from endo_bench.corpus_bench import Row, measure
+    from endo_bench.launches import cuda_launches
+
+    decoder = torch.nn.Identity()
+    bb = SimpleNamespace(model=SimpleNamespace(model=decoder), device=torch.device("cpu"))
+    calls = {"warm": 1, "q0": 3, "q1": 1, "q2": 2}
+
+    class Asks(Row):
+        name = "stand-in"
+
+        def load(self, shared):
+            pass
+
+        def build(self, nodes, shared):
+            pass
+
+        def ask(self, question):
+            for _ in range(calls.get(question, calls["warm"])):
+                decoder(torch.zeros(1))
+            return ["a"], {}
+
+    items = [{"question": f"q{i}", "supporting_facts": [["A", 0]]} for i in range(3)]
+    row = measure(Asks(), [], items, {"a": "A"}, {}, bb)
+    assert row["per_question"]["forwards"] == [3, 1, 2] and row["forwards_per_question"] == 2.0
+    assert "cuda_per_question" not in row and cuda_launches(lambda: None, "cpu") is None
+    assert "forwards" not in measure(Asks(), [], items, {"a": "A"}, {})["per_question"]  # no model, no count
+
+
+@pytest.mark.slow
+def test_the_endo_rows_forwards_are_the_pipelines_calls_batched_and_plain(tmp_path, backbone, monkeypatch):
+    """`endo bench corpus` reports the forwards each question made, counted apart from the bench by wrapping the
+    decoder's forward: 2 a question with batched reads, 5 with --plain-reads; the model's stages in the table."""
+    from endo_retrieval.cli import main
+
+    made = []
+    forward = backbone.model.model.forward
+    monkeypatch.setattr(backbone.model.model, "forward", lambda *a, **k: made.append(1) or forward(*a, **k))
+    data = made_up_hotpotqa(tmp_path / "toy.json")
+    for flags, per_question in (([], 2), (["--plain-reads"], 5)):
+        out = tmp_path / f"corpus{len(flags)}.json"
+        made.clear()
+        assert main(["bench", "corpus", "--data", str(data), "--out", str(out), "--systems", "endo", *flags]) == 0
+        result = json.loads(out.read_text())
+        (row,) = result["rows"]
+        assert row["per_question"]["forwards"] == [per_question] * 4 and row["forwards_per_question"] == per_question
+        assert len(made) == 5 * per_question  # the warm-up question and the four asked
+        assert result["config"]["reads"] == ("plain" if flags else "batched")
+        assert {"read", "question", "hop2"} <= set(row["latency_ms"])
+        assert f"| endo | {per_question} | – | – | – |" in out.with_suffix(".md").read_text()
+
+
 # ---------------------------------------------------------------- rerankers after a first stage
 
 

@@ -50,6 +50,53 @@ def test_passages_are_scored_by_bm25_over_their_words():
     assert scores[0] > 0 == scores[1] == scores[2]
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from conftest import make_tiny_model
+
+    from endo_retrieval import Backbone
+
+    return Backbone(make_tiny_model("llama", tmp_path_factory.mktemp("pipeline")), device="cpu")
+
+
+def test_batched_reads_rank_as_the_plain_reads_in_two_forwards_a_question(tiny):
+    """The pipeline with its query parts read together against its plain twin (one forward per part): the same
+    passages in the same order, the same scores to float tolerance, 2 forwards a question where there were 5, and
+    the model's stages timed beside its whole part."""
+    from endo_retrieval.index.pipeline import EndoPipeline
+
+    docs = {f"d{i}": t for i, t in enumerate([
+        "The Varna bridge was built in 1871. Workers found quartz under its piers.",
+        "The Varna river floods every spring. Farmers plant rice on its banks.",
+        "Quartz is a hard mineral made of silicon and oxygen.",
+        "The town hall of Varna has a clock tower. Its bell was cast in Vienna.",
+        "A mill on the river grinds wheat. The miller sells flour in Varna."])}
+    corpus = CorpusMap()
+    for doc_id, text in docs.items():
+        corpus.add_document(doc_id, text, tiny.encode(text).offsets)
+    passages = Passages.build(corpus)
+    count = [0]
+    handle = tiny.model.model.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    hits, forwards = {}, {}
+    try:
+        for batched in (False, True):
+            pipe = EndoPipeline(tiny, heads=[(1, 0), (2, 3), (3, 1)], batched_reads=batched,
+                                weights={"bm25": 0.4, "heads": 0.4, "hop2": 0.2})
+            count[0] = 0
+            hits[batched] = pipe.search(corpus, passages, "Which mineral was found under the Varna bridge?", k=5)
+            forwards[batched] = count[0]
+    finally:
+        handle.remove()
+    assert forwards == {False: 5, True: 2}
+    assert [h.doc_id for h in hits[True]] == [h.doc_id for h in hits[False]] and len(hits[True]) == 5
+    for mine, theirs in zip(hits[True], hits[False]):
+        assert mine.score == pytest.approx(theirs.score, rel=1e-4, abs=1e-6)  # standardised: spreads amplify
+        for name in ("bm25", "heads", "hop2"):
+            assert mine.stage_scores[name] == pytest.approx(theirs.stage_scores[name], rel=1e-4, abs=1e-6)
+    ms = hits[True][0].stage_ms
+    assert {"read", "question", "hop2"} <= set(ms) and sum(ms[s] for s in ("read", "question", "hop2")) <= ms["heads"]
+
+
 def test_every_entry_point_defaults_to_the_one_constant():
     from langchain_endo import EndoDocumentCompressor, EndoRetriever as LCRetriever
     from llama_index.postprocessor.endo import EndoCompressor

@@ -80,6 +80,35 @@ def test_the_content_free_question_scores_zero(tiny):
         (len(prepared.sentence_starts),)
 
 
+def test_batched_passage_reads_score_as_the_plain_reads_in_two_forwards_not_five(tiny):
+    """The question and the content-free question in the read's own forward, the second hop's two in one more:
+    the plain twin's signals (one forward per query part) to float tolerance, its token scores too. int8 reads
+    stay one part per forward, bit for bit the plain path."""
+    from endo_retrieval.methods.heads import read_passages
+
+    passages = HAYSTACK.split(". ")
+    count = [0]
+    handle = tiny.model.model.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    got = {}
+    try:
+        for batched, int8 in ((False, False), (True, False), (False, True), (True, True)):
+            count[0] = 0
+            got[batched, int8] = read_passages(tiny, passages, "Who discovered radium?", tiny_heads(tiny),
+                                               second_hop=True, int8=int8, batched=batched)
+            got[batched, int8].forwards = count[0]
+    finally:
+        handle.remove()
+    plain, batched = got[False, False], got[True, False]
+    assert (plain.forwards, batched.forwards) == (5, 2)
+    for name in ("heads", "hop2"):
+        np.testing.assert_allclose(batched.signals[name], plain.signals[name], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(batched.token_scores, plain.token_scores, rtol=1e-5, atol=1e-7)
+    assert set(batched.ms) == set(plain.ms) == {"read", "question", "hop2"}
+    assert got[True, True].forwards == got[False, True].forwards == 5
+    for name in ("heads", "hop2"):
+        np.testing.assert_array_equal(got[True, True].signals[name], got[False, True].signals[name])
+
+
 def test_sentence_max_and_segment_cuts():
     scores = np.array([[0.1, 0.5, 0.2, 0.0, 0.3]])
     np.testing.assert_array_equal(sentence_max(scores, np.array([0, 2, 3])), [[0.5, 0.2, 0.3]])
