@@ -6,7 +6,9 @@ Sections (`--sections`, each measured in one run on the same text):
 * memory - peak accelerator memory and host RSS versus streamed length (S3 section 3.4: memory O(1) in length).
 * query  - EndoIndex.select latency (question forward, [S3 Eq. 9] scores, BM25, spans) and each of those stages alone
            (`stage_*` rows, with their share of the query), and the `endo` pipeline's first stage (BM25 over
-           passages) alone, versus corpus size; larger corpora are copies of one indexed text (`tile_index`).
+           passages) alone, versus corpus size; larger corpora are copies of one indexed text (`tile_index`). On
+           the smallest corpus, the whole `endo` pipeline per question: latency, its stages, the model's forwards
+           and, on CUDA, the launches and kernels of a few warm questions (`endo_pipeline_rows`).
 * e2e    - index or compress, then generate, per question: full / ilre / s3-hybrid (perf_e2e.py).
 * ttft   - time to first token and peak memory, full versus ILRe, optionally on an 8B-shaped random model.
 * scale  - 1 Ray worker against 2 in one run: indexing tokens/s, ILRe over several GPUs (perf_scale.py).
@@ -347,8 +349,54 @@ def query_section(backbone, saes, source: TextSource, sizes: list[int], base_tok
                  row("query", "first_stage_p95_ms", "endo", size, p95, "ms", dev, **{**extra, "note": note}),
                  row("query", "first_stage_first_ms", "endo", size, endo_first * 1000, "ms", dev,
                      **{**extra, "questions": 1, "note": note + "; includes building the passages and their BM25"})]
+        if size == sizes[0]:
+            rows += endo_pipeline_rows(backbone, index.corpus, passages, questions, size, extra)
         del index
     return rows
+
+
+def endo_pipeline_rows(backbone, corpus, passages, questions: list[str], size: int, extra: dict, heads=None,
+                       k: int = 5) -> list[dict]:
+    """The default `endo` pipeline per question (its shipped settings; `heads`: the model's calibrated heads): the
+    query's p50/p95, each stage's p50 (`EndoPipeline.search`'s stage_ms: bm25, then the model's read, question
+    and hop2), the model's forwards per question and, on CUDA, the launches, kernels and copies of the first
+    LAUNCH_QUESTIONS, warm. A model without a heads profile gets one row saying so."""
+    from endo_bench.launches import LAUNCH_QUESTIONS, counting_forwards, cuda_launches
+    from endo_retrieval.index.pipeline import EndoPipeline
+    from endo_retrieval.methods.heads import HeadsError
+
+    device, dev = backbone.device, backbone.device.type
+    try:
+        pipe = EndoPipeline(backbone, heads=heads)
+    except HeadsError as err:
+        return [row("query", "endo_query_p50_ms", "endo", size, None, "ms", dev, **{**extra, "note": str(err)})]
+    pipe.search(corpus, passages, questions[0], k)  # warm-up
+    total, stages, forwards = [], {}, []
+    for q in questions:
+        with counting_forwards(backbone) as count:
+            t = clock(device)
+            hits = pipe.search(corpus, passages, q, k)
+            total.append(clock(device) - t)
+        forwards.append(count[0])
+        for stage, ms in (hits[0].stage_ms if hits else {}).items():
+            stages.setdefault(stage, []).append(ms / 1000)
+    reads = "batched" if pipe.batched_reads else "plain"
+    note = f"{extra['note']}; the endo pipeline (depth {pipe.depth}, {pipe.read_tokens} tokens read a " \
+        f"candidate, {reads} reads), top {k}"
+    out = [row("query", f"endo_query_{p}_ms", "endo", size, v, "ms", dev, **{**extra, "note": note})
+           for p, v in zip(("p50", "p95"), percentiles(total))]
+    out += [row("query", f"endo_stage_{stage}_p50_ms", "endo", size, percentiles(v)[0], "ms", dev,
+                **{**extra, "note": note}) for stage, v in stages.items() if stage != "total"]
+    out.append(row("query", "endo_forwards_per_question", "endo", size, float(np.mean(forwards)), "forwards", dev,
+                   **{**extra, "note": note}))
+    profiled = [cuda_launches(lambda: pipe.search(corpus, passages, q, k), device)
+                for q in questions[:LAUNCH_QUESTIONS]]
+    if profiled and profiled[0] is not None:
+        out += [row("query", f"endo_cuda_{kind}_per_question", "endo", size,
+                    float(np.mean([p[kind] for p in profiled])), kind, dev,
+                    **{**extra, "questions": len(profiled), "note": note + "; torch.profiler's count"})
+                for kind in profiled[0]]
+    return out
 
 
 # ---- arguments --------------------------------------------------------------------------------------------------

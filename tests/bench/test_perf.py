@@ -82,7 +82,9 @@ def test_json_contract_and_outputs(tiny):
         assert r["method"] == "s3-hybrid" and r["value"] > 0 and r["share"] == pytest.approx(r["value"] / p50)
     first = {(r["metric"], r["context_tokens"]) for r in rows if r["method"] == "endo"}
     assert first == {(m, n) for m in ("first_stage_p50_ms", "first_stage_p95_ms", "first_stage_first_ms")
-                     for n in (512, 1024)}
+                     for n in (512, 1024)} | {("endo_query_p50_ms", 512)}
+    (whole,) = [r for r in rows if r["metric"] == "endo_query_p50_ms"]  # the tiny model has no heads profile
+    assert whole["value"] is None and "calibrate-heads" in whole["note"]
     e2e = {(r["method"], r["questions"]) for r in rows if r["metric"] == "e2e_ms"}
     assert e2e == {("full", 1), ("ilre", 1), ("s3-hybrid", 1), ("s3-hybrid", 2)}
     assert all(r["value"] > 0 for r in rows if r["metric"] in ("e2e_ms", "ttft_ms"))
@@ -237,3 +239,27 @@ def test_ilre_section_rows_and_agreement(tiny):
                                                                                             abs=0.02)
     assert by["ilre", "total_ms"]["tokenising"] == "overlapped"
     assert by["ilre-tokenised-first", "total_ms"]["tokenising"] == "before"
+
+
+def test_the_endo_pipeline_rows_count_its_forwards_and_time_its_stages(tiny):
+    """The whole `endo` pipeline per question in the query section: its forwards (without a profile's weights the
+    pipeline reads no second hop: one forward, the read with the question and the content-free question in it),
+    its stages' p50, no CUDA rows off CUDA."""
+    from endo_retrieval.index.corpus import CorpusMap
+    from endo_retrieval.index.pipeline import Passages
+
+    bb, _, _ = tiny
+    corpus = CorpusMap()
+    for i, text in enumerate(["The Varna bridge was built in 1871. Workers found quartz under its piers.",
+                              "Quartz is a hard mineral made of silicon and oxygen.",
+                              "The town hall of Varna has a clock tower. Its bell was cast in Vienna."]):
+        corpus.add_document(f"d{i}", text, bb.encode(text).offsets)
+    questions = ["What was found under the Varna bridge?", "Where was the bell cast?"]
+    rows = perf.endo_pipeline_rows(bb, corpus, Passages.build(corpus), questions, 64, {"note": "indexed"},
+                                   heads=[(1, 0), (1, 1)])
+    by_metric = {r["metric"]: r for r in rows}
+    assert by_metric["endo_forwards_per_question"]["value"] == 1.0
+    assert {"endo_query_p50_ms", "endo_query_p95_ms", "endo_stage_read_p50_ms", "endo_stage_question_p50_ms",
+            "endo_stage_bm25_p50_ms"} <= set(by_metric) and "endo_stage_hop2_p50_ms" not in by_metric
+    assert all(r["value"] >= 0 and r["method"] == "endo" for r in rows)
+    assert not any("cuda" in m for m in by_metric)
