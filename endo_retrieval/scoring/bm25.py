@@ -8,6 +8,7 @@ documents that hold it.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -44,6 +45,19 @@ def words(text: str) -> list[str]:
     return out
 
 
+def stems(words_: list[str]) -> list[str]:
+    """English Snowball stems of `words` (PyStemmer, as LlamaIndex's BM25Retriever indexes): "universities"
+    meets "university", "runs" meets "running"; a word of another script comes back as it was."""
+    return _stemmer().stemWords(words_)
+
+
+@functools.cache
+def _stemmer():
+    import Stemmer
+
+    return Stemmer.Stemmer("english")
+
+
 @dataclass
 class OkapiPostings:
     okapi: object          # rank_bm25.BM25Okapi
@@ -52,11 +66,14 @@ class OkapiPostings:
     docs: np.ndarray       # (n_postings,) document of each posting
     tf: np.ndarray         # (n_postings,) the term's count in that document
     norm: np.ndarray       # (n_docs,) k1 * (1 - b + b * |d| / avgdl)
+    stem: bool = False     # terms are the words' stems (`stems`); queries are stemmed the same way
 
     @classmethod
-    def build(cls, corpus: list[list[str]]) -> "OkapiPostings":
+    def build(cls, corpus: list[list[str]], stem: bool = False) -> "OkapiPostings":
         from rank_bm25 import BM25Okapi
 
+        if stem:
+            corpus = [stems(doc) for doc in corpus]
         okapi = BM25Okapi(corpus)
         terms: dict[str, int] = {}
         term_ids, docs, tf = [], [], []
@@ -68,13 +85,18 @@ class OkapiPostings:
         counts = np.bincount(np.asarray(term_ids, dtype=np.int64), minlength=len(terms))
         doc_len = np.asarray(okapi.doc_len, dtype=np.float64)
         return cls(okapi, terms, np.concatenate(([0], np.cumsum(counts))), np.asarray(docs, np.int64)[order],
-                   np.asarray(tf, np.float64)[order], okapi.k1 * (1 - okapi.b + okapi.b * doc_len / okapi.avgdl))
+                   np.asarray(tf, np.float64)[order], okapi.k1 * (1 - okapi.b + okapi.b * doc_len / okapi.avgdl),
+                   stem)
+
+    def term(self, word: str) -> str:
+        """The term a word is indexed under."""
+        return stems([word])[0] if self.stem else word
 
     def get_scores(self, query: list[str]) -> np.ndarray:
         """Equal to `BM25Okapi.get_scores(query)`: sum over query terms (repeats count) of
         idf(q) * tf (k1 + 1) / (tf + k1 (1 - b + b |d| / avgdl))."""
         score = np.zeros(self.okapi.corpus_size)
-        for q in query:
+        for q in (stems(query) if self.stem else query):
             row = self.terms.get(q)
             if row is None:
                 continue

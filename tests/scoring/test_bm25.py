@@ -25,3 +25,15 @@ def test_hand_computed():
     expected = [eps * 1 * 2.5 / (1 + 1.5 * (0.25 + 0.75 * 2 / avgdl)), 0.0,
                 eps * 2 * 2.5 / (2 + 1.5 * (0.25 + 0.75 * 4 / avgdl))]
     np.testing.assert_allclose(fast.get_scores(["cat"]), expected, rtol=1e-12)
+
+
+def test_stemmed_terms_meet_inflections():
+    docs = [["universities", "europe"], ["dog", "runs"], ["北京", "1990s"]]
+    plain, stemmed = OkapiPostings.build(docs), OkapiPostings.build(docs, stem=True)
+    assert plain.get_scores(["university"])[0] == 0 and stemmed.get_scores(["university"])[0] > 0
+    assert stemmed.get_scores(["running"])[1] > 0 and stemmed.get_scores(["北京"])[2] > 0  # other scripts as they are
+    assert stemmed.term("universities") == stemmed.term("university") and plain.term("runs") == "runs"
+    # a stemmed index scores as rank-bm25 over the stems themselves
+    stems = [["univers", "europ"], ["dog", "run"], ["北京", "1990s"]]
+    np.testing.assert_allclose(stemmed.get_scores(["universities", "dogs"]),
+                               BM25Okapi(stems).get_scores(["univers", "dog"]), rtol=1e-12)
