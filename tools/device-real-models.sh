@@ -7,7 +7,7 @@
 # tools/device-parts.sh under /root/parts/NAME.file, MiniLM unpacked under /root/parts/minilm/.
 #
 #   bash tools/device-real-models.sh PHASE NAME...
-# PHASE: calibrate | bench | latency | rerank | rerankers | llmrerank | zero | twohop | s3 | decode | reattention | papers | collect
+# PHASE: calibrate | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | decode | reattention | papers | collect
 # NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
 #
 # Every phase stops its processes at DEADLINE seconds (default 550) and packs what they wrote, with their logs,
@@ -142,6 +142,13 @@ rerankers)  # the rerankers over MiniLM and BM25 first stages, the weights the s
   for m in "$@"; do
     bg "rerankers_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" \
       --systems minilm,minilm+reranker,minilm+heads,llamaindex-bm25,bm25+reranker --out "$res/rerankers_dev300_$m.json"
+  done ;;
+stems)  # the pipeline's stage 1 over stems (the default) against over words, the same questions
+  for m in "$@"; do
+    bg "stems_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --systems endo,llamaindex-bm25 \
+      --out "$res/stems_dev300_$m.json"
+    bg "words_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --systems endo --unstemmed \
+      --out "$res/words_dev300_$m.json"
   done ;;
 llmrerank)  # LlamaIndex's LLMRerank driven by the same local model, after BM25 and after MiniLM
   for m in "$@"; do
