@@ -6,7 +6,7 @@
 #
 # Needs, carried: .whl (tools/device-wheels.sh REV), .device-data (a copy of ../shared/data); the default model's
 # package unpacked under /root/parts/smollm/smollm and the 1.5B file at /root/parts/qwen2.5-coder-1.5b-instruct.gguf
-# (tools/device-parts.sh), as for tools/device-real-models.sh.
+# or /root/parts/q15.file (tools/device-parts.sh smollm|q15 ...), as for tools/device-real-models.sh.
 #
 #   bash tools/device-launches.sh [LIMIT]        (default 100 questions)
 # Writes $OUT/launches.md (p50, forwards and launches per question, plain against batched) and $OUT/launches.tgz
@@ -24,7 +24,8 @@ export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_D
 # imports JAX, which would take 75% of the GPU's memory: JAX stays on the CPU
 export TIKTOKEN_CACHE_DIR=/root/site/llama_index/core/_static/tiktoken_cache JAX_PLATFORMS=cpu
 models=(default)
-q15=/root/parts/qwen2.5-coder-1.5b-instruct.gguf
+q15=/root/parts/qwen2.5-coder-1.5b-instruct.gguf  # named as users have it: the file's stem is the model's id
+[ -f /root/parts/q15.file ] && mv /root/parts/q15.file "$q15"  # as tools/device-parts.sh q15 leaves it
 [ -f "$q15" ] && models+=(q15)
 for m in "${models[@]}"; do
   margs=(); [ "$m" = q15 ] && margs=(--model "$q15")
