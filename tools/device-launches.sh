@@ -15,8 +15,13 @@ set -uo pipefail
 limit=${1:-100}
 data=$PWD/.device-data; res=/root/res/launches; mkdir -p "$res" "${OUT:-/tmp/out}"
 out=${OUT:-/tmp/out}
-if [ ! -x /root/site/bin/endo ]; then
+# the carried wheels, installed afresh when they differ from what an earlier call on this machine installed
+stamp=$(cat .whl/*.whl | md5sum | cut -c1-16)
+if [ "$(cat /root/site/.wheels 2>/dev/null)" != "$stamp" ]; then
+  rm -rf /root/site
   python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/*.whl || exit 1
+  echo "$stamp" > /root/site/.wheels; rm -rf "$res"  # results of other wheels are not reused
+  mkdir -p "$res"
 fi
 cp -rn /root/parts/smollm/smollm/* /root/site/ 2>/dev/null || true  # the default model's package
 export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1
