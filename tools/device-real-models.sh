@@ -135,7 +135,7 @@ latency)  # one process at a time, nothing beside it: the times per query that t
 rerank)  # the reranker's fusion fitted on fit300 per first stage, then the rerankers users would pick, on dev300
   for m in "$@"; do
     bg "rerank_$m" rerank_one "$m"
-    bg "llmrerank_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit 100 --choice-batch-size 20 \
+    bg "llmrerank_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit ${LLM_LIMIT:-100} --choice-batch-size 20 \
       --systems llamaindex-bm25,bm25+llmrerank,minilm,minilm+llmrerank --out "$res/llmrerank_dev100_$m.json"
   done ;;
 rerankers)  # the rerankers over MiniLM and BM25 first stages, the weights the shipped profile holds
@@ -152,7 +152,7 @@ stems)  # the pipeline's stage 1 over stems (the default) against over words, th
   done ;;
 llmrerank)  # LlamaIndex's LLMRerank driven by the same local model, after BM25 and after MiniLM
   for m in "$@"; do
-    bg "llmrerank_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit 100 --choice-batch-size 20 \
+    bg "llmrerank_$m" endo bench corpus $(margs "$m") --data "$hot/dev300.json" --limit ${LLM_LIMIT:-100} --choice-batch-size 20 \
       --systems llamaindex-bm25,bm25+llmrerank,minilm,minilm+llmrerank --out "$res/llmrerank_dev100_$m.json"
   done ;;
 twohop)  # the second hop that retrieves, beside the default pipeline
