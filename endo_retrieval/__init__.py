@@ -6,10 +6,10 @@ __version__ = "0.1.0"
 # command) then loads no torch, so an argument error or --help answers at once
 _EXPORTS = {
     "Backbone": "endo_retrieval.model.backbone", "BackboneError": "endo_retrieval.model.backbone",
-    "CorpusMap": "endo_retrieval.index.corpus", "Document": "endo_retrieval.index.engine",
+    "CorpusMap": "endo_retrieval.corpus", "Document": "endo_retrieval.index.engine",
     "EndoIndex": "endo_retrieval.index.engine", "FeatureIndex": "endo_retrieval.index.inverted",
     "REGISTRY": "endo_retrieval.methods", "compress": "endo_retrieval.methods", "get_method": "endo_retrieval.methods",
-    "Compressed": "endo_retrieval.methods.base", "Span": "endo_retrieval.methods.base",
+    "Compressed": "endo_retrieval.core", "Span": "endo_retrieval.core",
     "BM25": "endo_retrieval.methods.s3", "S3": "endo_retrieval.methods.s3", "S3Hybrid": "endo_retrieval.methods.s3",
     "SAEBank": "endo_retrieval.model.sae", "TopKSAE": "endo_retrieval.model.sae",
     "ILRe": "endo_retrieval.methods.ilre",

@@ -37,9 +37,9 @@ import torch
 from endo_retrieval.index import segments
 from endo_retrieval.index.engine import (CHUNK, PIPELINE_METHODS, S3_METHODS, Document, EndoIndex,
                                          check_search_method, interleave, peak_width, scored_spans)
-from endo_retrieval.index.files import writer_lock
+from endo_retrieval.files import writer_lock
 from endo_retrieval.index.inverted import FeatureIndex
-from endo_retrieval.methods.base import Span, check_budget
+from endo_retrieval.core import Span, check_budget
 from endo_retrieval.scoring.select import QA_KERNEL, density, enclosing, ranked_peaks, runs
 
 SIGNALS = {"s3": ["s3"], "bm25": ["bm25"], "s3-hybrid": ["s3", "bm25"]}  # in EndoIndex.signal_scores's order

@@ -21,7 +21,7 @@ import numpy as np
 
 from endo_retrieval.index.engine import PIPELINE_METHODS, Document, EndoIndex
 from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, compress
-from endo_retrieval.methods.base import Span
+from endo_retrieval.core import Span
 
 PROVENANCE_KEYS = ("doc_id", "char_start", "char_end", "endo_score", "signals", "endo_stage_scores", "endo_stage_ms")
 COMPRESS_METHODS = tuple(REGISTRY)  # compress() over the passages as one context
@@ -265,7 +265,7 @@ def fit_to_window(backbone, passages: Sequence[str], question: str, window: int 
     model's trained window less QUESTION_ROOM) together; else each passage longer than an equal share keeps its
     best part of that share (`pipeline.best_part`: its first sentence, then the sentences with the most question
     words), the share being as large as the shorter passages, read whole, leave room for. No passage is dropped."""
-    from endo_retrieval.index.corpus import CorpusMap
+    from endo_retrieval.corpus import CorpusMap
     from endo_retrieval.scoring.bm25 import words
     from endo_retrieval.index.pipeline import best_part, part_text
 

@@ -120,3 +120,79 @@ def test_no_file_is_loaded_with_pickle(pattern):
     hits = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
             if ".venv" not in p.parts and pattern in p.read_text()]
     assert hits == []
+
+
+# endo_retrieval's subpackages and top modules, bottom to top; a module imports only from its own layer or below.
+# "" is the package's own __init__ (the public names, imported lazily from the layers below it).
+LAYERS = [
+    {"core", "files", "corpus"},  # the shared types and the crash-safe files every layer uses
+    {"kernels"},
+    {"scoring"},
+    {"model"},
+    {"attention"},
+    {"index"},
+    {"methods"},
+    {"", "integrations", "distributed", "distributed_pipeline"},
+    {"calibration"},
+    {"cli"},
+]
+# arrows up that remain, each to be removed
+STILL_UP = {
+    ("index", "methods"),  # the engine dispatches to the methods and holds the corpus pipeline
+    ("calibration", "cli"),  # calibration's commands define their own arguments
+}
+LAZY_CEILING = 103  # imports of the package's own modules inside functions
+
+
+def layer_of(module: str) -> int:
+    unit = module.split(".")[1] if "." in module else ""
+    return next(i for i, layer in enumerate(LAYERS) if unit in layer)
+
+
+def arrows_up() -> set[tuple[str, str, str]]:
+    """(importer, imported) for every import of the package that points to a higher layer."""
+    modules = project_modules()
+    found = set()
+    for name, path in modules.items():
+        if name.split(".")[0] != "endo_retrieval":
+            continue
+        for target in imports_of(name, path, modules):
+            if target.startswith("endo_retrieval") and layer_of(target) > layer_of(name):
+                found.add((name, target))
+    return found
+
+
+def test_every_unit_of_the_package_has_a_layer():
+    units = {n.split(".")[1] if "." in n else "" for n in project_modules() if n.split(".")[0] == "endo_retrieval"}
+    assert units == set().union(*LAYERS)
+
+
+def test_imports_point_down_the_layers():
+    unit = lambda module: module.split(".")[1] if "." in module else ""  # noqa: E731
+    up = {(unit(a), unit(b)) for a, b in arrows_up()}
+    assert up - STILL_UP == set(), sorted(arrows_up())
+    assert STILL_UP - up == set()  # a removed arrow leaves the list
+
+
+def lazy_imports() -> list[tuple[str, int, str]]:
+    """(file, line, statement) for every import of the package's own modules made inside a function."""
+    found = []
+    for name, path in project_modules().items():
+        if name.split(".")[0] != "endo_retrieval":
+            continue
+        for func in ast.walk(ast.parse(path.read_text())):
+            if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(func):
+                    if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("endo_")) \
+                            or isinstance(node, ast.Import) and any(a.name.startswith("endo_") for a in node.names):
+                        found.append((str(path.relative_to(ROOT)), node.lineno, ast.unparse(node)))
+    return sorted(set(found))
+
+
+def test_few_imports_inside_functions():
+    assert 0 < len(lazy_imports()) <= LAZY_CEILING, len(lazy_imports())
+
+
+def test_the_layer_check_sees_an_arrow_up():
+    assert layer_of("endo_retrieval.index.engine") > layer_of("endo_retrieval.model.sae")
+    assert layer_of("endo_retrieval.core") == 0 and layer_of("endo_retrieval") < layer_of("endo_retrieval.cli")

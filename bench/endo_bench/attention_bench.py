@@ -486,7 +486,7 @@ def run(args) -> int:
     from endo_retrieval.attention import BACKENDS, AttentionError
     from endo_retrieval.model.backbone import Backbone
     from endo_bench import attention_error
-    from endo_retrieval.index.files import atomic_write
+    from endo_retrieval.files import atomic_write
     from endo_retrieval.calibration.train_phi import DEFAULT_DATA
     from endo_retrieval.calibration.train_sae import read_corpus
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 
 from endo_retrieval.model.backbone import Backbone
-from endo_retrieval.methods.base import Compressed, Span, check_budget, join_spans
+from endo_retrieval.core import Compressed, Span, check_budget, join_spans
 
 CHUNK_TOKENS = 256  # the RAG baselines' chunk size (S3 section 4.3)
 PEERS_HINT = "pip install --no-deps llmlingua==0.2.2 kvpress==0.5.5 datasets fire"

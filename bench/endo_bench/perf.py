@@ -578,7 +578,7 @@ def plot(rows: list[dict], section: str, path: Path) -> bool:
 
 
 def write_outputs(result: dict, out: Path, plots: bool = True) -> list[Path]:
-    from endo_retrieval.index.files import atomic_write
+    from endo_retrieval.files import atomic_write
 
     atomic_write(out, lambda p: p.write_text(json.dumps(result, indent=1), encoding="utf-8"))
     atomic_write(out.with_suffix(".md"), lambda p: p.write_text(markdown(result), encoding="utf-8"))

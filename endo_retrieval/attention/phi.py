@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from endo_retrieval.attention.base import AttentionError
-from endo_retrieval.index.files import atomic_write
+from endo_retrieval.files import atomic_write
 
 CARD, WEIGHTS = "card.json", "phi.safetensors"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from endo_retrieval.cli.commands import model_argument
-from endo_retrieval.index.files import atomic_write
+from endo_retrieval.files import atomic_write
 from endo_retrieval.model.profiles import sae_dir
 from endo_retrieval.model.sae import AGGREGATION, SAEBank, SAEError, TopKSAE
 

@@ -50,7 +50,7 @@ def index_add_arguments(p) -> None:
 
 def index_run(args) -> int:
     from endo_retrieval.index.engine import Document, EndoIndex
-    from endo_retrieval.index.files import writer_lock
+    from endo_retrieval.files import writer_lock
 
     files, skipped = read_text_files(text_files(args.paths))
     for path, why in skipped:

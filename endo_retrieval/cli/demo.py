@@ -69,7 +69,7 @@ def build_task(seed: int = 7):
 def two_hop(index, question: str, budget: int, method: str):
     """Two rounds of retrieval, half the budget each: the first round's evidence joins the question of the second,
     so the second hop (the founder's birthplace) can be found by the name the first hop revealed."""
-    from endo_retrieval.methods.base import join_spans
+    from endo_retrieval.core import join_spans
 
     first = index.select(question, budget // 2, method)
     follow_up = f"{question} {join_spans(first, method, budget).text}"
@@ -94,7 +94,7 @@ def _show(text: str, gold: list[str], color: bool) -> str:
 
 def run(args) -> int:
     from endo_retrieval import Backbone, EndoIndex
-    from endo_retrieval.methods.base import join_spans
+    from endo_retrieval.core import join_spans
 
     color = sys.stdout.isatty()
     bb = Backbone.default(device=args.device)

@@ -18,8 +18,8 @@ from pydantic import BaseModel, Field
 
 from endo_retrieval.cli.commands import model_argument
 from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
-from endo_retrieval.methods.base import MAX_QUESTION_CHARS
-from endo_retrieval.index.files import writer_lock
+from endo_retrieval.core import MAX_QUESTION_CHARS
+from endo_retrieval.files import writer_lock
 from endo_retrieval.index.text_files import Unreadable, indexable_text
 
 if TYPE_CHECKING:  # the engine imports torch: `endo mcp --help` should not wait for it

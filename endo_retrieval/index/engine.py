@@ -27,13 +27,13 @@ from endo_retrieval.model.backbone import PIECES_PER_BATCH, Backbone, Encoding, 
 from endo_retrieval.scoring.bm25 import SentenceBM25
 from endo_retrieval.model.chunk_graph import MIN_REPLAYS
 from endo_retrieval.scoring.fusion import RRF_K
-from endo_retrieval.index.corpus import CorpusMap, split_sentences
-from endo_retrieval.index.files import atomic_write, read_folder, replacing_folder, writer_lock
+from endo_retrieval.corpus import CorpusMap, split_sentences
+from endo_retrieval.files import atomic_write, read_folder, replacing_folder, writer_lock
 from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
                                            IndexVersionError, sorted_postings)
 from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
-from endo_retrieval.methods.base import capped_question, check_budget
-from endo_retrieval.methods.base import Span
+from endo_retrieval.core import capped_question, check_budget
+from endo_retrieval.core import Span
 from endo_retrieval.index.indexing import (HandOff, ahead, index_streams, progress_bar, recorded_event, to_host,
                                            whole_chunks)
 from endo_retrieval.index.rwlock import ReadWriteLock, locked

@@ -31,25 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from endo_retrieval.index.files import atomic_write
+from endo_retrieval.files import MAX_VALUE, IndexCorruptError, IndexVersionError, atomic_write, check_json
 
 FORMAT_NAME = "endo-feature-index"
 FORMAT_VERSION = 1
 INDEX_FILE = "feature_index.bin"
 MAGIC = b"ENDOIDX\x00"
 PAPER_STOP_FREQ = 5000  # appendix E
-MAX_VALUE = 1 << 48  # no stored count or position reaches this (a 2**48-token corpus is far past any index)
 SEGMENT_TOKENS = 32768  # a streamed segment this large is queried as it is; smaller neighbours are merged first
-
-
-class IndexCorruptError(ValueError):
-    """An index on disk cannot be used: a file is damaged, truncated, missing, or written by another format version
-    or for another model. Every load failure of an index raises this one type (the CLI prints it as one line); the
-    message names the file and says what to do, usually to rebuild the index."""
-
-
-class IndexVersionError(IndexCorruptError):
-    """The index file was written by an incompatible version of the format."""
 
 
 # --- LEB128 varints, vectorised --------------------------------------------------------------------------------
@@ -195,7 +184,7 @@ class FeatureIndex:
         self.d_latent = int(d_latent)
         self.stop_freq = stop_freq
         self.meta = dict(meta or {})
-        _check_json(self.meta, "meta")
+        check_json(self.meta, "meta")
         self._layers = {layer: _LayerPostings() for layer in self.layers}
 
     # building ---------------------------------------------------------------------------------------------------
@@ -559,18 +548,3 @@ def _check_stop_freq(stop_freq) -> None:
         raise ValueError(f"a float stop_freq is a share of indexed tokens and must lie in (0, 1], got {stop_freq}")
     if isinstance(stop_freq, int) and stop_freq < 1:
         raise ValueError(f"an int stop_freq counts postings and must be >= 1, got {stop_freq}")
-
-
-def _check_json(obj, where: str) -> None:
-    """Raise ValueError naming the first key path whose value JSON cannot hold."""
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            if not isinstance(key, str):
-                raise ValueError(f"{where}: key {key!r} is not a string; JSON metadata needs string keys")
-            _check_json(value, f"{where}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            _check_json(value, f"{where}[{i}]")
-    elif not (obj is None or isinstance(obj, (str, int, float, bool))):
-        raise ValueError(f"{where} holds a {type(obj).__name__}, which is not JSON-serialisable; "
-                         f"convert it to str/int/float/bool/list/dict first")

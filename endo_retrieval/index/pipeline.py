@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from endo_retrieval.scoring.bm25 import OkapiPostings
-from endo_retrieval.index.corpus import CorpusMap
+from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.scoring.fusion import fuse
-from endo_retrieval.methods.base import Span
+from endo_retrieval.core import Span
 from endo_retrieval.scoring.bm25 import words
 
 PASSAGE_TOKENS = 256  # a document longer than this is cut into passages of whole sentences up to this many tokens

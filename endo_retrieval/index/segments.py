@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.index.corpus import CorpusMap
-from endo_retrieval.index.files import atomic_write, fsync_dir
+from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.files import atomic_write, fsync_dir
 from endo_retrieval.index.inverted import FeatureIndex
 
 SEGMENTS = "segments"

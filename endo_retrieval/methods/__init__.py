@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import importlib
 
-from endo_retrieval.methods.base import Compressed, Method, Span, capped_question
+from endo_retrieval.core import Compressed, Span, capped_question
+from endo_retrieval.methods.base import Method
 
 # method name -> "module:Class"; imported on first use so optional dependencies stay optional
 REGISTRY = {

@@ -174,7 +174,7 @@ class TwoStageEndo(BaseMethod):
         self.pipeline = self.pipeline or EndoPipeline(self.backbone)
 
     def prepare(self, context: str):
-        from endo_retrieval.index.corpus import CorpusMap
+        from endo_retrieval.corpus import CorpusMap
         from endo_retrieval.index.pipeline import Passages
 
         if not isinstance(context, str) or not context.strip():

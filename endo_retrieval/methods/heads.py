@@ -25,7 +25,7 @@ from typing import ClassVar, Sequence
 import numpy as np
 import torch
 
-from endo_retrieval.index.corpus import CorpusMap
+from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.scoring.bm25 import _STOP as STOP_WORDS, SentenceBM25
 from endo_retrieval.methods.base import BaseMethod
 from endo_retrieval.model.profiles import heads_profile

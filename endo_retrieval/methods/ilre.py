@@ -18,7 +18,7 @@ from typing import ClassVar, Iterator, Sequence
 import numpy as np
 import torch
 
-from endo_retrieval.methods.base import Compressed, Span, check_budget
+from endo_retrieval.core import Compressed, Span, check_budget
 from endo_retrieval.model.backbone import PIECE_CHARS, Encoding
 from endo_retrieval.model.profiles import ilre_profile, ilre_profile_path, missing
 from endo_retrieval.scoring.attention import attention_scores

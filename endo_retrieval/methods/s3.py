@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from endo_retrieval.model.backbone import Backbone
-from endo_retrieval.methods.base import BaseMethod, Compressed, Span, check_budget, fit_to_budget
+from endo_retrieval.core import Compressed, Span, check_budget
+from endo_retrieval.methods.base import BaseMethod, fit_to_budget
 from endo_retrieval.scoring.select import QA_KERNEL
 
 

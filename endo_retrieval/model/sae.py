@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from endo_retrieval.index.files import atomic_write
+from endo_retrieval.files import atomic_write
 
 WEIGHTS_FILE = "sae.safetensors"
 CARD_FILE = "card.json"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from endo_retrieval.index.corpus import CorpusMap
+from endo_retrieval.corpus import CorpusMap
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _STOP = frozenset("a an and are as at be by did do does for from had has have he her his how i in is it its of on "

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from endo_retrieval.methods.base import Span, check_budget
+from endo_retrieval.core import Span, check_budget
 
 QA_KERNEL = 8  # Table 6, "Convolution Kernel Size for QA"
 DEFAULT_KERNEL = 48  # Table 6

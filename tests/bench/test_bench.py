@@ -14,7 +14,7 @@ from conftest import make_tiny_model, shared_data
 from endo_bench import runner
 from endo_retrieval.calibration.datasets import DataError
 from endo_bench.metrics import exact_match, f1_score
-from endo_retrieval.methods.base import Compressed
+from endo_retrieval.core import Compressed
 
 GOLD = {  # question -> (answer, its two gold sentences, the text the oracle method hands over)
     "Which river flows through Zanthor?": ("the Velna", ["Zanthor is a city on the Velna river.",

@@ -245,7 +245,7 @@ def test_the_endo_pipeline_rows_count_its_forwards_and_time_its_stages(tiny):
     """The whole `endo` pipeline per question in the query section: its forwards (without a profile's weights the
     pipeline reads no second hop: one forward, the read with the question and the content-free question in it),
     its stages' p50, no CUDA rows off CUDA."""
-    from endo_retrieval.index.corpus import CorpusMap
+    from endo_retrieval.corpus import CorpusMap
     from endo_retrieval.index.pipeline import Passages
 
     bb, _, _ = tiny

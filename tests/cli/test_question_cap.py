@@ -5,7 +5,7 @@ import warnings
 import pytest
 
 from endo_retrieval.cli import main
-from endo_retrieval.methods.base import MAX_QUESTION_CHARS, capped_question
+from endo_retrieval.core import MAX_QUESTION_CHARS, capped_question
 
 from tiny import DOCS, docs, new_index, tiny_engine
 

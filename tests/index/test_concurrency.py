@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from endo_retrieval.index import files
-from endo_retrieval.index.files import IndexBusyError, writer_lock
+from endo_retrieval import files
+from endo_retrieval.files import IndexBusyError, writer_lock
 
 from endo_retrieval import Document
 

@@ -3,7 +3,7 @@ import re
 import numpy as np
 import pytest
 
-from endo_retrieval.index.corpus import CorpusMap, split_sentences
+from endo_retrieval.corpus import CorpusMap, split_sentences
 from endo_retrieval.index.inverted import IndexCorruptError
 
 
@@ -130,7 +130,7 @@ def test_damaged_corpus_file_is_refused_and_old_file_survives_failed_save(tmp_pa
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("simulated crash")
 
-    monkeypatch.setattr("endo_retrieval.index.corpus.os.replace", crash)
+    monkeypatch.setattr("endo_retrieval.corpus.os.replace", crash)
     with pytest.raises(KeyboardInterrupt):
         CorpusMap().save(path)
     monkeypatch.undo()

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from endo_retrieval.index import files
-from endo_retrieval.index.files import writer_lock
+from endo_retrieval import files
+from endo_retrieval.files import writer_lock
 from endo_retrieval.index.inverted import IndexCorruptError
 
 from tiny import answers, docs, load, new_index

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from endo_retrieval.index.corpus import CorpusMap
+from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.index.pipeline import Passages, best_part, passage_cuts
 from conftest import shared_data

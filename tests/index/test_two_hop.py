@@ -71,7 +71,7 @@ def test_tokens_outside_the_passages_give_nothing_and_terms_are_distinct():
 
 
 def two_hop_corpus(backbone):
-    from endo_retrieval.index.corpus import CorpusMap
+    from endo_retrieval.corpus import CorpusMap
     from endo_retrieval.index.pipeline import Passages
 
     corpus = CorpusMap()

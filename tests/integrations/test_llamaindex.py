@@ -15,7 +15,7 @@ pytest.importorskip("llama_index.core")
 from llama_index.core import Document  # noqa: E402
 from llama_index.core.schema import NodeRelationship, NodeWithScore, TextNode  # noqa: E402
 
-from endo_retrieval.methods.base import Span  # noqa: E402
+from endo_retrieval.core import Span  # noqa: E402
 
 DOCS = {
     "bridge": "The Zephyr bridge crosses the Varna river. It was painted bright green in 1932 by the city council. "
@@ -50,7 +50,7 @@ def retriever():
 # ---- fast: the passage <-> span bookkeeping of the compressor, against hand-computed pieces ------------------------
 def test_compress_passages_maps_spans_back_to_passages(monkeypatch):
     from endo_retrieval import integrations
-    from endo_retrieval.methods.base import Compressed
+    from endo_retrieval.core import Compressed
 
     passages = ["alpha beta", "gamma delta", "eps"]  # joined: "alpha beta\n\ngamma delta\n\neps"
     context = "\n\n".join(passages)

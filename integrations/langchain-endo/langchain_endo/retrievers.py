@@ -17,7 +17,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from endo_retrieval.index.engine import Document, EndoIndex
 from endo_retrieval.integrations import check_k, check_pipeline_settings, open_index, provenance, search_hits
 from endo_retrieval.methods import DEFAULT_METHOD
-from endo_retrieval.methods.base import Span
+from endo_retrieval.core import Span
 
 
 def to_documents(texts: list[str] | None, documents: list[LCDocument] | None) -> list[Document] | None:

@@ -29,7 +29,7 @@ from endo_retrieval.index.engine import Document, EndoIndex
 from endo_retrieval.integrations import (PROVENANCE_KEYS, check_k, check_pipeline_settings, open_index, provenance,
                                         search_hits)
 from endo_retrieval.methods import DEFAULT_METHOD
-from endo_retrieval.methods.base import Span
+from endo_retrieval.core import Span
 
 SETTINGS_FILE = "llama_index_retriever.json"
 dispatcher = get_dispatcher(__name__)

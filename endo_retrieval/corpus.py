@@ -17,8 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.index.files import atomic_write
-from endo_retrieval.index.inverted import MAX_VALUE, IndexCorruptError, _check_json
+from endo_retrieval.files import MAX_VALUE, IndexCorruptError, atomic_write, check_json
 
 FORMAT_NAME = "endo-corpus-map"
 FORMAT_VERSION = 1
@@ -104,7 +103,7 @@ class CorpusMap:
         if offsets.min() < 0 or offsets.max() > len(text) or np.any(offsets[:, 0] > offsets[:, 1]):
             raise ValueError(f"document {doc_id!r}: token offsets must be spans [a, b) inside the text")
         metadata = dict(metadata or {})
-        _check_json(metadata, f"metadata of document {doc_id!r}")
+        check_json(metadata, f"metadata of document {doc_id!r}")
         start, end = self._next, self._next + len(offsets)
         # a sentence starting at character c starts at the first token whose span ends after c
         ends = np.maximum.accumulate(offsets[:, 1])

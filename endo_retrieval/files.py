@@ -1,4 +1,5 @@
-"""Crash-safe files: every index, corpus map, SAE and profile the project saves goes through here.
+"""Crash-safe files: every index, corpus map, SAE and profile the project saves goes through here, and the errors a
+damaged or busy one raises.
 
 One file: `atomic_write` (a temp file beside it, fsync, rename). A folder of files (an EndoIndex): `replacing_folder`
 fills a temp folder beside it and swaps it in with two renames, under `writer_lock` (one writer at a time);
@@ -21,6 +22,17 @@ from typing import BinaryIO, Callable, Iterator, TypeVar
 T = TypeVar("T")
 crash_hook: Callable[[str], None] | None = None  # tests: called with the step's name before each change to the disk
 READ_ATTEMPTS = 8  # a reader retries this often when writers keep swapping the folder under it
+MAX_VALUE = 1 << 48  # no stored count or position reaches this (a 2**48-token corpus is far past any index)
+
+
+class IndexCorruptError(ValueError):
+    """An index on disk cannot be used: a file is damaged, truncated, missing, or written by another format version
+    or for another model. Every load failure of an index raises this one type (the CLI prints it as one line); the
+    message names the file and says what to do, usually to rebuild the index."""
+
+
+class IndexVersionError(IndexCorruptError):
+    """The index file was written by an incompatible version of the format."""
 
 
 class IndexBusyError(ValueError):
@@ -253,3 +265,18 @@ def _flock(file, deadline: float, busy: Exception) -> None:
             if time.monotonic() >= deadline:
                 raise busy from None
             time.sleep(0.02)
+
+
+def check_json(obj, where: str) -> None:
+    """Raise ValueError naming the first key path whose value JSON cannot hold."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: key {key!r} is not a string; JSON metadata needs string keys")
+            check_json(value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            check_json(value, f"{where}[{i}]")
+    elif not (obj is None or isinstance(obj, (str, int, float, bool))):
+        raise ValueError(f"{where} holds a {type(obj).__name__}, which is not JSON-serialisable; "
+                         f"convert it to str/int/float/bool/list/dict first")
