@@ -527,7 +527,7 @@ def ilre_scores(ilre, context_ids: np.ndarray, query_ids: np.ndarray, workers: l
     frames; the last also streams the query part. [ILRe Eq. 5]'s softmax runs over the whole context: every part's
     logsumexp is combined with logaddexp before each part turns its logits into probabilities."""
     ray = ray_cluster()
-    ilre._check_query(query_ids)
+    ilre.check_query(query_ids)
     context_ids, query_ids = np.asarray(context_ids), np.asarray(query_ids)
     n_chunks = math.ceil(len(context_ids) / ilre.chunk_size)
     cuts = [round(n_chunks * i / len(workers)) * ilre.chunk_size for i in range(len(workers) + 1)]
@@ -548,4 +548,4 @@ def ilre_select(ilre, context_ids: np.ndarray, query_ids: np.ndarray, budget: in
     """`ILRe.select` with the prefill spread over `workers`: [ILRe Alg. 1] on the merged A^C."""
     if len(context_ids) <= budget:
         return np.arange(len(context_ids), dtype=np.int64)
-    return ilre._allocate(ilre_scores(ilre, context_ids, query_ids, workers), budget)
+    return ilre.allocate(ilre_scores(ilre, context_ids, query_ids, workers), budget)

@@ -63,7 +63,7 @@ def time_stages(ilre, text: str, question: str, budget: int, stream: dict) -> di
     t2 = clock(device)
     scores = context_scores(bb, states)
     t3 = clock(device)
-    kept = ilre._allocate(scores, budget)
+    kept = ilre.allocate(scores, budget)
     t4 = clock(device)
     return {"encode": t1 - t0, "prefill": t2 - t1, "scores": t3 - t2, "allocate": t4 - t3, "total": t4 - t0,
             "tokens": sum(map(len, pieces)) if pieces else len(context_ids), "kept": kept}

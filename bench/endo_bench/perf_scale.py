@@ -130,7 +130,7 @@ def scale_rows(source, n: int, args, workers: int = 2) -> list[dict]:
                              + ("; RANDOM weights: timing only" if args.random_llama_8b else "")))
     rows.append(row("scale", "ilre_speedup", "ilre", len(context), seconds[1] / seconds[workers], "ratio", dev,
                     workers=workers, model=label))
-    same = np.array_equal(ilre._allocate(result[1], args.budget), ilre._allocate(result[workers], args.budget))
+    same = np.array_equal(ilre.allocate(result[1], args.budget), ilre.allocate(result[workers], args.budget))
     rows.append(row("scale", "ilre_max_abs_diff", "ilre", len(context),
                     float(np.abs(result[1] - result[workers]).max()), "abs", dev, model=label,
                     same_allocation=bool(same), note=f"A^C on {workers} workers vs on 1; same_allocation: "

@@ -11,7 +11,6 @@ on the same items (`methods/endo.py`). Never calibrate on the data you report on
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import dataclass
@@ -130,27 +129,6 @@ def rank_heads(items: list[Item], top: int = 10) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- the command
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", action="append", default=None,
-                   help=f"labelled data: a HotpotQA-layout .json (default {DEFAULT_DATA}); repeat to add more")
-    p.add_argument("--context-tokens", type=int, nargs="+", default=[4096, 8192], help="haystack lengths")
-    p.add_argument("--budgets", type=int, nargs="+", default=None,
-                   help="budget per haystack length for the fusion fit (default: an eighth of each length)")
-    p.add_argument("--limit", type=int, default=None, help="first N items of each file")
-    p.add_argument("--distractors", default=str(DEFAULT_DISTRACTORS),
-                   help="a folder of WikiText-style .txt files whose paragraphs, with the other questions', are the "
-                        "distractors (the most question-like first); 'none': other questions' paragraphs only, as "
-                        "the quality bench builds haystacks")
-    p.add_argument("--heads", type=int, default=None, help="heads to keep (default: the best of 4, 8, 12, 16)")
-    p.add_argument("--top", type=int, default=10, help="a head scores the share of gold in its top N sentences")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None,
-                   help="a GGUF file, a Hugging Face folder or hub id (default: the embedded model)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", default=None, help="profile path (default: the model's shipped profile)")
-    p.add_argument("--dump", default=None, help=argparse.SUPPRESS)  # .npz of the labelled tables (analysis)
 
 
 def run(args) -> dict:

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.cli.commands import model_argument
-from endo_retrieval.methods.ilre import (DEFAULT_AVG_KERNELS, DEFAULT_MAX_KERNELS, ILReError, POSITIONS, allocate,
+from endo_retrieval.methods.ilre import (DEFAULT_AVG_KERNELS, DEFAULT_MAX_KERNELS, ILReError, allocate,
                                          context_scores, prefill)
 from endo_retrieval.model.profiles import ilre_profile_path
 
@@ -170,24 +169,6 @@ def plot(profile: dict, path: Path) -> bool:
     return True
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default=str(DEFAULT_FILLER), help="folder of .txt filler (default: %(default)s)")
-    model_argument(parser)
-    parser.add_argument("--lengths", default="8192", help="context lengths in tokens, e.g. 8192,32768")
-    parser.add_argument("--layers", default="all", help="candidate layers, e.g. all or 0-14 (default: all)")
-    parser.add_argument("--key-lengths", default="8,32", help="passkey lengths in digits (default: %(default)s)")
-    parser.add_argument("--depths", type=int, default=N_SEGMENTS,
-                        help="how many of the 20 segment starts to use, evenly spread (default: all 20)")
-    parser.add_argument("--budget", type=int, default=1024, help="token budget (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--positions", choices=POSITIONS, default="frame",
-                        help="RoPE layout of the prefill: frame (default), dca [ILRe Eq. 6-7] or absolute (no DCA); "
-                             "other than frame needs --out, so the shipped profile stays as calibrated")
-    parser.add_argument("--out", default=None, help="profile JSON (default: where ILRe looks for the model's profile)")
-    parser.add_argument("--plot", default=None, help="PNG of recall per layer (default: beside the profile)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
 def run(args: argparse.Namespace) -> int:
     from endo_retrieval.model.backbone import Backbone
 
@@ -223,8 +204,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"  layer {layer:>3}: {r:.2f}")
     return 0
 
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="endo calibrate-ilre", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    raise SystemExit(run(p.parse_args()))

@@ -9,7 +9,6 @@ cheaper setting.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -22,22 +21,6 @@ from endo_retrieval.methods.endo import simplex
 STAGES = ("bm25", "heads", "hop2")
 ORDERS = {"best-last": True, "first-stage": False}
 KS = (2, 5, 10)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from endo_retrieval.cli.commands import model_argument
-    from endo_retrieval.cli.commands import int_list
-
-    p.add_argument("--data", required=True, help="HotpotQA-layout JSON with gold supporting facts (e.g. fit300.json)")
-    p.add_argument("--limit", type=int, default=None, help="first N questions (the corpus is every paragraph)")
-    p.add_argument("--depths", type=int_list, default=[10, 20, 30], help="candidate depths to try (default 10,20,30)")
-    p.add_argument("--read-tokens", type=int_list, default=[64, 128, 256],
-                   help="tokens read per candidate to try (default 64,128,256)")
-    p.add_argument("--orders", nargs="+", choices=list(ORDERS), default=list(ORDERS))
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", default=None, help="profile to update (default: the model's heads profile)")
-    p.add_argument("--dump", default=None, help="also write every question's stage scores here (.npz)")
-    model_argument(p)
 
 
 def recall_at(ranked_docs: list[str], gold: set[str], k: int) -> float:

@@ -22,39 +22,12 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 METHODS = ("endo", "heads", "s3", "s3-hybrid", "ilre", "bm25")
 # sizes of the calibration per device kind: a CPU reads about a hundred times fewer tokens per second
 SIZES = {"cpu": {"tasks": 40, "passkeys": 4, "questions": 40, "context_tokens": [1024]},
          "cuda": {"tasks": 128, "passkeys": 8, "questions": 200, "context_tokens": [4096]}}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from endo_retrieval.cli.commands import model_argument
-    from endo_retrieval.cli.commands import int_list
-
-    model_argument(p)
-    p.add_argument("--documents", metavar="DIR", default=None,
-                   help="your own text files (a folder of .txt/.md/.rst, or one file): the calibration makes its "
-                   "questions from them; no labels needed")
-    p.add_argument("--methods", default="endo", help="methods to make ready, comma-separated (default endo, which "
-                   f"also readies heads): {', '.join(METHODS)}")
-    p.add_argument("--profile", default=None, metavar="PATH", help="the heads profile to write (default: where the "
-                   "library looks for the model's; another path is used when $ENDO_HEADS_PROFILE names it)")
-    p.add_argument("--tasks", type=int, default=None, help="haystacks for the heads (default: 40 on a CPU, 128 on "
-                   "a GPU)")
-    p.add_argument("--passkeys", type=int, default=None, help="passkey haystacks added to them (default 4 / 8)")
-    p.add_argument("--questions", type=int, default=None, help="questions for the pipeline's fit (default 40 / 200)")
-    p.add_argument("--context-tokens", type=int_list, default=None,
-                   help="haystack lengths for the heads, comma-separated (default 1024 on a CPU, 4096 on a GPU); "
-                   "the fusion is fitted at an eighth of each as the budget")
-    p.add_argument("--depths", type=int_list, default=[20], help="pipeline candidate depths to try (default 20)")
-    p.add_argument("--read-tokens", type=int_list, default=[128], help="tokens read per candidate to try "
-                   "(default 128)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="make every asked-for artefact again")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--timings", default=None, metavar="FILE.json", help="also write each phase's seconds here")
 
 
 def ready_methods(backbone) -> list[str]:
@@ -94,14 +67,8 @@ def _write(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def _sub_args(module, argv: list[str]) -> argparse.Namespace:
-    """Another command's arguments, as its own parser reads them (its defaults for the rest)."""
-    p = argparse.ArgumentParser()
-    module.add_arguments(p)
-    return p.parse_args(argv)
-
-
-def run(args) -> int:
+def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> int:
+    """`endo prepare`; `command_args(command, argv)` reads another command's arguments as its parser does."""
     from tqdm import tqdm
 
     from endo_retrieval.calibration import heads as heads_calibrate, ilre as ilre_calibrate, \
@@ -180,12 +147,12 @@ def run(args) -> int:
 
     if need["sae"]:
         t = time.perf_counter()
-        train_sae.run(_sub_args(train_sae, ["--corpus", args.documents, "--heldout", "none"]
+        train_sae.run(command_args("train-sae", ["--corpus", args.documents, "--heldout", "none"]
                                 + _model_args(args)))
         _phase_done(state, state_path, "sae", time.perf_counter() - t, timings)
     if need["ilre"]:
         t = time.perf_counter()
-        ilre_calibrate.run(_sub_args(ilre_calibrate, ["--data", args.documents] + _model_args(args)))
+        ilre_calibrate.run(command_args("calibrate-ilre", ["--data", args.documents] + _model_args(args)))
         _phase_done(state, state_path, "ilre", time.perf_counter() - t, timings)
 
     cells = []

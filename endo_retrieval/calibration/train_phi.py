@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from endo_retrieval.attention.base import installed
 from endo_retrieval.attention.dense import Dense
 from endo_retrieval.attention.phi import PhiMaps
-from endo_retrieval.cli.commands import model_argument
 from endo_retrieval.calibration.train_sae import _progress, read_corpus
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "pg_essays"
@@ -133,26 +132,6 @@ def train_maps(maps: PhiMaps, traces: dict, steps: int, batch: int = 4, lr: floa
         if progress and (step + 1) % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
     return losses
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    model_argument(parser)
-    parser.add_argument("--corpus", default=str(DEFAULT_DATA), help="training text file or folder of *.txt")
-    parser.add_argument("--out", default=None, help="output folder: card.json + phi.safetensors (default: where "
-                        "the model's maps ship, endo_retrieval/assets/phi/<model>/, which phi='default' loads)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--layers", default="all", help="comma-separated layer indices, or 'all'")
-    parser.add_argument("--length", type=int, default=1024, help="prefill length the maps will serve")
-    parser.add_argument("--windows", type=int, default=16, help="text windows of --length tokens to log")
-    parser.add_argument("--queries", type=int, default=32, help="logged queries at the end of each window")
-    parser.add_argument("--d-phi", type=int, default=64, help="features per map")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=4, help="windows per step")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    for name, value in asdict(DistillLoss()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=value, help="appendix B")
-    parser.add_argument("--seed", type=int, default=0)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from endo_retrieval.cli.commands import model_argument
 from endo_retrieval.files import atomic_write
 from endo_retrieval.model.profiles import sae_dir
 from endo_retrieval.model.sae import AGGREGATION, SAEBank, SAEError, TopKSAE
@@ -258,35 +257,6 @@ def evaluate(bank: SAEBank, heldout: dict[str, dict[int, torch.Tensor]], device:
 
 
 # ---- the command ---------------------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    model_argument(parser)
-    parser.add_argument("--corpus", default=str(DEFAULT_DATA / "valid.txt"), help="training text file or folder")
-    parser.add_argument("--heldout", default=str(DEFAULT_DATA / "test.txt"),
-                        help="held-out text for FVU and chunk stability (never trained on); 'none' to skip")
-    parser.add_argument("--layers", default="auto", help="comma-separated layer indices, e.g. 0,7,15,23,29 (default "
-                        "auto: the default model's 3, 11, 19 of 30 layers, scaled to the model's depth)")
-    parser.add_argument("--out", default=None, help="output folder: card.json, layer_XX/, vectors/, checkpoints/ "
-                        "(default: where the model's SAEs are looked for, so index and query find them)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="cap on training tokens (quick CPU runs)")
-    parser.add_argument("--heldout-tokens", type=int, default=16384)
-    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
-    parser.add_argument("--expansion", type=int, default=DEFAULT_EXPANSION, help="d_latent = expansion * head_dim")
-    parser.add_argument("--k", type=int, default=DEFAULT_K)
-    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    parser.add_argument("--chunk-size", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in OUT")
-    parser.add_argument("--fit", choices=FITS, default="keys",
-                        help="vectors to train on: 'keys' (the paper, section 3.3) or 'keys+queries' (as many "
-                             "queries as keys, drawn at random: one codebook that also reconstructs the queries of "
-                             "[S3 Eq. 6]; measured on dev30 it reconstructs queries well but S3 retrieval collapses, "
-                             "see the README)")
-    parser.add_argument("--stability-tokens", type=int, default=8192,
-                        help="held-out tokens for the chunk-stability table (S3 Table 9); 0 to skip")
-    return parser
-
-
 AUTO_DEPTHS = (0.1, 0.37, 0.63)  # the default model's shipped layers 3, 11, 19 of 30, as shares of the depth
 
 
@@ -374,12 +344,3 @@ def run(args: argparse.Namespace) -> dict:
     bank.save(out)
     print(json.dumps({k: card[k] for k in ("layers", "fvu_k", "fvu_q", "dead_share") if k in card}, indent=1))
     return card
-
-
-def main(argv=None) -> None:
-    parser = add_arguments(argparse.ArgumentParser(prog="endo train-sae", description=__doc__.splitlines()[0]))
-    run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

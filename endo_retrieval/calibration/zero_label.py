@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from endo_retrieval.index.text_files import read_text_file, text_files
 from endo_retrieval.scoring.bm25 import words
 
 TASK_FORMS = ("keywords", "cloze")
@@ -95,10 +96,9 @@ class Task:
 
 def read_documents(folder: str | Path) -> list[tuple[str, str]]:
     """(name, text) of every text file under `folder` (or the one file), as `endo index` reads them."""
-    from endo_retrieval.cli.commands import _files, _read
-
     root = Path(folder)
-    return [(str(f.relative_to(root)) if root.is_dir() else f.name, _read(f)) for f in _files([str(folder)])]
+    return [(str(f.relative_to(root)) if root.is_dir() else f.name, read_text_file(f).text)
+            for f in text_files([str(folder)])]
 
 
 def fingerprint(documents: list[tuple[str, str]]) -> str:

@@ -18,13 +18,14 @@ COMMANDS = {
     "index": ("endo_retrieval.cli.commands", "index_", "build an endogenous index over text files"),
     "query": ("endo_retrieval.cli.commands", "query_", "retrieve evidence for a question from an index"),
     "compress": ("endo_retrieval.cli.commands", "compress_", "compress one long context for one question"),
-    "train-sae": ("endo_retrieval.calibration.train_sae", "", "train Top-k sparse autoencoders on key projections"),
-    "train-phi": ("endo_retrieval.calibration.train_phi", "", "distil phi feature maps for completion attention"),
-    "calibrate-ilre": ("endo_retrieval.calibration.ilre", "", "pick ILRe's retrieval layer with a passkey task"),
-    "calibrate-heads": ("endo_retrieval.calibration.heads", "", "choose the retrieval heads and fit the fused ranking"),
-    "calibrate-pipeline": ("endo_retrieval.calibration.pipeline", "", "fit the endo pipeline's depth, reading and "
+    "train-sae": ("endo_retrieval.cli.calibrate", "train_sae_", "train Top-k sparse autoencoders on key projections"),
+    "train-phi": ("endo_retrieval.cli.calibrate", "train_phi_", "distil phi feature maps for completion attention"),
+    "calibrate-ilre": ("endo_retrieval.cli.calibrate", "ilre_", "pick ILRe's retrieval layer with a passkey task"),
+    "calibrate-heads": ("endo_retrieval.cli.calibrate", "heads_",
+                        "choose the retrieval heads and fit the fused ranking"),
+    "calibrate-pipeline": ("endo_retrieval.cli.calibrate", "pipeline_", "fit the endo pipeline's depth, reading and "
                            "fusion on labelled questions"),
-    "prepare": ("endo_retrieval.calibration.prepare", "",
+    "prepare": ("endo_retrieval.cli.prepare", "prepare_",
                 "make everything the default pipeline needs for a model, from your documents, no labels"),
     "mcp": ("endo_retrieval.cli.mcp_server", "", "serve an index to agents over the Model Context Protocol (stdio)"),
 }

@@ -16,13 +16,6 @@ def _method_help() -> str:
     return ", ".join(REGISTRY)
 
 
-_files = text_files  # the calibration's document reader reads folders as `endo index` does
-
-
-def _read(path: Path) -> str:
-    return read_text_file(path).text
-
-
 def model_argument(p) -> None:
     """`--model`, the same on every command that runs a model."""
     p.add_argument("--model", default=None, metavar="PATH|ID", help="a model of the llama, mistral, qwen2 or qwen3 "

@@ -310,13 +310,14 @@ class ILRe:
     def scores(self, context_ids: np.ndarray | Iterator[np.ndarray], query_ids: np.ndarray) -> np.ndarray:
         """A^C at l_R [ILRe Eq. 5] of the context tokens for this query part: one early-exit streaming prefill
         (`context_ids` may be an iterator over pieces of them, read as they arrive)."""
-        self._check_query(query_ids)
+        self.check_query(query_ids)
         states = prefill(self.backbone, context_ids, query_ids, [self.layer], sink=self.sink, window=self.window,
                          chunk_size=self.chunk_size, positions=self.positions, frames=self.frames,
                          compiled=self.compiled)[self.layer]
         return context_scores(self.backbone, states, dca=self.positions == "dca")
 
-    def _check_query(self, query_ids: np.ndarray) -> None:
+    def check_query(self, query_ids: np.ndarray) -> None:
+        """The query part must fit the window W the model reads it in."""
         if len(query_ids) > self.window:
             raise ILReError(
                 f"The query part is {len(query_ids)} tokens, longer than the window W={self.window}: pass the "
@@ -327,7 +328,7 @@ class ILRe:
         check_budget(budget)
         if len(context_ids) <= budget:
             return np.arange(len(context_ids), dtype=np.int64)
-        return self._allocate(self.scores(context_ids, query_ids), budget)
+        return self.allocate(self.scores(context_ids, query_ids), budget)
 
     def compress(self, context: str, question: str, budget: int) -> Compressed:
         """Keep at most `budget` tokens of `context` that answer `question`, in source order."""
@@ -335,7 +336,7 @@ class ILRe:
         if not isinstance(question, str) or not question.strip():
             raise ILReError("question is empty: ILRe ranks the context by the question's attention; give one.")
         query_ids = self.backbone.encode(self.query_template.format(question=question.strip())).ids
-        self._check_query(query_ids)
+        self.check_query(query_ids)
         if len(context) > PIECE_CHARS:  # several pieces: the model reads the first while the rest are tokenised
             pieces: list[Encoding] = []
             scores = self.scores(self.backbone.arriving_ids(context, pieces), query_ids)
@@ -359,7 +360,8 @@ class ILRe:
         tail = np.arange(split, len(enc))
         return self._fit(prompt, enc, self.scores(enc.ids[:split], enc.ids[split:]), budget, tail)
 
-    def _allocate(self, scores: np.ndarray, budget: int) -> np.ndarray:
+    def allocate(self, scores: np.ndarray, budget: int) -> np.ndarray:
+        """Sorted indices of at most `budget` tokens to keep given their scores [ILRe Alg. 1], sinks first."""
         return allocate(scores, budget, min(self.sink, budget), self.max_kernels, self.avg_kernels)
 
     def _fit(self, text: str, enc, scores: np.ndarray, budget: int, tail: np.ndarray = np.empty(0, np.int64)
@@ -368,7 +370,7 @@ class ILRe:
         allocation shrinks by the excess until the joined text fits."""
         target = budget - len(tail)
         while True:
-            out = self._compressed(text, enc, np.concatenate([self._allocate(scores, target), tail]), budget, scores)
+            out = self._compressed(text, enc, np.concatenate([self.allocate(scores, target), tail]), budget, scores)
             if out.n_tokens <= budget or target == 1:
                 return out
             target = max(1, target - (out.n_tokens - budget))

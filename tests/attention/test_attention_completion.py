@@ -138,7 +138,8 @@ def test_bad_completion_input_is_refused(tiny_backbone, tmp_path):
 
 
 def test_train_phi_lowers_the_distillation_loss_and_round_trips(tiny_backbone, tmp_path):
-    from endo_retrieval.calibration.train_phi import DistillLoss, add_arguments, log_traces, run, train_maps
+    from endo_retrieval.calibration.train_phi import DistillLoss, log_traces, run, train_maps
+    from endo_retrieval.cli.calibrate import train_phi_add_arguments as add_arguments
 
     text = ("Ships left the harbour at dawn while the gulls argued over the nets. " * 40
             + "The archive keeps maps of every coastline the guild has charted. " * 40)

@@ -212,7 +212,8 @@ def test_calibrate_heads_end_to_end(tiny, tmp_path):
     """The command on a tiny labelled file: a profile with heads, their scores, and fitted weights."""
     import argparse
 
-    from endo_retrieval.calibration.heads import add_arguments, run
+    from endo_retrieval.calibration.heads import run
+    from endo_retrieval.cli.calibrate import heads_add_arguments as add_arguments
 
     items = [{"_id": f"q{i}", "question": q, "answer": a, "type": "bridge", "level": "hard",
               "supporting_facts": [[t, 0]], "context": [[t, [s]], [f"Other {i}", ["Nothing to see here at all."]]]}
