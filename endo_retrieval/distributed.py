@@ -35,8 +35,9 @@ import numpy as np
 import torch
 
 from endo_retrieval.index import segments
-from endo_retrieval.index.engine import (CHUNK, PIPELINE_METHODS, S3_METHODS, Document, EndoIndex,
-                                         check_search_method, interleave, peak_width, scored_spans)
+from endo_retrieval.index.engine import (CHUNK, Document, EndoIndex, check_search_method, interleave, peak_width,
+                                         scored_spans)
+from endo_retrieval.methods import PIPELINE_METHODS, S3_METHODS, SEARCH_METHODS
 from endo_retrieval.files import writer_lock
 from endo_retrieval.index.inverted import FeatureIndex
 from endo_retrieval.core import Span, check_budget
@@ -422,7 +423,8 @@ class ShardedIndex:
     @property
     def methods(self) -> tuple[str, ...]:
         """The methods the shards answer alone: S3's where the index holds its postings, and BM25."""
-        return ("s3-hybrid", "s3", "bm25") if self.method in S3_METHODS else ("bm25",)
+        return tuple(m for m in SEARCH_METHODS if m not in PIPELINE_METHODS
+                     and (self.method in S3_METHODS or m not in S3_METHODS))
 
     def check_method(self, method: str | None) -> str:
         """`method` (None: the index's own) when the shards answer it alone, else a ValueError saying what does."""

@@ -19,8 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from endo_retrieval.index.engine import PIPELINE_METHODS, Document, EndoIndex
-from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, compress
+from endo_retrieval.index.engine import Document, EndoIndex
+from endo_retrieval.methods import DEFAULT_METHOD, PIPELINE_METHODS, REGISTRY, compress
 from endo_retrieval.core import Span
 
 PROVENANCE_KEYS = ("doc_id", "char_start", "char_end", "endo_score", "signals", "endo_stage_scores", "endo_stage_ms")

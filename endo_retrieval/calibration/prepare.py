@@ -24,7 +24,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-METHODS = ("endo", "heads", "s3", "s3-hybrid", "ilre", "bm25")
+from endo_retrieval.methods import REGISTRY, S3_METHODS
+
+METHODS = tuple(REGISTRY)  # prepare makes every one-context method ready
+
 # sizes of the calibration per device kind: a CPU reads about a hundred times fewer tokens per second
 SIZES = {"cpu": {"tasks": 40, "passkeys": 4, "questions": 40, "context_tokens": [1024]},
          "cuda": {"tasks": 128, "passkeys": 8, "questions": 200, "context_tokens": [4096]}}
@@ -98,14 +101,14 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
         existing = _read_profile(bb, out, "heads")
     except ProfileError:  # damaged: made again
         existing = None
-    need = {"sae": bool(methods & {"s3", "s3-hybrid"}) and (args.force or sae_card(bb) is None),
+    need = {"sae": bool(methods & set(S3_METHODS)) and (args.force or sae_card(bb) is None),
             "ilre": "ilre" in methods and (args.force or ilre_profile(bb) is None),
             "heads": bool(methods & {"endo", "heads"}) and (args.force or existing is None)}
     need["pipeline"] = "endo" in methods and (need["heads"] or "pipeline" not in (existing or {}))
     if shipped and (need["heads"] or need["pipeline"]):
         raise ValueError(f"The package ships {out.name} for {bb.model_id}; to make another, pass --profile PATH "
                          "(and set ENDO_HEADS_PROFILE=PATH to use it).")
-    asked = {"sae": bool(methods & {"s3", "s3-hybrid"}), "ilre": "ilre" in methods,
+    asked = {"sae": bool(methods & set(S3_METHODS)), "ilre": "ilre" in methods,
              "heads": bool(methods & {"endo", "heads"}), "pipeline": "endo" in methods}
     for phase in need:
         if asked[phase] and not need[phase]:

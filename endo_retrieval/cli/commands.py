@@ -7,12 +7,10 @@ import sys
 from pathlib import Path
 
 from endo_retrieval.index.text_files import read_text_file, read_text_files, text_files
-from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
+from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, S3_METHODS, SEARCH_METHODS
 
 
 def _method_help() -> str:
-    from endo_retrieval.methods import REGISTRY
-
     return ", ".join(REGISTRY)
 
 
@@ -83,7 +81,6 @@ def index_run(args) -> int:
 def index_summary(index, folder: Path) -> str:
     """What a saved index holds for its method: documents, the passages the `endo` pipeline ranks, tokens and bytes
     on disk, and the S3 feature postings where it has them (an index for endo or bm25 has none)."""
-    from endo_retrieval.index.engine import S3_METHODS
     from endo_retrieval.index.pipeline import PASSAGE_TOKENS, passage_cuts
 
     # cut as Passages.build cuts them, without building its BM25

@@ -31,7 +31,7 @@ from endo_retrieval.corpus import CorpusMap, split_sentences
 from endo_retrieval.files import atomic_write, read_folder, replacing_folder, writer_lock
 from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
                                            IndexVersionError, sorted_postings)
-from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
+from endo_retrieval.methods import DEFAULT_METHOD, PIPELINE_METHODS, S3_METHODS, SEARCH_METHODS
 from endo_retrieval.core import capped_question, check_budget
 from endo_retrieval.core import Span
 from endo_retrieval.index.indexing import (HandOff, ahead, index_streams, progress_bar, recorded_event, to_host,
@@ -45,8 +45,6 @@ VERSION = 1
 HEADER = "endo-index.json"
 HEADER_FIELDS = {"format": str, "version": int, "model": str, "model_hash": str, "method": str, "chunk_size": int,
                  "sae_layers": list}  # and "prune": a share in (0, 1] or null
-S3_METHODS = ("s3-hybrid", "s3")  # the methods that need the SAE feature postings
-PIPELINE_METHODS = ("endo", "endo-2hop")  # the methods that rank passages (pipeline.py); endo-2hop adds a hop
 CHUNK = 2048  # Table 6: streaming chunk size
 GROUP_CHUNKS = MIN_REPLAYS  # whole chunks per stream call while the text arrives: a call replays these shapes
 HANDOFF_TOKENS = SEGMENT_TOKENS  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers,

@@ -2,19 +2,40 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 from endo_retrieval.core import Compressed, Span, capped_question
 from endo_retrieval.methods.base import Method
 
-# method name -> "module:Class"; imported on first use so optional dependencies stay optional
-REGISTRY = {
-    "s3": "endo_retrieval.methods.s3:S3",
-    "s3-hybrid": "endo_retrieval.methods.s3:S3Hybrid",
-    "bm25": "endo_retrieval.methods.s3:BM25",
-    "ilre": "endo_retrieval.methods.ilre:ILRe",
-    "heads": "endo_retrieval.methods.heads:RetrievalHeads",
-    "endo": "endo_retrieval.methods.endo:Endo",
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What one method name runs and serves."""
+
+    cls: str | None  # "module:Class" that compresses one context; imported on first use so optional dependencies
+    # stay optional; None: the method ranks a corpus only
+    corpus: bool = False  # an index of a corpus searches with it (`EndoIndex.search`)
+    saes: bool = False  # it reads the SAE feature postings, so the index is built with the SAEs
+    passages: bool = False  # over a corpus it ranks passages with the model (the corpus pipeline)
+
+
+# The one list of method names; every other list is read from it. The default comes first, then the other corpus
+# methods, then those for one context only.
+METHODS = {
+    "endo": Entry("endo_retrieval.methods.endo:Endo", corpus=True, passages=True),
+    # endo with a second hop that asks the index again with the bridge the heads found (opt-in)
+    "endo-2hop": Entry(None, corpus=True, passages=True),
+    "s3-hybrid": Entry("endo_retrieval.methods.s3:S3Hybrid", corpus=True, saes=True),
+    "s3": Entry("endo_retrieval.methods.s3:S3", corpus=True, saes=True),
+    "bm25": Entry("endo_retrieval.methods.s3:BM25", corpus=True),
+    "ilre": Entry("endo_retrieval.methods.ilre:ILRe"),
+    "heads": Entry("endo_retrieval.methods.heads:RetrievalHeads"),
 }
+REGISTRY = {name: e.cls for name, e in METHODS.items() if e.cls}  # method name -> "module:Class", for one context
+SEARCH_METHODS = tuple(name for name, e in METHODS.items() if e.corpus)  # the methods an index searches with
+S3_METHODS = tuple(name for name, e in METHODS.items() if e.saes)
+PIPELINE_METHODS = tuple(name for name, e in METHODS.items() if e.passages)
 
 
 def get_method(name: str, **kwargs) -> Method:
@@ -31,9 +52,6 @@ def get_method(name: str, **kwargs) -> Method:
 # The one default of every entry point (compress, EndoIndex, both retrievers, both compressors, MCP, the CLI): the
 # best pipeline measured on dev300 (docs/results.md): BM25 candidates, the model reads them, its heads rank them.
 DEFAULT_METHOD = "endo"
-# the methods an index of a corpus searches with (`EndoIndex.search`); s3 and s3-hybrid need its feature postings
-# `endo-2hop`: endo with a second hop that asks the index again with the bridge the heads found (opt-in)
-SEARCH_METHODS = ("endo", "endo-2hop", "s3-hybrid", "s3", "bm25")
 
 
 def compress(context: str, question: str, budget: int = 1024, method: str = DEFAULT_METHOD, backbone=None
@@ -49,4 +67,5 @@ def compress(context: str, question: str, budget: int = 1024, method: str = DEFA
     return get_method(method, backbone=backbone).compress(context, question, budget)
 
 
-__all__ = ["Compressed", "Method", "Span", "REGISTRY", "DEFAULT_METHOD", "SEARCH_METHODS", "get_method", "compress"]
+__all__ = ["Compressed", "Method", "Span", "METHODS", "REGISTRY", "DEFAULT_METHOD", "SEARCH_METHODS", "get_method",
+           "compress"]
