@@ -40,6 +40,7 @@ from endo_retrieval.index.engine import (CHUNK, Document, EndoIndex, check_searc
 from endo_retrieval.methods import PIPELINE_METHODS, S3_METHODS, SEARCH_METHODS
 from endo_retrieval.files import writer_lock
 from endo_retrieval.index.inverted import FeatureIndex
+from endo_retrieval.index.passages import Passages, best_part, part_text
 from endo_retrieval.core import Span, check_budget
 from endo_retrieval.scoring.select import QA_KERNEL, density, enclosing, ranked_peaks, runs
 
@@ -303,8 +304,6 @@ class Shard:
 
     @property
     def passages(self):
-        from endo_retrieval.index.pipeline import Passages
-
         if self._passages is None:
             self._passages = Passages.build(self.corpus)
         return self._passages
@@ -334,7 +333,6 @@ class Shard:
         """The passages `picks` (indices here) as `EndoPipeline.search` returns them: each whole, or cut to its best
         part (`best_part`) of `max_tokens`; (start, end, char start, char end, text, doc id, metadata, whole
         document), positions global."""
-        from endo_retrieval.index.pipeline import best_part, part_text
         from endo_retrieval.scoring.bm25 import words
 
         corpus, passages, q, out = self.corpus, self.passages, set(words(question)), []

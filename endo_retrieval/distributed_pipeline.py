@@ -49,7 +49,7 @@ class Reader:
 
     def pipeline(self, depth: int | None = None, read_tokens: int | None = None):
         """The EndoPipeline `EndoIndex.pipeline("endo", depth, read_tokens)` makes for this model, made once."""
-        from endo_retrieval.index.pipeline import EndoPipeline
+        from endo_retrieval.methods.pipeline import EndoPipeline
 
         key = (depth, read_tokens)
         if key not in self.pipelines:

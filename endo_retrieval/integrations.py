@@ -20,6 +20,9 @@ from typing import Sequence
 import numpy as np
 
 from endo_retrieval.index.engine import Document, EndoIndex
+from endo_retrieval.index.passages import best_part, part_text
+from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.scoring.bm25 import words
 from endo_retrieval.methods import DEFAULT_METHOD, PIPELINE_METHODS, REGISTRY, compress
 from endo_retrieval.core import Span
 
@@ -265,10 +268,6 @@ def fit_to_window(backbone, passages: Sequence[str], question: str, window: int 
     model's trained window less QUESTION_ROOM) together; else each passage longer than an equal share keeps its
     best part of that share (`pipeline.best_part`: its first sentence, then the sentences with the most question
     words), the share being as large as the shorter passages, read whole, leave room for. No passage is dropped."""
-    from endo_retrieval.corpus import CorpusMap
-    from endo_retrieval.scoring.bm25 import words
-    from endo_retrieval.index.pipeline import best_part, part_text
-
     window = window or (backbone.max_position or 8192) - QUESTION_ROOM
     corpus = CorpusMap()
     for i, text in enumerate(passages):

@@ -455,10 +455,11 @@ def run(args) -> int:
     nodes = corpus_nodes(titles, texts)
     titles_of = {n.node_id: t for n, t in zip(nodes, titles)}
     bb = load_backbone(args.model) if any(s not in FIRST_STAGE_ROWS for s in systems) else None
-    from endo_retrieval.index import pipeline
+    from endo_retrieval.index import passages
+    from endo_retrieval.methods import pipeline
 
-    rows, shared, batched, stems = [], {}, pipeline.BATCHED_READS, pipeline.STEMS
-    pipeline.BATCHED_READS, pipeline.STEMS = not args.plain_reads, not args.unstemmed
+    rows, shared, batched, stems = [], {}, pipeline.BATCHED_READS, passages.STEMS
+    pipeline.BATCHED_READS, passages.STEMS = not args.plain_reads, not args.unstemmed
     try:
         for name in systems:
             try:
@@ -467,7 +468,7 @@ def run(args) -> int:
                 logger.warning("%s: skipped: %s", name, err)
                 rows.append({"system": name, "n": 0, "skipped": f"{type(err).__name__}: {err}"})
     finally:
-        pipeline.BATCHED_READS, pipeline.STEMS = batched, stems
+        pipeline.BATCHED_READS, passages.STEMS = batched, stems
     reference = pick_reference(args.reference, rows)
     gold_counts = [len(gold_titles(it)) for it in items]
     add_intervals(rows, gold_counts, reference, args.seed)

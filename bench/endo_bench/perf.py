@@ -274,7 +274,7 @@ def percentiles(seconds: list[float]) -> tuple[float, float]:
 def query_section(backbone, saes, source: TextSource, sizes: list[int], base_tokens: int, n_questions: int,
                   budget: int, chunk_size: int, bar) -> list[dict]:
     from endo_retrieval.index.engine import SCORE_ON_ACCELERATOR
-    from endo_retrieval.index.pipeline import EndoPipeline
+    from endo_retrieval.methods.pipeline import EndoPipeline
 
     device, dev = backbone.device, backbone.device.type
     # the first stage reads no heads: a stand-in lets a model without a heads profile be timed too
@@ -362,7 +362,7 @@ def endo_pipeline_rows(backbone, corpus, passages, questions: list[str], size: i
     and hop2), the model's forwards per question and, on CUDA, the launches, kernels and copies of the first
     LAUNCH_QUESTIONS, warm. A model without a heads profile gets one row saying so."""
     from endo_bench.launches import LAUNCH_QUESTIONS, counting_forwards, cuda_launches
-    from endo_retrieval.index.pipeline import EndoPipeline
+    from endo_retrieval.methods.pipeline import EndoPipeline
     from endo_retrieval.methods.heads import HeadsError
 
     device, dev = backbone.device, backbone.device.type

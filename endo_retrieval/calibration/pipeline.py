@@ -83,7 +83,7 @@ def fit_settings(bb, titles: list[str], paragraphs: list[str], questions: list[d
     retrieval heads to read with (None: the model's profile); `progress`, `cache`: as heads_calibrate.calibrate."""
     from endo_retrieval.index.engine import Document, EndoIndex
     from endo_retrieval.calibration.heads import cached_arrays, steps
-    from endo_retrieval.index.pipeline import EndoPipeline
+    from endo_retrieval.methods.pipeline import EndoPipeline
 
     index = EndoIndex(bb, method="endo")
     index.add_documents([Document(t, p) for t, p in zip(titles, paragraphs)])

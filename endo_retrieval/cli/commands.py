@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from endo_retrieval.index.text_files import read_text_file, read_text_files, text_files
+from endo_retrieval.index.passages import PASSAGE_TOKENS, passage_cuts
 from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, S3_METHODS, SEARCH_METHODS
 
 
@@ -81,7 +82,6 @@ def index_run(args) -> int:
 def index_summary(index, folder: Path) -> str:
     """What a saved index holds for its method: documents, the passages the `endo` pipeline ranks, tokens and bytes
     on disk, and the S3 feature postings where it has them (an index for endo or bm25 has none)."""
-    from endo_retrieval.index.pipeline import PASSAGE_TOKENS, passage_cuts
 
     # cut as Passages.build cuts them, without building its BM25
     passages = sum(len(passage_cuts(d.sentence_starts, d.end, PASSAGE_TOKENS)) - 1 for d in index.corpus.documents())

@@ -31,6 +31,7 @@ from endo_retrieval.corpus import CorpusMap, split_sentences
 from endo_retrieval.files import atomic_write, read_folder, replacing_folder, writer_lock
 from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
                                            IndexVersionError, sorted_postings)
+from endo_retrieval.index.passages import Passages
 from endo_retrieval.methods import DEFAULT_METHOD, PIPELINE_METHODS, S3_METHODS, SEARCH_METHODS
 from endo_retrieval.core import capped_question, check_budget
 from endo_retrieval.core import Span
@@ -337,8 +338,8 @@ class EndoIndex:
                 raise ValueError("The index is empty; add documents first.")
             if budget is not None:
                 check_budget(budget)
-            return self.pipeline(method, depth, read_tokens).search(self.corpus, self.passages(),
-                                                                    _unicode(as_text(question)), k, budget, where=where)
+            return self.pipeline(method, depth, read_tokens).search(
+                self.corpus, self.passages(), _unicode(as_text(question)), k, budget, where=where)
         spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
         return sorted(spans, key=lambda s: -s.score)[:k]
 
@@ -348,7 +349,7 @@ class EndoIndex:
         pipelines = self.__dict__.setdefault("_pipelines", {})
         key = (method, depth, read_tokens)
         if key not in pipelines:
-            from endo_retrieval.index.pipeline import EndoPipeline
+            from endo_retrieval.methods.pipeline import EndoPipeline
 
             pipelines[key] = EndoPipeline(self.backbone, depth=depth, read_tokens=read_tokens,
                                           two_hop=method == "endo-2hop")
@@ -356,9 +357,7 @@ class EndoIndex:
 
     @locked("read")
     def passages(self):
-        """The corpus's candidate passages with BM25 over them (pipeline.py), built once per corpus state."""
-        from endo_retrieval.index.pipeline import Passages
-
+        """The corpus's candidate passages with BM25 over them (passages.py), built once per corpus state."""
         return self._of_corpus_state("_passages", Passages.build)
 
     # ---- persistence ---------------------------------------------------------------------------------------

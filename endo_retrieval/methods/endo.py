@@ -24,6 +24,9 @@ import numpy as np
 from endo_retrieval.scoring.fusion import fuse, rrf, standardise
 from endo_retrieval.scoring.select import sentence_spans, sentences_in_budget
 from endo_retrieval.methods.base import BaseMethod
+from endo_retrieval.methods.pipeline import EndoPipeline
+from endo_retrieval.index.passages import Passages
+from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.methods.heads import (HeadsError, Prepared, RetrievalHeads, calibrated_attention,
                                           calibrated_scores, sentence_max)
 from endo_retrieval.model.profiles import heads_profile, ilre_profile
@@ -168,15 +171,11 @@ class TwoStageEndo(BaseMethod):
 
     def __post_init__(self):
         from endo_retrieval.model.backbone import Backbone
-        from endo_retrieval.index.pipeline import EndoPipeline
 
         self.backbone = Backbone.of(self.backbone)
         self.pipeline = self.pipeline or EndoPipeline(self.backbone)
 
     def prepare(self, context: str):
-        from endo_retrieval.corpus import CorpusMap
-        from endo_retrieval.index.pipeline import Passages
-
         if not isinstance(context, str) or not context.strip():
             raise HeadsError("The context is empty; give the text to retrieve from.")
         corpus = CorpusMap()

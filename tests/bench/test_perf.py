@@ -246,7 +246,7 @@ def test_the_endo_pipeline_rows_count_its_forwards_and_time_its_stages(tiny):
     pipeline reads no second hop: one forward, the read with the question and the content-free question in it),
     its stages' p50, no CUDA rows off CUDA."""
     from endo_retrieval.corpus import CorpusMap
-    from endo_retrieval.index.pipeline import Passages
+    from endo_retrieval.index.passages import Passages
 
     bb, _, _ = tiny
     corpus = CorpusMap()

@@ -10,7 +10,7 @@ import pytest
 
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.methods import DEFAULT_METHOD
-from endo_retrieval.index.pipeline import Passages, best_part, passage_cuts
+from endo_retrieval.index.passages import Passages, best_part, passage_cuts
 from conftest import shared_data
 
 
@@ -63,7 +63,7 @@ def test_batched_reads_rank_as_the_plain_reads_in_two_forwards_a_question(tiny):
     """The pipeline with its query parts read together against its plain twin (one forward per part): the same
     passages in the same order, the same scores to float tolerance, 2 forwards a question where there were 5, and
     the model's stages timed beside its whole part."""
-    from endo_retrieval.index.pipeline import EndoPipeline
+    from endo_retrieval.methods.pipeline import EndoPipeline
 
     docs = {f"d{i}": t for i, t in enumerate([
         "The Varna bridge was built in 1871. Workers found quartz under its piers.",

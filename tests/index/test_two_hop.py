@@ -72,7 +72,7 @@ def test_tokens_outside_the_passages_give_nothing_and_terms_are_distinct():
 
 def two_hop_corpus(backbone):
     from endo_retrieval.corpus import CorpusMap
-    from endo_retrieval.index.pipeline import Passages
+    from endo_retrieval.index.passages import Passages
 
     corpus = CorpusMap()
     for doc_id, text in TWO_HOP.items():
@@ -82,7 +82,7 @@ def two_hop_corpus(backbone):
 
 @pytest.mark.slow
 def test_the_second_hop_retrieves_what_bm25_and_endo_at_the_same_depth_cannot(backbone):
-    from endo_retrieval.index.pipeline import EndoPipeline
+    from endo_retrieval.methods.pipeline import EndoPipeline
     from endo_retrieval.scoring.bm25 import words
 
     corpus, passages = two_hop_corpus(backbone)
@@ -103,7 +103,7 @@ def test_the_second_hop_retrieves_what_bm25_and_endo_at_the_same_depth_cannot(ba
 def test_endo_ranks_as_the_first_read_alone_and_endo_2hop_keeps_its_first_hop_scores(backbone):
     """`endo` is the first read, fused and sorted, bit for bit (computed here from its parts as before the second
     hop existed); `endo-2hop` adds passages, never changes a first-hop passage's scores."""
-    from endo_retrieval.index.pipeline import EndoPipeline
+    from endo_retrieval.methods.pipeline import EndoPipeline
     from endo_retrieval.methods.heads import passage_signals
     from endo_retrieval.scoring.fusion import fuse
 
@@ -158,7 +158,7 @@ def test_endo_2hop_with_batched_reads_ranks_as_its_plain_twin_in_fewer_forwards(
     """Both reads of `endo-2hop` (the first hop's and the second hop's), their query parts read together against
     one forward per part: the same passages in the same order, the same bridge, scores to float tolerance; 4
     forwards where the plain reads take 10."""
-    from endo_retrieval.index.pipeline import EndoPipeline
+    from endo_retrieval.methods.pipeline import EndoPipeline
 
     corpus, passages = two_hop_corpus(backbone)
     count = [0]

@@ -26,16 +26,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from endo_retrieval.scoring.bm25 import OkapiPostings
-from endo_retrieval.corpus import CorpusMap
-from endo_retrieval.scoring.fusion import fuse
 from endo_retrieval.core import Span
-from endo_retrieval.scoring.bm25 import words
+from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.index.passages import Passages, best_part, part_text
+from endo_retrieval.methods.heads import bridge_terms, profile_heads, read_passages
+from endo_retrieval.model.profiles import heads_profile
+from endo_retrieval.scoring.bm25 import OkapiPostings, words
+from endo_retrieval.scoring.fusion import fuse, rrf, standardise
 
-PASSAGE_TOKENS = 256  # a document longer than this is cut into passages of whole sentences up to this many tokens
-# stage 1 indexes the passages' words by their English stems, as LlamaIndex's BM25Retriever does: on dev300 its
-# recall@2 / @5 / @20 rose from 55.5 / 71.2 / 93.3 to 58.5 / 73.3 / 94.5 (docs/results.md "The first stage")
-STEMS = True
 # the pipeline's settings where the model's profile has none (the shipped profile holds the values fitted on data)
 DEFAULTS = {"depth": 20, "read_tokens": 128, "best_last": True, "weights": {"bm25": 0.5, "heads": 0.5}}
 # `endo-2hop`'s settings where the profile has no `pipeline2hop` section (not fitted yet): first-hop passages the
@@ -45,62 +43,6 @@ DEFAULTS = {"depth": 20, "read_tokens": 128, "best_last": True, "weights": {"bm2
 TWO_HOP_DEFAULTS = {"anchors": 2, "terms": 3, "refs": 2, "depth2": 4, "bridge": 0.0}
 # False: every pipeline reads one query part per forward, the plain path (`endo bench corpus --plain-reads` times it)
 BATCHED_READS = True
-
-
-@dataclass
-class Passages:
-    """The corpus cut into candidate passages (token ranges [starts[i], ends[i]) inside one document), their
-    sentences and BM25 over their words; built once per corpus state."""
-
-    starts: np.ndarray
-    ends: np.ndarray
-    sentences: np.ndarray  # sorted global sentence starts (every passage start is one)
-    bm25: OkapiPostings
-
-    @classmethod
-    def build(cls, corpus: CorpusMap, max_tokens: int = PASSAGE_TOKENS, stem: bool | None = None) -> "Passages":
-        starts, ends = [], []
-        for doc in corpus.documents():
-            cuts = passage_cuts(doc.sentence_starts, doc.end, max_tokens)
-            starts += cuts[:-1]
-            ends += cuts[1:]
-        texts = [corpus.span_text(a, b)[3] for a, b in zip(starts, ends)]
-        return cls(np.asarray(starts, np.int64), np.asarray(ends, np.int64), corpus.sentence_starts(),
-                   OkapiPostings.build([words(t) for t in texts], STEMS if stem is None else stem))
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-
-def passage_cuts(sentence_starts: np.ndarray, end: int, max_tokens: int) -> list[int]:
-    """Bounds [start, ..., end] of a document's passages: each as many whole sentences as fit in `max_tokens`
-    (a longer sentence is a passage of its own, cut every `max_tokens`)."""
-    cuts = [int(sentence_starts[0])]
-    while end - cuts[-1] > max_tokens:
-        fits = sentence_starts[(sentence_starts > cuts[-1]) & (sentence_starts <= cuts[-1] + max_tokens)]
-        cuts.append(int(fits[-1]) if len(fits) else cuts[-1] + max_tokens)
-    return cuts + [int(end)]
-
-
-def best_part(corpus: CorpusMap, sentences: np.ndarray, a: int, b: int, question_words: set[str], max_tokens: int
-              ) -> list[tuple[int, int]]:
-    """Token ranges, in source order, of what to keep of the passage [a, b) in `max_tokens`: its first sentence,
-    then its sentences with the most distinct question words (ties: earlier first), whole while they fit; the
-    first one is cut to `max_tokens` if it alone is longer."""
-    if b - a <= max_tokens:
-        return [(a, b)]
-    inner = sentences[(sentences > a) & (sentences < b)]
-    bounds = np.concatenate(([a], inner, [b]))
-    pieces = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
-    overlap = [len(question_words & set(words(corpus.span_text(s, e)[3]))) for s, e in pieces[1:]]
-    keep, used = [pieces[0]], min(pieces[0][1] - pieces[0][0], max_tokens)
-    keep[0] = (a, a + used)
-    for i in np.argsort(-np.asarray(overlap), kind="stable"):
-        s, e = pieces[1 + int(i)]
-        if used + e - s <= max_tokens and overlap[i] > 0:
-            keep.append((s, e))
-            used += e - s
-    return sorted(keep)
 
 
 def bridge_reach(bm25: OkapiPostings):
@@ -115,11 +57,6 @@ def bridge_reach(bm25: OkapiPostings):
         return max(float(bm25.okapi.idf[term]), 0.0)
 
     return leads
-
-
-def part_text(corpus: CorpusMap, parts: list[tuple[int, int]]) -> str:
-    """The text of `best_part`'s pieces, joined by ' ... ' where something was left out between them."""
-    return " ... ".join(corpus.span_text(a, b)[3].strip() for a, b in parts)
 
 
 @dataclass
@@ -144,9 +81,6 @@ class EndoPipeline:
     batched_reads: bool | None = None
 
     def __post_init__(self):
-        from endo_retrieval.methods.heads import profile_heads
-        from endo_retrieval.model.profiles import heads_profile
-
         self.heads = [tuple(map(int, h)) for h in (self.heads or profile_heads(self.backbone))]
         self.batched_reads = BATCHED_READS if self.batched_reads is None else self.batched_reads
         fitted = (heads_profile(self.backbone) or {}).get("pipeline") or {}
@@ -195,8 +129,6 @@ class EndoPipeline:
 
     def first_hop(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None, where=None):
         """`stage_scores` and the read it came from: (top, signals, ms, (PassageReading, read order))."""
-        from endo_retrieval.methods.heads import read_passages
-
         t0 = time.perf_counter()
         top, bm25 = self.candidates(corpus, passages, question, depth, where)
         t1 = time.perf_counter()
@@ -222,7 +154,6 @@ class EndoPipeline:
         own, as the other might hold the stronger words while only this one names the bridge. `leads(word)`: how
         far a word can lead (`bridge_reach`); a term's attention is weighed by its best word's, and a term that
         leads nowhere is dropped (the heads pick what to look at, the corpus what can lead somewhere)."""
-        from endo_retrieval.methods.heads import bridge_terms
 
         read, position = reading, np.argsort(order)  # candidate i was read at position[i]
         out: dict[str, tuple[str, float]] = {}
@@ -263,8 +194,6 @@ class EndoPipeline:
         gets their first-hop average; then `bridge` is added: the weight of the signal "reached through the
         bridge" (1 for a new passage) in the same weighted sum, 0 by default (until fitted, a passage is ranked
         for what the model reads in it, not for how it was found)."""
-        from endo_retrieval.methods.heads import read_passages
-        from endo_retrieval.scoring.fusion import rrf, standardise
 
         t0 = time.perf_counter()
         cfg = self.two_hop_settings

@@ -1,0 +1,76 @@
+"""The corpus cut into candidate passages (a document as the user gave it, or a run of whole sentences of at most
+PASSAGE_TOKENS of a longer one) with BM25 over their words, and the part of a passage the model reads
+(`best_part`): what the corpus pipeline (methods/pipeline.py) ranks, built once per corpus state."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.scoring.bm25 import OkapiPostings, words
+
+PASSAGE_TOKENS = 256  # a document longer than this is cut into passages of whole sentences up to this many tokens
+# stage 1 indexes the passages' words by their English stems, as LlamaIndex's BM25Retriever does: on dev300 its
+# recall@2 / @5 / @20 rose from 55.5 / 71.2 / 93.3 to 58.5 / 73.3 / 94.5 (docs/results.md "The first stage")
+STEMS = True
+
+@dataclass
+class Passages:
+    """The corpus cut into candidate passages (token ranges [starts[i], ends[i]) inside one document), their
+    sentences and BM25 over their words; built once per corpus state."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+    sentences: np.ndarray  # sorted global sentence starts (every passage start is one)
+    bm25: OkapiPostings
+
+    @classmethod
+    def build(cls, corpus: CorpusMap, max_tokens: int = PASSAGE_TOKENS, stem: bool | None = None) -> "Passages":
+        starts, ends = [], []
+        for doc in corpus.documents():
+            cuts = passage_cuts(doc.sentence_starts, doc.end, max_tokens)
+            starts += cuts[:-1]
+            ends += cuts[1:]
+        texts = [corpus.span_text(a, b)[3] for a, b in zip(starts, ends)]
+        return cls(np.asarray(starts, np.int64), np.asarray(ends, np.int64), corpus.sentence_starts(),
+                   OkapiPostings.build([words(t) for t in texts], STEMS if stem is None else stem))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+
+def passage_cuts(sentence_starts: np.ndarray, end: int, max_tokens: int) -> list[int]:
+    """Bounds [start, ..., end] of a document's passages: each as many whole sentences as fit in `max_tokens`
+    (a longer sentence is a passage of its own, cut every `max_tokens`)."""
+    cuts = [int(sentence_starts[0])]
+    while end - cuts[-1] > max_tokens:
+        fits = sentence_starts[(sentence_starts > cuts[-1]) & (sentence_starts <= cuts[-1] + max_tokens)]
+        cuts.append(int(fits[-1]) if len(fits) else cuts[-1] + max_tokens)
+    return cuts + [int(end)]
+
+
+def best_part(corpus: CorpusMap, sentences: np.ndarray, a: int, b: int, question_words: set[str], max_tokens: int
+              ) -> list[tuple[int, int]]:
+    """Token ranges, in source order, of what to keep of the passage [a, b) in `max_tokens`: its first sentence,
+    then its sentences with the most distinct question words (ties: earlier first), whole while they fit; the
+    first one is cut to `max_tokens` if it alone is longer."""
+    if b - a <= max_tokens:
+        return [(a, b)]
+    inner = sentences[(sentences > a) & (sentences < b)]
+    bounds = np.concatenate(([a], inner, [b]))
+    pieces = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+    overlap = [len(question_words & set(words(corpus.span_text(s, e)[3]))) for s, e in pieces[1:]]
+    keep, used = [pieces[0]], min(pieces[0][1] - pieces[0][0], max_tokens)
+    keep[0] = (a, a + used)
+    for i in np.argsort(-np.asarray(overlap), kind="stable"):
+        s, e = pieces[1 + int(i)]
+        if used + e - s <= max_tokens and overlap[i] > 0:
+            keep.append((s, e))
+            used += e - s
+    return sorted(keep)
+
+
+def part_text(corpus: CorpusMap, parts: list[tuple[int, int]]) -> str:
+    """The text of `best_part`'s pieces, joined by ' ... ' where something was left out between them."""
+    return " ... ".join(corpus.span_text(a, b)[3].strip() for a, b in parts)
