@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from endo_retrieval.distributed import ModelRecipe, ShardedIndex, ray_cluster, spread, start_workers
-from endo_retrieval.index.engine import check_search_method
+from endo_retrieval.index.engine import check_search_method, unicode_text
 from endo_retrieval.methods import PIPELINE_METHODS
 from endo_retrieval.core import Span, capped_question, check_budget
 
@@ -224,13 +224,7 @@ def _question(question: str) -> str:
     """The question as `EndoIndex.search` takes it: text, capped in length, valid Unicode."""
     from endo_retrieval.model.backbone import as_text
 
-    question = as_text(capped_question(question))
-    try:
-        question.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"the question holds a lone surrogate at character {e.start}, which is not valid Unicode; "
-                         "decode its bytes with errors='replace' first.") from None
-    return question
+    return unicode_text(as_text(capped_question(question)), "question")
 
 
 def _get(refs):

@@ -24,11 +24,11 @@ from endo_retrieval.index.passages import best_part, part_text
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.scoring.bm25 import words
 from endo_retrieval.methods import DEFAULT_METHOD, PIPELINE_METHODS, REGISTRY, compress
+from endo_retrieval.methods.heads import PASSAGE_SEPARATOR
 from endo_retrieval.core import Span
 
 PROVENANCE_KEYS = ("doc_id", "char_start", "char_end", "endo_score", "signals", "endo_stage_scores", "endo_stage_ms")
 COMPRESS_METHODS = tuple(REGISTRY)  # compress() over the passages as one context
-PASSAGE_SEPARATOR = "\n\n"
 
 
 def open_index(documents: Sequence[Document] | None, index_dir: str | os.PathLike | None, method: str,

@@ -1,4 +1,5 @@
-"""`endo ...`: the command line. Each command lives in the module that owns its work; this file only wires them."""
+"""`endo ...`: the command line. Each command's arguments live here in cli/, its work in the module that owns it;
+this file only wires them."""
 from __future__ import annotations
 
 import argparse

@@ -108,7 +108,7 @@ class EndoIndex:
                 raise ValueError(f"Duplicate document id {d.doc_id!r}; ids must be unique (remove the old one first).")
             seen.add(d.doc_id)
             try:
-                text = _unicode(as_text(d.text))
+                text = unicode_text(as_text(d.text))
             except ValueError as e:
                 raise ValueError(f"Document {d.doc_id!r}: {e}") from None
             if not text:
@@ -259,7 +259,7 @@ class EndoIndex:
     def signal_scores(self, question: str, method: str | None = None) -> dict[str, np.ndarray]:
         """The per-position score arrays `method` fuses: {"s3": S[t], "bm25": ...}."""
         method = check_search_method(method or self.method)
-        question = _unicode(as_text(question))
+        question = unicode_text(as_text(question))
         out = {}
         if method in ("s3", "s3-hybrid"):
             out["s3"] = self.s3_scores(question)
@@ -339,7 +339,7 @@ class EndoIndex:
             if budget is not None:
                 check_budget(budget)
             return self.pipeline(method, depth, read_tokens).search(
-                self.corpus, self.passages(), _unicode(as_text(question)), k, budget, where=where)
+                self.corpus, self.passages(), unicode_text(as_text(question)), k, budget, where=where)
         spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
         return sorted(spans, key=lambda s: -s.score)[:k]
 
@@ -474,13 +474,13 @@ def _check_header(raw: bytes, path: Path) -> dict:
     return meta
 
 
-def _unicode(text: str) -> str:
+def unicode_text(text: str, what: str = "text") -> str:
     """`text`, refused with a ValueError where it holds a lone surrogate (not Unicode; the tokenizer cannot take it)."""
     if not text.isascii():
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"the text holds a lone surrogate at character {e.start}, which is not valid Unicode; "
+            raise ValueError(f"the {what} holds a lone surrogate at character {e.start}, which is not valid Unicode; "
                              "decode its bytes with errors='replace' first.") from None
     return text
 
