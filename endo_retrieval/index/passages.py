@@ -12,7 +12,8 @@ from endo_retrieval.scoring.bm25 import OkapiPostings, words
 
 PASSAGE_TOKENS = 256  # a document longer than this is cut into passages of whole sentences up to this many tokens
 # stage 1 indexes the passages' words by their English stems, as LlamaIndex's BM25Retriever does: on dev300 its
-# recall@2 / @5 / @20 rose from 55.5 / 71.2 / 93.3 to 58.5 / 73.3 / 94.5 (docs/results.md "The first stage")
+# recall@2 / @5 / @20 rose from 55.5 / 71.2 / 93.3 to 58.5 / 73.3 / 94.5 (tools/stage1_recall.py; docs/results.md
+# "The first stage indexes stems")
 STEMS = True
 
 @dataclass

@@ -1,0 +1,59 @@
+"""Recall of the `endo` pipeline's first stage alone (BM25 over passages, no model) on a HotpotQA-layout file's
+pooled paragraphs, over stems (as shipped) and over words, beside LlamaIndex's BM25Retriever.
+
+    .venv/bin/python tools/stage1_recall.py ../shared/data/hotpotqa/dev300.json
+"""
+import os
+import sys
+
+import numpy as np
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # bm25s imports JAX where it is installed
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+from endo_bench.corpus_bench import corpus_nodes, gold_titles  # noqa: E402
+
+from endo_retrieval.calibration.datasets import hotpotqa_corpus  # noqa: E402
+from endo_retrieval.index import passages as stage1  # noqa: E402
+from endo_retrieval.index.engine import Document, EndoIndex  # noqa: E402
+
+KS = (2, 5, 10, 20)
+
+
+def recall(ranked: list[list[str]], items: list[dict]) -> dict[int, float]:
+    return {k: float(np.mean([len(set(r[:k]) & set(gold_titles(it))) / len(set(gold_titles(it)))
+                              for r, it in zip(ranked, items)])) for k in KS}
+
+
+def pipeline_stage1(titles, texts, items, stem: bool) -> list[list[str]]:
+    stage1.STEMS = stem
+    index = EndoIndex(method="endo")
+    index.add_documents([Document(f"d{i}", text, {"title": t}) for i, (t, text) in enumerate(zip(titles, texts))],
+                        progress=False)
+    corpus, passages, docs = index.corpus, index.passages(), list(index.corpus.documents())
+    ranked = []
+    for it in items:
+        top, _ = index.pipeline().candidates(corpus, passages, it["question"], depth=2 * max(KS))
+        seen = dict.fromkeys(docs[d].metadata["title"] for d in corpus.locate(passages.starts[top])[0])
+        ranked.append(list(seen)[:max(KS)])
+    return ranked
+
+
+def llamaindex_bm25(titles, texts, items) -> list[list[str]]:
+    from llama_index.retrievers.bm25 import BM25Retriever
+
+    retriever = BM25Retriever.from_defaults(nodes=corpus_nodes(titles, texts), similarity_top_k=max(KS))
+    return [[n.node.metadata["title"] for n in retriever.retrieve(it["question"])] for it in items]
+
+
+def main(path: str) -> None:
+    titles, texts, items = hotpotqa_corpus(path, None)
+    items = [it for it in items if it["supporting_facts"]]
+    for name, ranked in (("stage 1, stems", pipeline_stage1(titles, texts, items, True)),
+                         ("stage 1, words", pipeline_stage1(titles, texts, items, False)),
+                         ("LlamaIndex BM25Retriever", llamaindex_bm25(titles, texts, items))):
+        print(name, " ".join(f"recall@{k} {100 * v:.1f}" for k, v in recall(ranked, items).items()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
