@@ -16,7 +16,7 @@ hold them against); the ids the parts begin with in common (a second hop's evide
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -158,16 +158,7 @@ def _read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[in
         cache = DynamicCache()
         n = b - a
         if parts:  # the segment, then every part behind it (`parts_mask`), in one forward
-            x, pos = _behind(ids[a:b], parts, n, backbone.device)
-            mask = parts_mask(n, parts, backbone.device)
-            with backbone.lock, torch.inference_mode(), \
-                    backbone.run_to(layers[-1], layers, ("k", "q"), int8, projections_only=True) as store, \
-                    _attention(backbone, PARTS_ATTENTION):
-                try:
-                    backbone.model.model(input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                                         use_cache=True)
-                finally:
-                    cache.crop(n)
+            store = _forward_parts(backbone, cache, ids[a:b], parts, n, layers, ("k", "q"), int8)
             for mine, queries in zip(asked, _part_queries(backbone, store, layers, parts, n, n)):
                 mine.append(queries)
         else:
@@ -295,23 +286,33 @@ def ask_parts(backbone, reading: Reading, parts: Sequence[np.ndarray], layers: S
             if reading.on_host:
                 _move_cache(cache, backbone.device)
             n = segment.n_tokens
-            x, pos = _behind(np.empty(0, np.int64), todo_parts, n, backbone.device)
-            mask = parts_mask(n, todo_parts, backbone.device)
-            with backbone.lock, torch.inference_mode(), _read_threads(reading), \
-                    backbone.run_to(layers[-1], layers, ("q",), reading.int8, projections_only=True) as store, \
-                    _attention(backbone, PARTS_ATTENTION):
-                try:
-                    backbone.model.model(input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                                         use_cache=True)
-                finally:
-                    cache.crop(n)
-                    if reading.on_host:
-                        _move_cache(cache, "cpu")
+            store = _forward_parts(backbone, cache, np.empty(0, np.int64), todo_parts, n, layers, ("q",),
+                                   reading.int8, threads=_read_threads(reading), back_to_host=reading.on_host)
             for mine, queries in zip(asked, _part_queries(backbone, store, layers, todo_parts, 0, n)):
                 mine.append(queries)
         for i, queries in zip(todo, asked):
             out[i] = queries
     return out
+
+
+def _forward_parts(backbone, cache, lead: np.ndarray, parts: list[np.ndarray], n: int, layers: Sequence[int],
+                   capture: tuple[str, ...], int8: bool, threads=nullcontext(), back_to_host: bool = False) -> dict:
+    """One forward of `lead` (the segment's tokens, or none when `cache` holds them) with every part behind its `n`
+    tokens (`parts_mask`); the cache is cut back to the segment (and moved to the host, `back_to_host`). The
+    hooked projections (`Backbone.run_to`) come back."""
+    x, pos = _behind(lead, parts, n, backbone.device)
+    mask = parts_mask(n, parts, backbone.device)
+    with backbone.lock, torch.inference_mode(), threads, \
+            backbone.run_to(layers[-1], layers, capture, int8, projections_only=True) as store, \
+            _attention(backbone, PARTS_ATTENTION):
+        try:
+            backbone.model.model(input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                                 use_cache=True)
+        finally:
+            cache.crop(n)
+            if back_to_host:
+                _move_cache(cache, "cpu")
+    return store
 
 
 def _move_cache(cache, device) -> None:
