@@ -8,8 +8,8 @@ documents that hold it.
 """
 from __future__ import annotations
 
-import functools
 import re
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,11 +51,15 @@ def stems(words_: list[str]) -> list[str]:
     return _stemmer().stemWords(words_)
 
 
-@functools.cache
-def _stemmer():
-    import Stemmer
+_STEMMERS = threading.local()  # a PyStemmer object is not safe to share between threads (its cache)
 
-    return Stemmer.Stemmer("english")
+
+def _stemmer():
+    if not hasattr(_STEMMERS, "english"):
+        import Stemmer
+
+        _STEMMERS.english = Stemmer.Stemmer("english")
+    return _STEMMERS.english
 
 
 @dataclass
