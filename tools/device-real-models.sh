@@ -7,11 +7,13 @@
 # tools/device-parts.sh under /root/parts/NAME.file, MiniLM unpacked under /root/parts/minilm/.
 #
 #   bash tools/device-real-models.sh PHASE NAME...
-# PHASE: calibrate | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | decode | reattention | papers | collect
+# PHASE: calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | decode | reattention | papers | collect
+# LAT=0: `decode` leaves out its latency run (time it with nothing beside it)
 # NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
 #
 # Every phase stops its processes at DEADLINE seconds (default 550) and packs what they wrote, with their logs,
-# into $OUT/PHASE.tgz (the device returns at most 8 files).
+# into $OUT/PHASE.tgz (the device returns at most 8 files; PACK=0 leaves them for a later `collect`, so that several
+# phases run side by side, e.g. one per GPU with CUDA_VISIBLE_DEVICES, return two files in all).
 set -uo pipefail
 phase=$1; shift
 deadline=${DEADLINE:-550}
@@ -54,7 +56,7 @@ calibrate_one() {  # labelled heads, then the pipeline's grid in three processes
 }
 
 merge_pipeline() {  # the grids' rows (one JSON line per setting in their logs, also from a run stopped early)
-  python3 - /root/res/calibrate "$1" <<'PY'
+  python3 - "${RES:-/root/res/calibrate}" "$1" <<'PY'
 import glob, json, sys
 res, m = sys.argv[1:]
 table = [json.loads(line) for log in sorted(glob.glob(f"{res}/grid*_{m}.log")) for line in open(log)
@@ -63,10 +65,31 @@ best = max(table, key=lambda r: ((r["recall"]["@2"] + r["recall"]["@5"]) / 2, -r
 profile = json.load(open(f"{res}/heads_{m}.json"))
 profile["pipeline"] = {"depth": best["depth"], "read_tokens": best["read_tokens"],
                        "best_last": best["order"] == "best-last", "weights": best["weights"],
-                       "fit": {"data": "fit300.json", "n_questions": 296, "recall": best["recall"], "table": table}}
+                       "fit": {"data": "fit300.json", "n_questions": 296, "recall": best["recall"], "table": table,
+                               "stage1": "stems" if "refit" in res else "words"}}
 json.dump(profile, open(f"{res}/heads_{m}.json", "w"), indent=1)
 print("pipeline", m, len(table), "settings", {k: v for k, v in profile["pipeline"].items() if k != "fit"})
 PY
+}
+
+refit_one() {  # the pipeline's grid again on fit300 with the model's shipped heads (they do not depend on stage 1)
+  local m=$1 s; s=$(slug "$1"); local g=0
+  cp "$assets/heads/$s.json" "$res/heads_$m.json"
+  for grid in "--depths 20 --read-tokens 128,256" "--depths 30 --read-tokens 128,256" "--depths 10,40 --read-tokens 128"; do
+    g=$((g + 1)); cp "$res/heads_$m.json" "$res/grid${g}_$m.json"
+    endo calibrate-pipeline $(margs "$m") --data "$hot/fit300.json" $grid --orders best-last first-stage \
+      --out "$res/grid${g}_$m.json" > "$res/grid${g}_$m.log" 2>&1 &
+  done
+  wait
+  refit_bench "$m"
+}
+
+refit_bench() {  # the refitted profile installed, then the dev300 corpus beside LlamaIndex's BM25
+  local m=$1 s; s=$(slug "$1")
+  RES=$res merge_pipeline "$m"  # the grids' rows so far (all of them once the grids finished)
+  cp "$res/heads_$m.json" "$assets/heads/$s.json"
+  [ -f "$res/refit_corpus_dev300_$m.json" ] || endo bench corpus $(margs "$m") --data "$hot/dev300.json" \
+    --systems endo,llamaindex-bm25 --out "$res/refit_corpus_dev300_$m.json"
 }
 
 zero_label() {  # finish the zero-label profile if its pipeline fit was stopped, then its dev300 benches
@@ -112,6 +135,29 @@ calibrate)
     bg "zero_$m" endo prepare --model "$(model "$m")" --documents /root/docs_fit300 --profile "$res/zl_$m.json" \
       --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 --depths 20,30 --read-tokens 128,256 \
       --timings "$res/zl_timings_$m.json"
+  done ;;
+refit)  # the pipeline's settings and weights fitted again on fit300 (stage 1 indexes stems), then dev300
+  for m in "$@"; do bg "refit_$m" refit_one "$m"; done ;;
+refitbench)  # what `refit` left unmeasured when it was stopped: merge the grids' rows, install, bench
+  res=/root/res/refit; for m in "$@"; do bg "refitbench_$m" refit_bench "$m"; done ;;
+zlswap)  # zero-label against labelled on the 1.5B, part by part: which of the heads and the weights loses the points
+  m=${1:-q15}; mkdir -p /root/docs_fit300; fit300_documents
+  zl=$PWD/zl-diag; cp "$zl/zl_$m.json" "$res/zl_$m.json"
+  zl_refit() {  # the zero-label pipeline section fitted again over the stemmed stage 1 (prepare resumes at it)
+    endo prepare --model "$(model "$m")" --documents /root/docs_fit300 --profile "$res/zl_$m.json" \
+      --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 --depths 20 --read-tokens 128,256 || return 1
+    ENDO_HEADS_PROFILE=$res/zl_$m.json endo bench corpus --model "$(model "$m")" --data "$hot/dev300.json" \
+      --systems endo --out "$res/zl_corpus_dev300_$m.json"
+  }
+  bg "zl_refit_$m" zl_refit
+  bg "swap_corpus_zl_$m" env ENDO_HEADS_PROFILE=$zl/zl_asis_$m.json endo bench corpus --model "$(model "$m")" \
+    --data "$hot/dev300.json" --systems endo --out "$res/swap_corpus_dev300_zl_asis_$m.json"
+  for v in labelled_heads zl_heads; do
+    bg "swap_corpus_${v}_$m" env ENDO_HEADS_PROFILE=$zl/${v}_$m.json endo bench corpus --model "$(model "$m")" \
+      --data "$hot/dev300.json" --systems endo --out "$res/swap_corpus_dev300_${v}_$m.json"
+    bg "swap_quality_${v}_$m" env ENDO_HEADS_PROFILE=$zl/${v}_$m.json endo bench quality --model "$(model "$m")" \
+      --data "$hot/dev300.json" --context-tokens 8192 --budget 1024 --no-generate --methods endo \
+      --out "$res/swap_quality_dev300_8192_${v}_$m.json"
   done ;;
 bench)  # labelled (the calibrate phase's profiles) and zero-label, every model's processes side by side
   for m in "$@"; do
@@ -193,7 +239,7 @@ decode)  # retrieval-completion attention and PrHS on a real model: phi maps dis
     wait
   }
   bg "phi_$m" phi_chain
-  bg "latency_attn_$m" endo bench attention --model "$(model "$m")" --measure latency --attention dense,topk,prhs \
+  [ "${LAT:-1}" = 0 ] || bg "latency_attn_$m" endo bench attention --model "$(model "$m")" --measure latency --attention dense,topk,prhs \
     --accuracy-budget 0.125 --latency-keys 32768 --latency-batch 4 --error-text "$data/pg_essays" --out "$res/attn_latency_32k_$m.json" ;;
 reattention)  # passkeys inside (32k) and past (64k, 128k) the 1.5B model's window, dense against ReAttention
   m=${1:-q15}
@@ -223,6 +269,7 @@ tail -n 3 "$res"/*.log
 [ "$phase" = collect ] && res=/root/res
 tail -n 3 "$res"/*/*.log 2>/dev/null | tail -n 60
 # the results, then the per-example records apart (the device returns files of at most 16 MiB)
+[ "${PACK:-1}" = 0 ] && [ "$phase" != collect ] && exit 0
 (cd /root/res && find . -name '*.json' -o -name '*.md' -o -name '*.log' | grep -v '\.prepare/' | tar -czf "$OUT/$phase.tgz" -T -)
 (cd /root/res && find . -name '*.records.jsonl' | tar -czf "$OUT/$phase-records.tgz" -T -)
 ls -la "$res"
