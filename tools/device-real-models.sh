@@ -61,7 +61,8 @@ import glob, json, sys
 res, m = sys.argv[1:]
 table = [json.loads(line) for log in sorted(glob.glob(f"{res}/grid*_{m}.log")) for line in open(log)
          if line.startswith("{") and '"order"' in line]
-best = max(table, key=lambda r: ((r["recall"]["@2"] + r["recall"]["@5"]) / 2, -r["depth"], -r["read_tokens"]))
+from endo_retrieval.calibration.pipeline import choose
+best = choose(table)
 profile = json.load(open(f"{res}/heads_{m}.json"))
 profile["pipeline"] = {"depth": best["depth"], "read_tokens": best["read_tokens"],
                        "best_last": best["order"] == "best-last", "weights": best["weights"],
