@@ -40,6 +40,7 @@ TOP = 10  # distinct paragraphs ranked per question
 KS = (2, 5, TOP)
 METRICS = (*(f"recall@{k}" for k in KS), *(f"all@{k}" for k in KS), "mrr")
 ENDO_SYSTEMS = ("endo", "endo-2hop", "bm25", "s3-hybrid")
+PIPELINES = ("endo", "endo-2hop")  # the rows that take --depth and --read-tokens
 FIRST_STAGES = ("minilm", "bm25")  # FirstStage kinds, named as the reranker's fitted weights are
 FIRST_STAGE_ROWS = {"llamaindex-bm25": "bm25", "minilm": "minilm"}  # a first stage alone
 RERANKED = ("minilm+reranker", "minilm+heads", "bm25+reranker", "minilm+llmrerank", "bm25+llmrerank")
@@ -72,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="bootstrap resampling seed")
     p.add_argument("--plain-reads", action="store_true", help="the endo pipelines read one query part per forward "
                    "(five per question, not two; the same rankings): the path before batching, for timing beside it")
+    p.add_argument("--depth", type=int, default=None, help="candidates the endo pipelines read (default: the "
+                   "model's profile)")
+    p.add_argument("--read-tokens", type=int, default=None, help="tokens the endo pipelines read of each candidate "
+                   "(default: the model's profile)")
     p.add_argument("--unstemmed", action="store_true", help="the endo pipelines' stage 1 indexes words, not their "
                    "stems (before stemming, for quality beside it)")
     model_argument(p)
@@ -153,8 +158,9 @@ class EndoSpans(Row):
     """`EndoRetriever` with one method. It returns one hit per node, the node's best passage or span, under the
     node's own id (also in metadata["doc_id"]): that id is the paragraph."""
 
-    def __init__(self, method: str, bb):
+    def __init__(self, method: str, bb, depth: int | None = None, read_tokens: int | None = None):
         self.name, self.method, self.bb = method, method, bb
+        self.knobs = {"depth": depth, "read_tokens": read_tokens} if method in PIPELINES else {}
 
     def load(self, shared: dict) -> None:
         pass  # the backbone is loaded before any system
@@ -164,7 +170,7 @@ class EndoSpans(Row):
 
         # the index shows its own progress bar on a terminal
         self.retriever = EndoRetriever.from_defaults(nodes=nodes, method=self.method, backbone=self.bb,
-                                                     similarity_top_k=TOP)
+                                                     similarity_top_k=TOP, **self.knobs)
 
     def ask(self, question: str) -> tuple[list[str], dict[str, float]]:
         found = self.retriever.retrieve(question)
@@ -310,7 +316,7 @@ class Unavailable(RuntimeError):
 
 def make_system(name: str, args, bb) -> Row:
     if name in ENDO_SYSTEMS:
-        return EndoSpans(name, bb)
+        return EndoSpans(name, bb, args.depth, args.read_tokens)
     if name in FIRST_STAGE_ROWS:
         return Retrieved(name, FirstStage(FIRST_STAGE_ROWS[name], TOP))
     kind, second = name.split("+")
@@ -327,6 +333,15 @@ def make_system(name: str, args, bb) -> Row:
             # "reranker": as a user builds it, fused with the first stage; "heads": the retrieval heads alone
             return EndoReranker(top_n=TOP, backbone=bb, fuse=second == "reranker", first_stage=kind)
     return Reranked(name, first, make)
+
+
+def pipeline_settings(bb, args) -> dict:
+    """The endo pipelines' settings this run read with: those given, else the model's profile's (else defaults)."""
+    from endo_retrieval.methods.pipeline import EndoPipeline
+
+    pipe = EndoPipeline(bb, depth=args.depth, read_tokens=args.read_tokens)
+    return {"depth": pipe.depth, "read_tokens": pipe.read_tokens, "best_last": pipe.best_last,
+            "weights": pipe.weights}
 
 
 def load_backbone(model):
@@ -492,6 +507,7 @@ def run_config(args, bb, systems, reference, n_paragraphs, items, gold_counts, n
             "corpus_paragraphs": n_paragraphs, "n_questions": len(items), "embedder": "all-MiniLM-L6-v2",
             "device": str(bb.device) if bb else "cpu", "reads": "plain" if args.plain_reads else "batched",
             "stage1_terms": "words" if args.unstemmed else "stems",
+            "pipeline": pipeline_settings(bb, args) if any(s in PIPELINES for s in systems) else None,
             "question_ids": [it["_id"] for it in items],
             "gold_per_question": gold_counts, "left_out_no_gold": no_gold, "wall_s": round(wall_s, 1),
             "notes": ["gold: the distinct titles of a question's supporting facts; a paragraph counts once, at its "

@@ -262,6 +262,7 @@ def test_the_endo_rows_forwards_are_the_pipelines_calls_batched_and_plain(tmp_pa
     """`endo bench corpus` reports the forwards each question made, counted apart from the bench by wrapping the
     decoder's forward: 2 a question with batched reads, 5 with --plain-reads; the model's stages in the table."""
     from endo_retrieval.cli import main
+    from endo_retrieval.methods.pipeline import EndoPipeline
 
     made = []
     forward = backbone.model.model.forward
@@ -278,6 +279,24 @@ def test_the_endo_rows_forwards_are_the_pipelines_calls_batched_and_plain(tmp_pa
         assert result["config"]["reads"] == ("plain" if flags else "batched")
         assert {"read", "question", "hop2"} <= set(row["latency_ms"])
         assert f"| endo | {per_question} | – | – | – |" in out.with_suffix(".md").read_text()
+        assert result["config"]["pipeline"]["depth"] == EndoPipeline(backbone).depth  # the profile's
+
+
+def test_the_pipelines_knobs_reach_the_endo_rows_and_the_record(tmp_path, backbone, monkeypatch):
+    """--depth and --read-tokens are the retriever's own knobs: the pipeline reads that many candidates, and the
+    result file records the settings it read with."""
+    from endo_retrieval.cli import main
+    from endo_retrieval.methods import pipeline
+
+    read = []
+    real = pipeline.EndoPipeline.read_texts
+    monkeypatch.setattr(pipeline.EndoPipeline, "read_texts",
+                        lambda self, *a: read.append((self.depth, self.read_tokens)) or real(self, *a))
+    out = tmp_path / "knobs.json"
+    assert main(["bench", "corpus", "--data", str(made_up_hotpotqa(tmp_path / "toy.json")), "--out", str(out),
+                 "--systems", "endo", "--depth", "3", "--read-tokens", "32"]) == 0
+    assert set(read) == {(3, 32)}
+    assert json.loads(out.read_text())["config"]["pipeline"]["depth"] == 3
 
 
 # ---------------------------------------------------------------- rerankers after a first stage
