@@ -35,16 +35,16 @@ import numpy as np
 import torch
 
 from endo_retrieval.index import segments
-from endo_retrieval.index.engine import (CHUNK, Document, EndoIndex, check_search_method, interleave, peak_width,
-                                         scored_spans)
-from endo_retrieval.methods import PIPELINE_METHODS, S3_METHODS, SEARCH_METHODS
+from endo_retrieval.index.engine import CHUNK
+from endo_retrieval.methods import METHODS, SEARCH_METHODS, check_search_method, method_class
+from endo_retrieval.methods.s3 import interleave, peak_width, scored_spans
+from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.files import writer_lock
 from endo_retrieval.index.inverted import FeatureIndex
 from endo_retrieval.index.passages import Passages, best_part, part_text
 from endo_retrieval.core import Span, check_budget
 from endo_retrieval.scoring.select import QA_KERNEL, density, enclosing, ranked_peaks, runs
 
-SIGNALS = {"s3": ["s3"], "bm25": ["bm25"], "s3-hybrid": ["s3", "bm25"]}  # in EndoIndex.signal_scores's order
 PEAK_BATCH = 64  # peaks a shard sends per signal and round trip (a budget of 512 tokens takes ~10-30)
 
 
@@ -400,7 +400,7 @@ class ShardedIndex:
         self.directory, self.method, self.prune = Path(directory), head["method"], head.get("prune")
         self.model, self.model_hash = head["model"], head["model_hash"]
         self.encoder = None  # the question's encoder for S3: the model and SAEs, no postings (encoded once, here)
-        if self.method in S3_METHODS:
+        if METHODS[self.method].saes:
             self.encoder = EndoIndex(backbone, self.method, saes=saes, chunk_size=head["chunk_size"],
                                      prune=self.prune, int8_queries=int8_queries)
             if self.encoder.backbone.model_hash != self.model_hash:
@@ -421,13 +421,13 @@ class ShardedIndex:
     @property
     def methods(self) -> tuple[str, ...]:
         """The methods the shards answer alone: S3's where the index holds its postings, and BM25."""
-        return tuple(m for m in SEARCH_METHODS if m not in PIPELINE_METHODS
-                     and (self.method in S3_METHODS or m not in S3_METHODS))
+        return tuple(m for m in SEARCH_METHODS if not METHODS[m].passages
+                     and (METHODS[self.method].saes or not METHODS[m].saes))
 
     def check_method(self, method: str | None) -> str:
         """`method` (None: the index's own) when the shards answer it alone, else a ValueError saying what does."""
         method = check_search_method(method or self.method)
-        if method in PIPELINE_METHODS:
+        if METHODS[method].passages:
             raise ValueError(f"{method!r} ranks passages with the model: open readers over this index, "
                              "ReaderPool(index) (endo_retrieval.distributed_pipeline), and search there.")
         if method not in self.methods:
@@ -443,7 +443,7 @@ class ShardedIndex:
         ray = ray_cluster()
         check_budget(budget)
         method, question, qid = self.check_method(method), as_text(question), uuid.uuid4().hex
-        signals = SIGNALS[method]
+        signals = list(method_class(method).signals)  # in the order the method fuses them
         features = self.encoder.query_features(question) if "s3" in signals else None
         first = ray.get([s.open.remote(qid, features, question, signals, kernel) for s in self.shards])
         try:

@@ -29,7 +29,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from endo_retrieval.distributed import ModelRecipe, ShardedIndex, ray_cluster, spread, start_workers
-from endo_retrieval.index.engine import check_search_method, unicode_text
+from endo_retrieval.index.engine import unicode_text
+from endo_retrieval.methods import check_search_method
 from endo_retrieval.methods import PIPELINE_METHODS
 from endo_retrieval.core import Span, capped_question, check_budget
 

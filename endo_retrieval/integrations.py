@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from endo_retrieval.index.engine import Document, EndoIndex
+from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.index.passages import best_part, part_text
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.scoring.bm25 import words

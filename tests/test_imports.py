@@ -136,10 +136,6 @@ LAYERS = [
     {"calibration"},
     {"cli"},
 ]
-# arrows up that remain, each to be removed
-STILL_UP = {
-    ("index", "methods"),  # the engine reads the method lists and runs S3 and the corpus pipeline
-}
 LAZY_CEILING = 81  # imports of the package's own modules inside functions
 
 
@@ -169,8 +165,7 @@ def test_every_unit_of_the_package_has_a_layer():
 def test_imports_point_down_the_layers():
     unit = lambda module: module.split(".")[1] if "." in module else ""  # noqa: E731
     up = {(unit(a), unit(b)) for a, b in arrows_up()}
-    assert up - STILL_UP == set(), sorted(arrows_up())
-    assert STILL_UP - up == set()  # a removed arrow leaves the list
+    assert up == set(), sorted(arrows_up())
 
 
 def lazy_imports() -> list[tuple[str, int, str]]:

@@ -81,7 +81,7 @@ def fit_settings(bb, titles: list[str], paragraphs: list[str], questions: list[d
     """(best row, every row, the stage scores) over a corpus of `paragraphs` (one document per title) and
     `questions` ({"question", "supporting_facts": [[title, i], ...]}: HotpotQA's, or zero_label.py's). `heads`: the
     retrieval heads to read with (None: the model's profile); `progress`, `cache`: as heads_calibrate.calibrate."""
-    from endo_retrieval.index.engine import Document, EndoIndex
+    from endo_retrieval.methods.search import Document, EndoIndex
     from endo_retrieval.calibration.heads import cached_arrays, steps
     from endo_retrieval.methods.pipeline import EndoPipeline
 

@@ -41,7 +41,7 @@ def index_add_arguments(p) -> None:
 
 
 def index_run(args) -> int:
-    from endo_retrieval.index.engine import Document, EndoIndex
+    from endo_retrieval.methods.search import Document, EndoIndex
     from endo_retrieval.files import writer_lock
 
     files, skipped = read_text_files(text_files(args.paths))
@@ -127,7 +127,7 @@ def span_json(s) -> dict:
 
 
 def query_run(args) -> int:
-    from endo_retrieval.index.engine import EndoIndex
+    from endo_retrieval.methods.search import EndoIndex
 
     index = EndoIndex.load(args.index, args.model)
     hits = index.search(args.question, k=args.k, budget=args.budget, method=args.method, depth=args.depth,
