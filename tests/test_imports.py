@@ -86,9 +86,9 @@ def test_the_walker_sees_every_package_and_lazy_imports():
                  "endo_retrieval.kernels.sae_topk", "llama_index.retrievers.endo", "llama_index.retrievers.endo.base",
                  "endo_retrieval.integrations", "langchain_endo.retrievers"):
         assert name in modules
-    # sae.py imports its kernel inside a function
-    sae = "endo_retrieval.model.sae"
-    assert "endo_retrieval.kernels.sae_topk" in imports_of(sae, modules[sae], modules)
+    # `endo prepare` imports the calibration commands inside a function
+    prepare = "endo_retrieval.cli.prepare"
+    assert "endo_retrieval.cli.calibrate" in imports_of(prepare, modules[prepare], modules)
 
 
 def test_the_library_and_the_adapters_import_nothing_from_the_bench():
@@ -136,7 +136,7 @@ LAYERS = [
     {"calibration"},
     {"cli"},
 ]
-LAZY_CEILING = 81  # imports of the package's own modules inside functions
+LAZY_CEILING = 14  # imports of the package's own modules inside functions, each saying why (torch off the CLI's path)
 
 
 def layer_of(module: str) -> int:

@@ -35,6 +35,7 @@ from endo_retrieval.index.indexing import (HandOff, ahead, index_streams, progre
                                            whole_chunks)
 from endo_retrieval.index.rwlock import ReadWriteLock, locked
 from endo_retrieval.model.sae import SAEBank, SAEError, TopKSAE
+from endo_retrieval.index.segments import load_segments
 
 FORMAT = "endo-index"
 VERSION = 1
@@ -318,7 +319,6 @@ class IndexStore:
             raise IndexCorruptError(f"the index in {directory} is damaged ({err}); delete the folder and rebuild "
                                     "the index.") from None
         if "segments" in meta:  # a manifest of index segments (`segments.commit`: Ray workers' builds)
-            from endo_retrieval.index.segments import load_segments
 
             return load_segments(cls, directory, meta, backbone, saes, int8_queries)
         backbone = Backbone.of(backbone)

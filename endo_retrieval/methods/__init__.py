@@ -72,7 +72,7 @@ def compress(context: str, question: str, budget: int = 1024, method: str = DEFA
     order, and `.spans` the kept pieces with their character offsets and the signals that chose them.
     `backbone`: a loaded Backbone, a model folder or GGUF file (loaded once per process), or None (the default).
     A question longer than MAX_QUESTION_CHARS (base.py) is cut to that length, with a warning."""
-    from endo_retrieval.model.backbone import Backbone
+    from endo_retrieval.model.backbone import Backbone  # torch: the CLI reads the method names from here
 
     question = capped_question(question)
     backbone = Backbone.of(backbone) if method in REGISTRY else None  # an unknown name fails before any loading

@@ -29,8 +29,10 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from endo_retrieval.files import cache_dir
 from endo_retrieval.model.chunk_graph import KEEP, MIN_REPLAYS, ChunkGraph
 from endo_retrieval.model.decode import greedy_tokens, supports_graph_decode
+from endo_retrieval.model.frame_cache import FrameCache
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # families that load but that the streaming prefill would get wrong, and why
@@ -58,11 +60,6 @@ class ModelNotFoundError(BackboneError):
 
 class UnsupportedModelError(BackboneError):
     pass
-
-
-def cache_dir() -> Path:
-    """Where converted weights and other derived files live ($ENDO_CACHE, else ~/.cache/endo-retrieval)."""
-    return Path(os.environ.get("ENDO_CACHE") or Path.home() / ".cache" / "endo-retrieval")
 
 
 def default_gguf() -> Path:
@@ -755,8 +752,6 @@ class Backbone:
         frame is a full sink + window (and of one length, at least W) go through the model several at a time.
         Nothing in the loop waits for the device, so the host tokenises and queues the next forward while the
         device runs."""
-        from endo_retrieval.model.frame_cache import FrameCache
-
         frame = FrameCache(self, sink, window, positions)
         batch: list[tuple[int, int]] = []
 
