@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Backbone": "endo_retrieval.model.backbone", "BackboneError": "endo_retrieval.model.backbone",
     "CorpusMap": "endo_retrieval.corpus", "Document": "endo_retrieval.index.engine",
-    "EndoIndex": "endo_retrieval.index.engine", "FeatureIndex": "endo_retrieval.index.inverted",
+    "EndoIndex": "endo_retrieval.methods.search", "FeatureIndex": "endo_retrieval.index.inverted",
     "REGISTRY": "endo_retrieval.methods", "compress": "endo_retrieval.methods", "get_method": "endo_retrieval.methods",
     "Compressed": "endo_retrieval.core", "Span": "endo_retrieval.core",
     "BM25": "endo_retrieval.methods.s3", "S3": "endo_retrieval.methods.s3", "S3Hybrid": "endo_retrieval.methods.s3",

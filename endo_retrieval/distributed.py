@@ -35,16 +35,21 @@ import numpy as np
 import torch
 
 from endo_retrieval.index import segments
-from endo_retrieval.index.engine import (CHUNK, Document, EndoIndex, check_search_method, interleave, peak_width,
-                                         scored_spans)
-from endo_retrieval.methods import PIPELINE_METHODS, S3_METHODS, SEARCH_METHODS
+from endo_retrieval.index.engine import CHUNK
+from endo_retrieval.methods import METHODS, SEARCH_METHODS, check_search_method, method_class
+from endo_retrieval.methods.s3 import interleave, peak_width, scored_spans
+from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.files import writer_lock
 from endo_retrieval.index.inverted import FeatureIndex
 from endo_retrieval.index.passages import Passages, best_part, part_text
 from endo_retrieval.core import Span, check_budget
 from endo_retrieval.scoring.select import QA_KERNEL, density, enclosing, ranked_peaks, runs
+from endo_retrieval.model.backbone import Backbone, as_text
+from endo_retrieval.model.sae import SAEBank, SAEError
+from endo_retrieval.methods.ilre import dca_key_positions
+from endo_retrieval.scoring.attention import ContextLogits
+from endo_retrieval.scoring.bm25 import SentenceBM25, words
 
-SIGNALS = {"s3": ["s3"], "bm25": ["bm25"], "s3-hybrid": ["s3", "bm25"]}  # in EndoIndex.signal_scores's order
 PEAK_BATCH = 64  # peaks a shard sends per signal and round trip (a budget of 512 tokens takes ~10-30)
 
 
@@ -85,9 +90,6 @@ class ModelRecipe:
     sae: str | None = None
 
     def __call__(self):
-        from endo_retrieval.model.backbone import Backbone
-        from endo_retrieval.model.sae import SAEBank, SAEError
-
         backbone = Backbone(self.model) if self.model else Backbone.default()
         if self.sae:
             return backbone, SAEBank.load(self.sae, backbone.model_hash, backbone.device)
@@ -113,8 +115,6 @@ class ModelWorker:
 
     # ILRe: keys of the context chunks [start, end) at l_R, kept here between the calls of one context
     def ilre_prefill(self, context_ids: np.ndarray, query_ids: np.ndarray, start: int, end: int, s: dict):
-        from endo_retrieval.methods.ilre import dca_key_positions
-
         length, last = len(context_ids), end >= len(context_ids)
         ids = np.concatenate([context_ids, query_ids]) if last else context_ids[:end]
         keys, key_pos, queries, query_pos = [], [], [], []
@@ -134,8 +134,6 @@ class ModelWorker:
         return (torch.cat(queries, dim=1).cpu(), torch.cat(query_pos)) if last else None
 
     def ilre_logsumexp(self, queries: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
-        from endo_retrieval.scoring.attention import ContextLogits
-
         keys, key_pos = self._part
         self._logits = ContextLogits(keys, queries.to(self.backbone.device), key_pos, query_positions,
                                      self.backbone.apply_rope)
@@ -296,8 +294,6 @@ class Shard:
 
     @property
     def bm25(self):
-        from endo_retrieval.scoring.bm25 import SentenceBM25
-
         if self._bm25 is None:
             self._bm25 = SentenceBM25.build(self.corpus)
         return self._bm25
@@ -333,8 +329,6 @@ class Shard:
         """The passages `picks` (indices here) as `EndoPipeline.search` returns them: each whole, or cut to its best
         part (`best_part`) of `max_tokens`; (start, end, char start, char end, text, doc id, metadata, whole
         document), positions global."""
-        from endo_retrieval.scoring.bm25 import words
-
         corpus, passages, q, out = self.corpus, self.passages, set(words(question)), []
         for i in picks:
             a, b = int(passages.starts[i]), int(passages.ends[i])
@@ -400,7 +394,7 @@ class ShardedIndex:
         self.directory, self.method, self.prune = Path(directory), head["method"], head.get("prune")
         self.model, self.model_hash = head["model"], head["model_hash"]
         self.encoder = None  # the question's encoder for S3: the model and SAEs, no postings (encoded once, here)
-        if self.method in S3_METHODS:
+        if METHODS[self.method].saes:
             self.encoder = EndoIndex(backbone, self.method, saes=saes, chunk_size=head["chunk_size"],
                                      prune=self.prune, int8_queries=int8_queries)
             if self.encoder.backbone.model_hash != self.model_hash:
@@ -421,13 +415,13 @@ class ShardedIndex:
     @property
     def methods(self) -> tuple[str, ...]:
         """The methods the shards answer alone: S3's where the index holds its postings, and BM25."""
-        return tuple(m for m in SEARCH_METHODS if m not in PIPELINE_METHODS
-                     and (self.method in S3_METHODS or m not in S3_METHODS))
+        return tuple(m for m in SEARCH_METHODS if not METHODS[m].passages
+                     and (METHODS[self.method].saes or not METHODS[m].saes))
 
     def check_method(self, method: str | None) -> str:
         """`method` (None: the index's own) when the shards answer it alone, else a ValueError saying what does."""
         method = check_search_method(method or self.method)
-        if method in PIPELINE_METHODS:
+        if METHODS[method].passages:
             raise ValueError(f"{method!r} ranks passages with the model: open readers over this index, "
                              "ReaderPool(index) (endo_retrieval.distributed_pipeline), and search there.")
         if method not in self.methods:
@@ -438,12 +432,10 @@ class ShardedIndex:
     def select(self, question: str, budget: int, method: str | None = None, kernel: int = QA_KERNEL,
                s3_share: float = 0.5) -> list[Span]:
         """`EndoIndex.select` over the shards (lead_tail 0, as `search` uses it)."""
-        from endo_retrieval.model.backbone import as_text
-
         ray = ray_cluster()
         check_budget(budget)
         method, question, qid = self.check_method(method), as_text(question), uuid.uuid4().hex
-        signals = SIGNALS[method]
+        signals = list(method_class(method).signals)  # in the order the method fuses them
         features = self.encoder.query_features(question) if "s3" in signals else None
         first = ray.get([s.open.remote(qid, features, question, signals, kernel) for s in self.shards])
         try:

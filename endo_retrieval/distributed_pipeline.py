@@ -29,9 +29,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from endo_retrieval.distributed import ModelRecipe, ShardedIndex, ray_cluster, spread, start_workers
-from endo_retrieval.index.engine import check_search_method, unicode_text
+from endo_retrieval.index.engine import unicode_text
+from endo_retrieval.methods import check_search_method
 from endo_retrieval.methods import PIPELINE_METHODS
 from endo_retrieval.core import Span, capped_question, check_budget
+from endo_retrieval.methods.pipeline import EndoPipeline
+from endo_retrieval.scoring.fusion import fuse
+from endo_retrieval.model.backbone import as_text
 
 SERVED = ("endo",)  # the pipelines readers serve; endo-2hop's second hop asks BM25 again mid-read (not yet here)
 
@@ -49,8 +53,6 @@ class Reader:
 
     def pipeline(self, depth: int | None = None, read_tokens: int | None = None):
         """The EndoPipeline `EndoIndex.pipeline("endo", depth, read_tokens)` makes for this model, made once."""
-        from endo_retrieval.methods.pipeline import EndoPipeline
-
         key = (depth, read_tokens)
         if key not in self.pipelines:
             self.pipelines[key] = EndoPipeline(self.backbone, depth=depth, read_tokens=read_tokens)
@@ -66,8 +68,6 @@ class Reader:
     def search(self, question: str, k: int, budget: int | None = None, where=None, depth: int | None = None,
                read_tokens: int | None = None) -> list[Span]:
         """`EndoPipeline.search` (first hop) with stage 1 on the shards: the same spans, scores and stage scores."""
-        from endo_retrieval.scoring.fusion import fuse
-
         ray, pipeline, settings = ray_cluster(), self.pipeline(depth, read_tokens), self.settings(depth, read_tokens)
         t0 = time.perf_counter()
         asked = [s.passage_candidates.remote(settings, question, where) for s in self.shards]
@@ -222,8 +222,6 @@ _READ_ONLY = ("A sharded index is read-only: add documents with RayIndexer(...).
 
 def _question(question: str) -> str:
     """The question as `EndoIndex.search` takes it: text, capped in length, valid Unicode."""
-    from endo_retrieval.model.backbone import as_text
-
     return unicode_text(as_text(capped_question(question)), "question")
 
 

@@ -280,3 +280,8 @@ def check_json(obj, where: str) -> None:
     elif not (obj is None or isinstance(obj, (str, int, float, bool))):
         raise ValueError(f"{where} holds a {type(obj).__name__}, which is not JSON-serialisable; "
                          f"convert it to str/int/float/bool/list/dict first")
+
+
+def cache_dir() -> Path:
+    """Where converted weights and other derived files live ($ENDO_CACHE, else ~/.cache/endo-retrieval)."""
+    return Path(os.environ.get("ENDO_CACHE") or Path.home() / ".cache" / "endo-retrieval")

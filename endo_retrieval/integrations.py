@@ -19,13 +19,17 @@ from typing import Sequence
 
 import numpy as np
 
-from endo_retrieval.index.engine import Document, EndoIndex
+from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.index.passages import best_part, part_text
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.scoring.bm25 import words
 from endo_retrieval.methods import DEFAULT_METHOD, PIPELINE_METHODS, REGISTRY, compress
+from endo_retrieval.methods import heads as retrieval_heads  # looked up per call: a test replaces rank_passages
 from endo_retrieval.methods.heads import PASSAGE_SEPARATOR
 from endo_retrieval.core import Span
+from endo_retrieval.model.backbone import Backbone
+from endo_retrieval.scoring.fusion import fuse as fused
+from endo_retrieval.model.profiles import heads_profile, heads_profile_path
 
 PROVENANCE_KEYS = ("doc_id", "char_start", "char_end", "endo_score", "signals", "endo_stage_scores", "endo_stage_ms")
 COMPRESS_METHODS = tuple(REGISTRY)  # compress() over the passages as one context
@@ -195,9 +199,6 @@ def rerank_passages(passages: Sequence[str], question: str, top_n: int, backbone
     heads = passage_heads_scores(passages, question, backbone, best_last)
     scores = heads
     if fuse:
-        from endo_retrieval.model.backbone import Backbone
-        from endo_retrieval.scoring.fusion import fuse as fused
-
         weights = weights or reranker_weights(Backbone.of(backbone), first_stage)
         scores = fused({"first_stage": first_stage_signal(first_stage_scores, len(passages)), "heads": heads},
                        weights)
@@ -209,14 +210,11 @@ def passage_heads_scores(passages: Sequence[str], question: str, backbone=None,
     """The retrieval heads' score of each passage (`endo_retrieval.methods.heads.rank_passages`), in the given order.
     `best_last` hands the passages (the first stage's best first) to the model reversed. Passages longer together
     than the model's window are each read in part (`fit_to_window`), never dropped."""
-    from endo_retrieval.methods.heads import rank_passages
-    from endo_retrieval.model.backbone import Backbone
-
     backbone = Backbone.of(backbone)
     read = fit_to_window(backbone, passages, question)
     order = np.arange(len(passages))[::-1] if best_last else np.arange(len(passages))
     scores = np.empty(len(passages))
-    scores[order] = rank_passages(backbone, [read[i] for i in order], question)
+    scores[order] = retrieval_heads.rank_passages(backbone, [read[i] for i in order], question)
     return scores
 
 
@@ -243,8 +241,6 @@ def check_rerank_weights(weights) -> dict[str, float]:
 def reranker_weights(backbone, first_stage: str = DEFAULT_FIRST_STAGE) -> dict[str, float]:
     """The fusion weights the model's heads profile holds for `first_stage` (its `reranker` section, fitted by
     `endo_retrieval.calibration.reranker`), else RERANK_WEIGHTS."""
-    from endo_retrieval.model.profiles import heads_profile, heads_profile_path
-
     fitted = (heads_profile(backbone) or {}).get("reranker") or {}
     if first_stage not in fitted:
         if first_stage not in FIRST_STAGES:

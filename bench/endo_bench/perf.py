@@ -133,7 +133,7 @@ def generated_filler(seed: int = 0, sentences: int = 4096) -> str:
 def build_index(backbone, saes, text: str, chunk_size: int):
     """`text` indexed as one document, ready for queries: whatever the first query would otherwise pay for (a merge
     of small segments) is done here."""
-    from endo_retrieval.index.engine import Document, EndoIndex
+    from endo_retrieval.methods.search import Document, EndoIndex
 
     index = EndoIndex(backbone, "s3-hybrid", saes=saes, chunk_size=chunk_size)
     index.add_documents([Document("perf", text)])
@@ -233,7 +233,8 @@ def tile_index(index, copies: int):
     corpus length, with the same postings, added in segments of the engine's hand-offs (HANDOFF_TOKENS), as
     queries meet them after a build. This is what indexing the documents `copies` times gives, since each document
     streams from its own start (independent chunks) and its features do not depend on the others."""
-    from endo_retrieval.index.engine import HANDOFF_TOKENS, EndoIndex
+    from endo_retrieval.index.engine import HANDOFF_TOKENS
+    from endo_retrieval.methods.search import EndoIndex
 
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")

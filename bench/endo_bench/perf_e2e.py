@@ -73,7 +73,7 @@ def time_ilre(ilre, context: str, question: str, budget: int, max_new_tokens: in
 def time_s3(backbone, saes, context: str, questions: list[str], budget: int, max_new_tokens: int,
             chunk_size: int) -> tuple[float, list[Timing]]:
     """(seconds to index the context, one Timing per question from the same index)."""
-    from endo_retrieval.index.engine import Document, EndoIndex
+    from endo_retrieval.methods.search import Document, EndoIndex
     from endo_retrieval.methods.s3 import S3Hybrid
 
     device = backbone.device

@@ -22,15 +22,14 @@ from safetensors.torch import load_file, save_file
 
 from endo_retrieval.attention.base import AttentionError
 from endo_retrieval.files import atomic_write
+from endo_retrieval.model.backbone import DEFAULT_MODEL
+from endo_retrieval.model.profiles import ASSETS, model_slug
 
 CARD, WEIGHTS = "card.json", "phi.safetensors"
 
 
 def shipped_dir(model_id: str | None = None) -> Path:
     """Where a model's phi maps ship: endo_retrieval/assets/phi/<slug>/ (default: the default model's)."""
-    from endo_retrieval.model.backbone import DEFAULT_MODEL
-    from endo_retrieval.model.profiles import ASSETS, model_slug
-
     return ASSETS / "phi" / model_slug(model_id or DEFAULT_MODEL)
 
 

@@ -21,6 +21,9 @@ import numpy as np
 from endo_retrieval.methods.endo import SIGNALS, fit_weights, recall_in_budget, signals
 from endo_retrieval.methods.heads import HeadsError, Prepared, calibrated_scores, prepare_context
 from endo_retrieval.model.profiles import heads_profile_path, ilre_profile
+from endo_retrieval.scoring.bm25 import OkapiPostings, words
+from endo_retrieval.calibration.datasets import Example, PARAGRAPH_SEPARATOR, load_examples
+from endo_retrieval.model.backbone import Backbone
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 DEFAULT_DATA = SHARED / "hotpotqa" / "calib100.json"
@@ -82,9 +85,6 @@ def hard_haystacks(examples, pool: list[str], count_tokens, context_tokens: int,
     `context_tokens`, shuffled. Same-topic distractors make the calibration see where BM25 goes wrong."""
     import random
 
-    from endo_retrieval.scoring.bm25 import OkapiPostings
-    from endo_retrieval.scoring.bm25 import words
-    from endo_retrieval.calibration.datasets import PARAGRAPH_SEPARATOR, Example
 
     bm25 = OkapiPostings.build([words(p) for p in pool])
     cost = {}
@@ -132,9 +132,6 @@ def rank_heads(items: list[Item], top: int = 10) -> np.ndarray:
 
 
 def run(args) -> dict:
-    from endo_retrieval.model.backbone import Backbone
-    from endo_retrieval.calibration.datasets import PARAGRAPH_SEPARATOR, load_examples
-
     bb = Backbone.of(args.model, device=args.device)
     specs = args.data or [str(DEFAULT_DATA)]
     budgets = args.budgets or [L // 8 for L in args.context_tokens]

@@ -21,6 +21,7 @@ import numpy as np
 from endo_retrieval.methods.ilre import (DEFAULT_AVG_KERNELS, DEFAULT_MAX_KERNELS, ILReError, allocate,
                                          context_scores, prefill)
 from endo_retrieval.model.profiles import ilre_profile_path
+from endo_retrieval.model.backbone import Backbone
 
 DEFAULT_FILLER = Path(__file__).resolve().parents[3] / "shared" / "data" / "pg_essays"
 KEY_WORDS = ("dog", "cat", "yellow", "red", "blue", "cup", "green", "tree", "house", "apple", "river", "stone",
@@ -170,8 +171,6 @@ def plot(profile: dict, path: Path) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from endo_retrieval.model.backbone import Backbone
-
     backbone = Backbone.default() if args.model is None else Backbone(args.model)
     if not 1 <= args.depths <= N_SEGMENTS:
         raise ILReError(f"--depths must lie in 1..{N_SEGMENTS}, got {args.depths}.")

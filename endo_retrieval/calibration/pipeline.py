@@ -18,6 +18,12 @@ import numpy as np
 
 from endo_retrieval.scoring.fusion import fuse
 from endo_retrieval.methods.endo import simplex
+from endo_retrieval.model.backbone import Backbone
+from endo_retrieval.calibration.datasets import hotpotqa_corpus
+from endo_retrieval.model.profiles import heads_profile_path
+from endo_retrieval.methods.search import Document, EndoIndex
+from endo_retrieval.calibration.heads import cached_arrays, steps
+from endo_retrieval.methods.pipeline import EndoPipeline
 
 STAGES = ("bm25", "heads", "hop2")
 ORDERS = {"best-last": True, "first-stage": False}
@@ -58,10 +64,6 @@ def fit(items, step: float = 0.1, stages: tuple[str, ...] = STAGES) -> tuple[dic
 
 
 def run(args) -> dict:
-    from endo_retrieval.model.backbone import Backbone
-    from endo_retrieval.calibration.datasets import hotpotqa_corpus
-    from endo_retrieval.model.profiles import heads_profile_path
-
     start = time.perf_counter()
     bb = Backbone.of(args.model, device=args.device)
     titles, paragraphs, questions = hotpotqa_corpus(args.data, args.limit)
@@ -82,10 +84,6 @@ def fit_settings(bb, titles: list[str], paragraphs: list[str], questions: list[d
     """(best row, every row, the stage scores) over a corpus of `paragraphs` (one document per title) and
     `questions` ({"question", "supporting_facts": [[title, i], ...]}: HotpotQA's, or zero_label.py's). `heads`: the
     retrieval heads to read with (None: the model's profile); `progress`, `cache`: as heads_calibrate.calibrate."""
-    from endo_retrieval.index.engine import Document, EndoIndex
-    from endo_retrieval.calibration.heads import cached_arrays, steps
-    from endo_retrieval.methods.pipeline import EndoPipeline
-
     index = EndoIndex(bb, method="endo")
     index.add_documents([Document(t, p) for t, p in zip(titles, paragraphs)])
     corpus, passages = index.corpus, index.passages()

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 from endo_retrieval.methods import REGISTRY, S3_METHODS
+from endo_retrieval.model.profiles import (ASSETS, ProfileError, _read_profile, heads_profile, heads_profile_path,
+                                           ilre_profile, sae_card, user_artefacts)
 
 METHODS = tuple(REGISTRY)  # prepare makes every one-context method ready
 
@@ -35,8 +37,6 @@ SIZES = {"cpu": {"tasks": 40, "passkeys": 4, "questions": 40, "context_tokens": 
 
 def ready_methods(backbone) -> list[str]:
     """The methods whose per-model files the model has (bm25 needs none)."""
-    from endo_retrieval.model.profiles import ProfileError, heads_profile, ilre_profile, sae_card
-
     out = ["bm25"]
     if sae_card(backbone):
         out += ["s3", "s3-hybrid"]
@@ -74,11 +74,10 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
     """`endo prepare`; `command_args(command, argv)` reads another command's arguments as its parser does."""
     from tqdm import tqdm
 
+    # torch: `endo prepare --help` and its argument errors answer before these load
     from endo_retrieval.calibration import heads as heads_calibrate, ilre as ilre_calibrate, \
         pipeline as pipeline_calibrate, train_sae, zero_label
-    from endo_retrieval.model.backbone import Backbone
-    from endo_retrieval.model.profiles import (ASSETS, ProfileError, _read_profile, heads_profile_path, ilre_profile,
-                                         sae_card, user_artefacts)
+    from endo_retrieval.model.backbone import Backbone  # torch, as above
 
     start = time.perf_counter()
     timings: dict[str, float] = {}

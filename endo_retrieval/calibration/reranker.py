@@ -20,6 +20,9 @@ from typing import Sequence
 import numpy as np
 
 from endo_retrieval.calibration.pipeline import fit, objective, write_json
+from endo_retrieval.integrations import first_stage_signal, passage_heads_scores
+from endo_retrieval.model.backbone import Backbone
+from endo_retrieval.model.profiles import heads_profile_path
 
 STAGES = ("first_stage", "heads")  # the reranker's two signals, the first stage first (it wins ties)
 
@@ -60,8 +63,6 @@ def fit_reranker_section(backbone, questions: Sequence[dict], step: float = 0.1,
     the recall of the fit and of either signal alone."""
     from tqdm import tqdm
 
-    from endo_retrieval.integrations import first_stage_signal, passage_heads_scores
-    from endo_retrieval.model.backbone import Backbone
 
     backbone = Backbone.of(backbone)
     first, heads, gold = [], [], []
@@ -86,7 +87,6 @@ def save_reranker_entry(backbone, first_stage: str, entry: dict, out: str | Path
     ("minilm", "bm25"); `out`: the profile to update (default: the model's heads profile, which must exist)."""
     import json
 
-    from endo_retrieval.model.profiles import heads_profile_path
 
     out = Path(out) if out else heads_profile_path(backbone)
     if not out.exists():

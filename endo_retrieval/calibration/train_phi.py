@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from endo_retrieval.attention.base import installed
 from endo_retrieval.attention.dense import Dense
-from endo_retrieval.attention.phi import PhiMaps
+from endo_retrieval.attention.phi import PhiMaps, shipped_dir
 from endo_retrieval.calibration.train_sae import _progress, read_corpus
+from endo_retrieval.model.backbone import Backbone
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "pg_essays"
 
@@ -135,10 +136,6 @@ def train_maps(maps: PhiMaps, traces: dict, steps: int, batch: int = 4, lr: floa
 
 
 def run(args: argparse.Namespace) -> int:
-    from endo_retrieval.model.backbone import Backbone
-
-    from endo_retrieval.attention.phi import shipped_dir
-
     bb = Backbone(None if args.model == "default" else args.model, device=args.device, dtype=torch.float32)
     out = args.out or shipped_dir(bb.model_id)
     try:

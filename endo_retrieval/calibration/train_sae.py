@@ -23,6 +23,7 @@ import torch
 from endo_retrieval.files import atomic_write
 from endo_retrieval.model.profiles import sae_dir
 from endo_retrieval.model.sae import AGGREGATION, SAEBank, SAEError, TopKSAE
+from endo_retrieval.model.backbone import Backbone
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext2"
 DEFAULT_EXPANSION = 16  # head_dim 64 -> 1024 latents (docs/sae.md: fewer dead latents, stabler features)
@@ -280,8 +281,6 @@ def run(args: argparse.Namespace) -> dict:
     def bb():
         nonlocal backbone
         if backbone is None:
-            from endo_retrieval.model.backbone import Backbone
-
             backbone = Backbone(None if args.model == "default" else args.model, device=device, dtype=torch.float32)
         return backbone
 

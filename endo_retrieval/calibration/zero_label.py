@@ -39,7 +39,12 @@ from pathlib import Path
 import numpy as np
 
 from endo_retrieval.index.text_files import read_text_file, text_files
-from endo_retrieval.scoring.bm25 import words
+from endo_retrieval.scoring.bm25 import OkapiPostings, words
+from endo_retrieval.calibration.datasets import Example, PARAGRAPH_SEPARATOR, make_passkey, passkey_needle
+from endo_retrieval.calibration.heads import hard_haystacks
+from endo_retrieval.methods.endo import GRID_STEP, SIGNALS, recall_in_budget, simplex
+from endo_retrieval.methods.heads import HeadsError
+from endo_retrieval.scoring.fusion import standardise
 
 TASK_FORMS = ("keywords", "cloze")
 TWO_HOP = "two-hop"
@@ -323,7 +328,6 @@ def passkey_tasks(chunks: list[Chunk], n: int, context_tokens: int, count_tokens
     """`n` passkey haystacks of `context_tokens` tokens in the user's text (eval.data's maker), the needle gold."""
     import numpy as np
 
-    from endo_retrieval.calibration.datasets import make_passkey, passkey_needle
 
     rng = random.Random(f"passkey/{seed}")
     start = rng.randrange(len(chunks))
@@ -342,9 +346,6 @@ def haystacks(tasks: list[Task], chunks: list[Chunk], count_tokens, context_toke
               n_hard: int = 8):
     """The heads calibration's examples: each task's chunk, the chunks BM25 ranks highest for its question, then
     random chunks, up to `context_tokens`, shuffled (heads_calibrate.hard_haystacks)."""
-    from endo_retrieval.calibration.datasets import PARAGRAPH_SEPARATOR, Example
-    from endo_retrieval.calibration.heads import hard_haystacks
-
     own = [Example(t.id, t.question, [t.answer] if t.answer else [],
                    PARAGRAPH_SEPARATOR.join(chunks[g].text for g in t.golds), t.evidences, {"form": t.form})
            for t in tasks]
@@ -363,7 +364,6 @@ def bm25_ranks(tasks: list[Task], chunks: list[Chunk]) -> list[int]:
     """Per task, how many other chunks BM25 scores above its weakest gold chunk (0: BM25 ranks its gold first)."""
     import numpy as np
 
-    from endo_retrieval.scoring.bm25 import OkapiPostings
 
     bm25 = OkapiPostings.build([words(c.text) for c in chunks])
     out = []
@@ -441,10 +441,6 @@ def fit_fusion(items: list[tuple[dict, np.ndarray, np.ndarray, int]], names: tup
        them instead of falling to whichever corner a tie-break lists first; when one mixture is clearly best, only
        it and its close neighbours are near, so the fit still picks it.
     """
-    from endo_retrieval.methods.endo import GRID_STEP, SIGNALS, recall_in_budget, simplex
-    from endo_retrieval.methods.heads import HeadsError
-    from endo_retrieval.scoring.fusion import standardise
-
     step = step or GRID_STEP
     items = [it for it in items if it[1].any()]
     if not items:

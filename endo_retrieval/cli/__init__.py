@@ -11,6 +11,8 @@ import warnings
 from typing import Callable
 
 from endo_retrieval.cli.commands import model_argument
+from endo_retrieval.calibration.prepare import ready_methods
+from endo_retrieval.model.profiles import heads_profile, ilre_profile, sae_card
 
 # command -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args).
 COMMANDS = {
@@ -40,9 +42,7 @@ def info_add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def info_run(args) -> int:
-    from endo_retrieval.model.backbone import SUPPORTED_FAMILIES, Backbone
-    from endo_retrieval.calibration.prepare import ready_methods
-    from endo_retrieval.model.profiles import heads_profile, ilre_profile, sae_card
+    from endo_retrieval.model.backbone import SUPPORTED_FAMILIES, Backbone  # torch: off the CLI's fast path
 
     bb = Backbone(args.model, device=args.device)
     heads = heads_profile(bb)
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         print(args._missing, file=sys.stderr)
         return 2
     _, run = resolve(commands, args.command)
-    from endo_retrieval.model.backbone import BackboneError
+    from endo_retrieval.model.backbone import BackboneError  # torch: only once the arguments are parsed
 
     try:
         with warnings.catch_warnings():  # the library's warnings (a question cut): one line, no source line

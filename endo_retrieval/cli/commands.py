@@ -8,7 +8,8 @@ from pathlib import Path
 
 from endo_retrieval.index.text_files import read_text_file, read_text_files, text_files
 from endo_retrieval.index.passages import PASSAGE_TOKENS, passage_cuts
-from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, S3_METHODS, SEARCH_METHODS
+from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, S3_METHODS, SEARCH_METHODS, compress
+from endo_retrieval.files import writer_lock
 
 
 def _method_help() -> str:
@@ -41,8 +42,7 @@ def index_add_arguments(p) -> None:
 
 
 def index_run(args) -> int:
-    from endo_retrieval.index.engine import Document, EndoIndex
-    from endo_retrieval.files import writer_lock
+    from endo_retrieval.methods.search import Document, EndoIndex  # torch: off the CLI's fast path
 
     files, skipped = read_text_files(text_files(args.paths))
     for path, why in skipped:
@@ -57,8 +57,8 @@ def index_run(args) -> int:
     out = Path(args.out)
     docs = [Document(str(f.path), f.text, {"path": str(f.path.resolve())}) for f in files]
     if args.ray is not None:
-        from endo_retrieval import distributed
-        from endo_retrieval.index import segments
+        from endo_retrieval import distributed  # torch, and Ray only when asked for
+        from endo_retrieval.index import segments  # torch
 
         # every method: an index for endo or bm25 only tokenises, but its segments are what ShardedIndex opens as
         # shards (the pipeline's stage 1 where the corpus lives; docs/scale.md)
@@ -127,7 +127,7 @@ def span_json(s) -> dict:
 
 
 def query_run(args) -> int:
-    from endo_retrieval.index.engine import EndoIndex
+    from endo_retrieval.methods.search import EndoIndex  # torch: off the CLI's fast path
 
     index = EndoIndex.load(args.index, args.model)
     hits = index.search(args.question, k=args.k, budget=args.budget, method=args.method, depth=args.depth,
@@ -154,8 +154,6 @@ def compress_add_arguments(p) -> None:
 
 
 def compress_run(args) -> int:
-    from endo_retrieval.methods import compress
-
     if args.context == "-":
         context = sys.stdin.read()
     else:

@@ -13,6 +13,8 @@ import random
 import sys
 import time
 
+from endo_retrieval.core import join_spans
+
 FIRST = ["Oriel", "Tamsin", "Bryn", "Ilse", "Corwin", "Maren", "Eskil", "Liora", "Davin", "Nerys", "Anselm", "Petra"]
 LAST = ["Vantresse", "Holloway", "Ashcombe", "Kestrel", "Marlow", "Quill", "Thornbury", "Wrenfield", "Calder",
         "Penhallow", "Strand", "Oakes"]
@@ -42,7 +44,7 @@ ANSWER = "Kelmscott Bay"
 
 def build_task(seed: int = 7):
     """(documents, gold sentences): a profile and a biography per person, filler around every fact."""
-    from endo_retrieval.index.engine import Document
+    from endo_retrieval.index.engine import Document  # torch: `endo demo --help` answers without it
 
     rng = random.Random(seed)
     people = [f"{f} {l}" for f, l in zip(FIRST, LAST)]
@@ -69,8 +71,6 @@ def build_task(seed: int = 7):
 def two_hop(index, question: str, budget: int, method: str):
     """Two rounds of retrieval, half the budget each: the first round's evidence joins the question of the second,
     so the second hop (the founder's birthplace) can be found by the name the first hop revealed."""
-    from endo_retrieval.core import join_spans
-
     first = index.select(question, budget // 2, method)
     follow_up = f"{question} {join_spans(first, method, budget).text}"
     seen = {(s.start, s.end) for s in first}
@@ -93,8 +93,7 @@ def _show(text: str, gold: list[str], color: bool) -> str:
 
 
 def run(args) -> int:
-    from endo_retrieval import Backbone, EndoIndex
-    from endo_retrieval.core import join_spans
+    from endo_retrieval import Backbone, EndoIndex  # torch: `endo demo --help` answers without it
 
     color = sys.stdout.isatty()
     bb = Backbone.default(device=args.device)

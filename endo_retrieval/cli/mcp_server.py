@@ -23,7 +23,7 @@ from endo_retrieval.files import writer_lock
 from endo_retrieval.index.text_files import Unreadable, indexable_text
 
 if TYPE_CHECKING:  # the engine imports torch: `endo mcp --help` should not wait for it
-    from endo_retrieval.index.engine import Document, EndoIndex
+    from endo_retrieval.methods.search import Document, EndoIndex
 
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class IndexHolder:
         self._lock = threading.RLock()
 
     def index(self) -> EndoIndex:
-        from endo_retrieval.index.engine import EndoIndex
+        from endo_retrieval.methods.search import EndoIndex  # torch: `endo mcp --help` answers without it
 
         with self._lock:
             if self._index is None:
@@ -97,7 +97,7 @@ def build_server(holder: IndexHolder, k: int = 4, budget: int | None = None):
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
-    from endo_retrieval.index.engine import Document
+    from endo_retrieval.index.engine import Document  # torch, as above
 
     server = MCPServer("endo-retrieval", instructions="Evidence retrieval with a local model's own attention "
                        "signals: search_evidence(question) returns the best evidence spans of the indexed documents.")

@@ -1,2 +1,3 @@
-"""The index over a corpus and its storage: the inverted feature index, the S3 engine and the default pipeline
-over it, the token <-> document map, segments, crash-safe files and the readers-writer lock."""
+"""The stored index of a corpus: documents streamed into feature postings, saved and loaded (engine.py), the
+inverted feature index, passages, segments, text files and the readers-writer lock. Searching it is the methods'
+(methods/search.py)."""

@@ -1,14 +1,14 @@
-"""The S3-Attention engine (S3 sections 3.4-3.6, [S3 Alg. 1]) over a corpus of documents.
+"""The stored index of a corpus for S3-Attention (S3 sections 3.4-3.6, [S3 Alg. 1]): what it holds and how it is
+built, saved and loaded.
 
 Phase 1 [S3 Eq. 4-5]: documents stream through the backbone (early exit at the deepest target layer, independent
 chunks of 2048 as in Table 6); each chunk's pre-RoPE keys are encoded by the layer's SAE and appended to the
 `FeatureIndex` as postings; the chunk is then dropped, so accelerator memory is bounded by the chunk.
 Phase 2 [S3 Eq. 6-7/9]: the question's pre-RoPE queries go through the same SAEs; S[t] sums w_q * IDF over shared
-features; a Conv1D density and NMS pick peaks, grown to sentences, per document (select.py).
-Phase 3 [S3 Eq. 8]: the S3 peaks, BM25 peaks over sentence windows and a lead/tail bias share one token budget.
-
-One engine serves both uses: `EndoIndex` for a persistent corpus (RAG retriever) and `compress()` for one long
-context and one question (the paper's setting), which indexes the context as a one-document corpus.
+features (`IndexStore.s3_scores`), beside BM25's scores of the same positions (`bm25_scores`).
+Phase 3 [S3 Eq. 8], the selection that fuses them, belongs to the methods (methods/s3.py), and searching belongs
+to `EndoIndex` (methods/search.py), which adds it to this store: the store only knows which method it was built
+for, from the names the layer above gives it (`method_names`, `feature_methods`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, ClassVar, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -26,20 +26,16 @@ import torch
 from endo_retrieval.model.backbone import PIECES_PER_BATCH, Backbone, Encoding, as_text
 from endo_retrieval.scoring.bm25 import SentenceBM25
 from endo_retrieval.model.chunk_graph import MIN_REPLAYS
-from endo_retrieval.scoring.fusion import RRF_K
 from endo_retrieval.corpus import CorpusMap, split_sentences
 from endo_retrieval.files import atomic_write, read_folder, replacing_folder, writer_lock
 from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
                                            IndexVersionError, sorted_postings)
 from endo_retrieval.index.passages import Passages
-from endo_retrieval.methods import DEFAULT_METHOD, PIPELINE_METHODS, S3_METHODS, SEARCH_METHODS
-from endo_retrieval.core import capped_question, check_budget
-from endo_retrieval.core import Span
 from endo_retrieval.index.indexing import (HandOff, ahead, index_streams, progress_bar, recorded_event, to_host,
                                            whole_chunks)
 from endo_retrieval.index.rwlock import ReadWriteLock, locked
-from endo_retrieval.scoring.select import QA_KERNEL, density, iter_peaks, spans_from_peaks
-from endo_retrieval.model.sae import SAEError
+from endo_retrieval.model.sae import SAEBank, SAEError, TopKSAE
+from endo_retrieval.index.segments import load_segments
 
 FORMAT = "endo-index"
 VERSION = 1
@@ -66,16 +62,21 @@ class Document:
     metadata: dict = field(default_factory=dict)
 
 
-class EndoIndex:
+class IndexStore:
     """A persistent endogenous index over documents: the corpus map, BM25 over its passages and sentences, and
-    for S3 the feature postings. `method`: how `search` ranks by default. `endo` (the default pipeline:
-    pipeline.py) and `bm25` need only the corpus map, so an index built for them holds no feature postings
-    and cannot search with S3; one built for `s3` or `s3-hybrid` serves every method.
+    for S3 the feature postings. `method`: the method it is built for, kept in its header. `endo` (the default
+    pipeline: pipeline.py) and `bm25` need only the corpus map, so an index built for them holds no feature
+    postings and cannot score with S3; one built for `s3` or `s3-hybrid` serves every method.
     `int8_queries`: forward questions through int8-quantized linear maps (None: on a CPU backbone, where it halves
     the question's forward at unchanged S3-Hybrid recall on dev30, docs/papers.md 'Questions on a CPU go
     through int8 linear maps'); documents stay fp32/bf16."""
 
-    def __init__(self, backbone: Backbone | None = None, method: str = DEFAULT_METHOD, saes=None,
+    # set by the layer above (EndoIndex): the method names an index may be built for, and those that read the SAE
+    # feature postings, so only an index built for one of them streams its documents through the SAEs
+    method_names: ClassVar[tuple[str, ...]] = ()
+    feature_methods: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, backbone: Backbone | None, method: str, saes=None,
                  chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None,
                  int8_queries: bool | None = None):
         self.backbone = Backbone.of(backbone)  # None: the default model; a folder or GGUF path: that model
@@ -83,14 +84,22 @@ class EndoIndex:
         if int8_queries and not on_cpu:
             raise ValueError("int8_queries runs on a CPU backbone only; on a GPU the bf16 question forward is faster")
         self.int8_queries = on_cpu if int8_queries is None else bool(int8_queries)
-        self.method = check_search_method(method)
-        self.saes = saes or _model_saes(self.backbone, self.method)
+        if method not in self.method_names:
+            raise ValueError(f"Unknown method {method!r}; the index searches with one of "
+                             f"{', '.join(self.method_names)}.")
+        self.method = method
+        self.saes = saes or _model_saes(self.backbone, self.holds_features)
         self.chunk_size = chunk_size
         self.prune = prune
         self.index = FeatureIndex(self.saes.layers, self.saes.card["d_latent"], stop_freq=stop_freq,
                                   meta={"model_hash": self.backbone.model_hash})
         self.corpus = CorpusMap()
         self._rw = ReadWriteLock()  # queries share the index, an add or remove has it alone
+
+    @property
+    def holds_features(self) -> bool:
+        """Whether documents stream through the SAEs into feature postings (an index for s3 or s3-hybrid)."""
+        return self.method in self.feature_methods
 
     # ---- phase 1: streaming semantic indexing [S3 Eq. 4-5] ------------------------------------------------------
     @locked("write")
@@ -137,7 +146,7 @@ class EndoIndex:
 
             stream = tokenised()
             try:
-                if self.method not in S3_METHODS:  # BM25 and endo read only the corpus map: no SAE pass
+                if not self.holds_features:  # BM25 and endo read only the corpus map: no SAE pass
                     list(stream)
                 else:
                     self._index_tokens(stream, start)
@@ -237,7 +246,7 @@ class EndoIndex:
     @locked("read")
     def s3_scores(self, question: str) -> np.ndarray:
         """S[t] = sum_l sum_f w_{q,f} IDF(f) 1[t in I_l[f]] [S3 Eq. 7/9], vectorised over postings."""
-        if self.method not in S3_METHODS:
+        if not self.holds_features:
             raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings; "
                              "build it with method='s3' or 's3-hybrid' to search with S3.")
         n, device = self.corpus.n_positions, self.backbone.device
@@ -254,106 +263,6 @@ class EndoIndex:
         if getattr(self, name, None) is None or getattr(self, name)[0] != key:
             setattr(self, name, (key, build(self.corpus)))
         return getattr(self, name)[1]
-
-    # ---- phase 3: selection and fusion [S3 Eq. 8] ---------------------------------------------------------------
-    def signal_scores(self, question: str, method: str | None = None) -> dict[str, np.ndarray]:
-        """The per-position score arrays `method` fuses: {"s3": S[t], "bm25": ...}."""
-        method = check_search_method(method or self.method)
-        question = unicode_text(as_text(question))
-        out = {}
-        if method in ("s3", "s3-hybrid"):
-            out["s3"] = self.s3_scores(question)
-        if method in ("bm25", "s3-hybrid"):
-            out["bm25"] = self.bm25_scores(question)
-        return out
-
-    @locked("read")
-    def select(self, question: str, budget: int, method: str | None = None, lead_tail: int = 0,
-               kernel: int = QA_KERNEL, s3_share: float = 0.5, scores: dict[str, np.ndarray] | None = None
-               ) -> list[Span]:
-        """Spans (source order) under `budget` tokens chosen by `method`; documents are scored independently
-        (density and peaks never cross a document bound). `scores`: precomputed `signal_scores()`."""
-        if not len(self.corpus):
-            raise ValueError("The index is empty; add documents first.")
-        check_budget(budget)
-        method = self.check_method(method)
-        if method in PIPELINE_METHODS:
-            raise ValueError(f"select() fills a budget with sentences by s3-hybrid, s3 or bm25; the {method} "
-                             "pipeline ranks passages: use search().")
-        bounds = self.corpus.segment_bounds()
-        scores = scores if scores is not None else self.signal_scores(question, method)
-        width = {name: peak_width(name, kernel) for name in scores}
-        streams = {name: iter_peaks(density(s, width[name], bounds), width[name], bounds)
-                   for name, s in scores.items()}
-        taken: list[tuple[str, int]] = []  # (signal, peak) in the order they were offered to the budget
-        kept = np.zeros(self.corpus.n_positions, dtype=bool)
-        if method == "s3-hybrid" and lead_tail > 0:  # M_Bias of [S3 Eq. 8]: the first and last tokens of each document
-            for doc in self.corpus.documents():
-                n = min(lead_tail, doc.n_tokens // 2)
-                kept[doc.start: doc.start + n] = kept[doc.end - n: doc.end] = True
-                taken += [("lead", doc.start), ("tail", doc.end - 1)]
-            if kept.sum() > budget:
-                raise ValueError(f"lead/tail of {lead_tail} tokens per document exceeds the budget of {budget}.")
-        sentences = self.corpus.sentence_starts()
-        peaks = interleave(streams, taken, s3_share, lambda p: int(np.searchsorted(sentences, p, side="right")))
-        spans = spans_from_peaks(peaks, sentences, self.corpus.n_positions, budget, bounds, covered=kept)
-        texts = [self.corpus.span_text(a, b) for a, b in spans]
-        return scored_spans(spans, [t + (self.corpus.doc(t[0]).metadata,) for t in texts], taken)
-
-    @property
-    def methods(self) -> tuple[str, ...]:
-        """The methods this index can search with: all of them where it holds S3 feature postings."""
-        return SEARCH_METHODS if self.method in S3_METHODS else tuple(m for m in SEARCH_METHODS if m not in S3_METHODS)
-
-    def check_method(self, method: str | None) -> str:
-        """`method` (None: the index's own) when this index can search with it, else a ValueError naming those it
-        can."""
-        method = check_search_method(method or self.method)
-        if method not in self.methods:
-            raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings, so "
-                             f"it cannot search with {method!r}; it searches with {', '.join(self.methods)}. Build "
-                             "it with method='s3-hybrid' to search with every method.")
-        if method in PIPELINE_METHODS:
-            self.pipeline(method)  # a model without retrieval heads fails here, with the command that makes them
-        return method
-
-    @locked("read")
-    def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None,
-               where: Callable[[dict], bool] | None = None, depth: int | None = None,
-               read_tokens: int | None = None) -> list[Span]:
-        """The k best evidence spans, best first (by score, higher is better). `endo` returns whole passages
-        (under `budget` tokens in all when given, each cut to its best part); the other methods sentence spans
-        under `budget` tokens (default 128 per span). `where(metadata)`: only documents it accepts can come back
-        (for `endo` they are the only candidates; the other methods drop the rest, so fewer than k may come).
-        A question longer than MAX_QUESTION_CHARS (methods/base.py) is cut to that length, with a warning.
-        `depth` (candidates the model reads) and `read_tokens` (tokens read of each) trade the pipeline's recall for
-        its time; None: the model profile's fitted values (docs/results.md, "How the pipeline's settings were
-        chosen", has the recall of each)."""
-        question = capped_question(question)
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
-        method = self.check_method(method)
-        if method in PIPELINE_METHODS:
-            if not len(self.corpus):
-                raise ValueError("The index is empty; add documents first.")
-            if budget is not None:
-                check_budget(budget)
-            return self.pipeline(method, depth, read_tokens).search(
-                self.corpus, self.passages(), unicode_text(as_text(question)), k, budget, where=where)
-        spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
-        return sorted(spans, key=lambda s: -s.score)[:k]
-
-    def pipeline(self, method: str = "endo", depth: int | None = None, read_tokens: int | None = None):
-        """The `endo` (or `endo-2hop`) pipeline over this index's model (settings left None from the model's
-        profile), made once per method and settings."""
-        pipelines = self.__dict__.setdefault("_pipelines", {})
-        key = (method, depth, read_tokens)
-        if key not in pipelines:
-            from endo_retrieval.methods.pipeline import EndoPipeline
-
-            pipelines[key] = EndoPipeline(self.backbone, depth=depth, read_tokens=read_tokens,
-                                          two_hop=method == "endo-2hop")
-        return pipelines[key]
 
     @locked("read")
     def passages(self):
@@ -382,14 +291,14 @@ class EndoIndex:
 
     @classmethod
     def load(cls, directory: str | os.PathLike, backbone: Backbone | None = None, saes=None,
-             int8_queries: bool | None = None) -> "EndoIndex":
+             int8_queries: bool | None = None) -> "IndexStore":
         """The index saved in `directory`, read as one state even while a writer replaces it. Every failure is an
         IndexCorruptError (a ValueError) whose message says what to do."""
         directory = Path(directory)
 
         def read(open_file):
             with open_file(HEADER) as f:
-                meta = _check_header(f.read(), directory / HEADER)
+                meta = _check_header(f.read(), directory / HEADER, cls.method_names)
             if "segments" in meta:
                 return meta, None, None
             with open_file(f"features/{INDEX_FILE}") as f:
@@ -410,7 +319,6 @@ class EndoIndex:
             raise IndexCorruptError(f"the index in {directory} is damaged ({err}); delete the folder and rebuild "
                                     "the index.") from None
         if "segments" in meta:  # a manifest of index segments (`segments.commit`: Ray workers' builds)
-            from endo_retrieval.index.segments import load_segments
 
             return load_segments(cls, directory, meta, backbone, saes, int8_queries)
         backbone = Backbone.of(backbone)
@@ -420,7 +328,7 @@ class EndoIndex:
                                     f"({backbone.model_hash[:12]}); load that model or rebuild the index.")
         self = cls(backbone, meta["method"], saes=saes, chunk_size=meta["chunk_size"], prune=meta.get("prune"),
                    int8_queries=int8_queries)
-        if self.method in S3_METHODS and (self.saes.layers != meta["sae_layers"] or index.layers != meta["sae_layers"]
+        if self.holds_features and (self.saes.layers != meta["sae_layers"] or index.layers != meta["sae_layers"]
                                           or index.d_latent != self.saes.card["d_latent"]):
             raise IndexCorruptError(f"The index in {directory} holds SAE layers {index.layers} of {index.d_latent} "
                                     f"latents (header: {meta['sae_layers']}); the loaded SAEs have {self.saes.layers} "
@@ -432,21 +340,19 @@ class EndoIndex:
         return self
 
 
-def _model_saes(backbone: Backbone, method: str):
+def _model_saes(backbone: Backbone, needed: bool):
     """The model's SAEs; for a method that reads none (bm25, endo), a model without them gets a stand-in of one
-    untrained layer, so only an index for s3 or s3-hybrid needs `endo train-sae` first."""
-    from endo_retrieval.model.sae import SAEBank, SAEError, TopKSAE
-
+    untrained layer, so only an index for s3 or s3-hybrid (`needed`) needs `endo train-sae` first."""
     try:
         return SAEBank.for_backbone(backbone)
     except SAEError:
-        if method in S3_METHODS:
+        if needed:
             raise
         return SAEBank({0: TopKSAE(backbone.head_dim, 64, 1)}, {"d_latent": 64, "k": 1, "stand_in": True,
                                                                 "model_hash": backbone.model_hash})
 
 
-def _check_header(raw: bytes, path: Path) -> dict:
+def _check_header(raw: bytes, path: Path, method_names: tuple[str, ...]) -> dict:
     """endo-index.json with every field checked: IndexCorruptError names what is wrong and says what to do."""
     damaged = f"{path} is damaged ({{}}); delete the index folder and rebuild it with `endo index PATH... --out DIR`."
     try:
@@ -465,7 +371,7 @@ def _check_header(raw: bytes, path: Path) -> dict:
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
             raise IndexCorruptError(damaged.format(f"{key!r} is {meta.get(key)!r}, not a {kind.__name__}"))
     prune = meta.get("prune")
-    checks = {"method": meta["method"] in SEARCH_METHODS, "chunk_size": 0 < meta["chunk_size"] < 1 << 31,
+    checks = {"method": meta["method"] in method_names, "chunk_size": 0 < meta["chunk_size"] < 1 << 31,
               "sae_layers": all(type(l) is int and 0 <= l < 1 << 16 for l in meta["sae_layers"]),
               "prune": prune is None or (type(prune) in (int, float) and 0 < prune <= 1)}
     for key, ok in checks.items():
@@ -483,67 +389,3 @@ def unicode_text(text: str, what: str = "text") -> str:
             raise ValueError(f"the {what} holds a lone surrogate at character {e.start}, which is not valid Unicode; "
                              "decode its bytes with errors='replace' first.") from None
     return text
-
-
-def check_search_method(method: str) -> str:
-    if method not in SEARCH_METHODS:
-        raise ValueError(f"Unknown method {method!r}; the index searches with one of {', '.join(SEARCH_METHODS)}.")
-    return method
-
-
-def peak_width(signal: str, kernel: int) -> int:
-    """The density kernel and NMS radius of a signal: BM25 scores are already one value per sentence, so smoothing
-    would only blur the peak into a neighbour."""
-    return 1 if signal == "bm25" else kernel
-
-
-def scored_spans(ranges: list[tuple[int, int]], texts: list[tuple], taken: list[tuple[str, int]]) -> list[Span]:
-    """The token ranges a budget took as Spans, each scored by reciprocal-rank fusion over the signals that chose it
-    (`span_rrf`): evidence that both S3 and BM25 picked ranks above evidence only one of them picked. `texts`:
-    (doc_id, char start, char end, text, metadata) per range; `taken`: (signal, peak) in the order the peaks were
-    offered to the budget, so each signal's peaks come in its rank order."""
-    offered: dict[str, list[int]] = {}
-    for sig, p in taken:
-        offered.setdefault(sig, []).append(p)
-    ranked = {sig: np.asarray(ps) for sig, ps in offered.items()}
-    out = []
-    for (a, b), (doc_id, c0, c1, text, metadata) in zip(ranges, texts):
-        score, signals = span_rrf(a, b, ranked)
-        out.append(Span(a, b, c0, c1, text, score, signals, doc_id, metadata))
-    return out
-
-
-def span_rrf(a: int, b: int, ranked: dict[str, np.ndarray]) -> tuple[float, tuple[str, ...]]:
-    """Reciprocal-rank fusion of the span [a, b): sum over the signals whose peaks fall inside it of 1 / (RRF_K +
-    rank of the signal's best peak there), and those signals."""
-    best: dict[str, int] = {}
-    for sig, peaks in ranked.items():
-        inside = (peaks >= a) & (peaks < b)
-        if inside.any():
-            best[sig] = int(inside.argmax())
-    return sum(1.0 / (RRF_K + r) for r in best.values()), tuple(sorted(best))
-
-
-def interleave(streams: dict[str, Iterator[int]], taken: list, s3_share: float, sentence_of: Callable[[int], int]
-               ) -> Iterator[int]:
-    """Yield the signals' peaks alternately by rank for one shared budget (the union of [S3 Eq. 8]): S3 gets `s3_share`
-    of the turns. A turn must bring a sentence no signal offered yet: a peak inside an offered sentence is only
-    recorded in `taken` (as (signal, peak), so the span credits both signals) and the same signal pulls again."""
-    credit = {name: 0.0 for name in streams}
-    share = {"s3": s3_share, "bm25": 1.0 - s3_share} if len(streams) == 2 else {n: 1.0 for n in streams}
-    live = dict(streams)
-    offered: set[int] = set()
-    while live:
-        for name in live:
-            credit[name] += share[name]
-        name = max(live, key=lambda n: credit[n])
-        credit[name] -= 1.0
-        for p in live[name]:
-            taken.append((name, p))
-            sentence = sentence_of(p)
-            if sentence not in offered:
-                offered.add(sentence)
-                yield p
-                break
-        else:
-            del live[name]

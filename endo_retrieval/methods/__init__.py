@@ -38,15 +38,27 @@ S3_METHODS = tuple(name for name, e in METHODS.items() if e.saes)
 PIPELINE_METHODS = tuple(name for name, e in METHODS.items() if e.passages)
 
 
-def get_method(name: str, **kwargs) -> Method:
-    """An instance of the method called `name` (see REGISTRY); kwargs go to its constructor."""
+def method_class(name: str) -> type:
+    """The class of the method called `name` (see REGISTRY), imported on first use."""
     if name not in REGISTRY:
         if name in SEARCH_METHODS:  # a corpus method with no one-context twin: a second hop has no index to ask
             raise ValueError(f"{name!r} ranks a corpus (EndoIndex.search, the retrievers); for one context use "
                              f"'endo', which reads all of it: known methods here: {', '.join(REGISTRY)}.")
         raise ValueError(f"Unknown method {name!r}; known methods: {', '.join(REGISTRY)}.")
     module, cls = REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_method(name: str, **kwargs) -> Method:
+    """An instance of the method called `name` (see REGISTRY); kwargs go to its constructor."""
+    return method_class(name)(**kwargs)
+
+
+def check_search_method(method: str) -> str:
+    """`method` when an index searches with it, else a ValueError naming those it does."""
+    if method not in SEARCH_METHODS:
+        raise ValueError(f"Unknown method {method!r}; the index searches with one of {', '.join(SEARCH_METHODS)}.")
+    return method
 
 
 # The one default of every entry point (compress, EndoIndex, both retrievers, both compressors, MCP, the CLI): the
@@ -60,7 +72,7 @@ def compress(context: str, question: str, budget: int = 1024, method: str = DEFA
     order, and `.spans` the kept pieces with their character offsets and the signals that chose them.
     `backbone`: a loaded Backbone, a model folder or GGUF file (loaded once per process), or None (the default).
     A question longer than MAX_QUESTION_CHARS (base.py) is cut to that length, with a warning."""
-    from endo_retrieval.model.backbone import Backbone
+    from endo_retrieval.model.backbone import Backbone  # torch: the CLI reads the method names from here
 
     question = capped_question(question)
     backbone = Backbone.of(backbone) if method in REGISTRY else None  # an unknown name fails before any loading
@@ -68,4 +80,4 @@ def compress(context: str, question: str, budget: int = 1024, method: str = DEFA
 
 
 __all__ = ["Compressed", "Method", "Span", "METHODS", "REGISTRY", "DEFAULT_METHOD", "SEARCH_METHODS", "get_method",
-           "compress"]
+           "method_class", "check_search_method", "compress"]

@@ -27,10 +27,12 @@ from endo_retrieval.methods.base import BaseMethod
 from endo_retrieval.methods.pipeline import EndoPipeline
 from endo_retrieval.index.passages import Passages
 from endo_retrieval.corpus import CorpusMap
-from endo_retrieval.methods.heads import (HeadsError, Prepared, RetrievalHeads, calibrated_attention,
+from endo_retrieval.methods.heads import (HeadsError, Prepared, RetrievalHeads, _question, calibrated_attention,
                                           calibrated_scores, sentence_max)
 from endo_retrieval.model.profiles import heads_profile, ilre_profile
 from endo_retrieval.scoring.attention import attention_scores
+from endo_retrieval.model.backbone import Backbone
+from endo_retrieval.scoring.bm25 import words
 
 SIGNALS = ("bm25", "heads", "hop2", "ilre")
 HOP_SENTENCES = 2  # first-hop sentences the second hop re-reads
@@ -120,8 +122,6 @@ class Endo(RetrievalHeads):
         return signals(self.backbone, prepared, question, self.heads, self.ilre_layer, self.second_hop)
 
     def rank(self, prepared: Prepared, question: str, budget: int):
-        from endo_retrieval.methods.heads import _question
-
         sig = self.signals(prepared, _question(question))
         score = fuse(sig, self.weights)
         order = np.argsort(-score, kind="stable")
@@ -170,8 +170,6 @@ class TwoStageEndo(BaseMethod):
     pipeline: object = None  # an EndoPipeline (None: the model's fitted one)
 
     def __post_init__(self):
-        from endo_retrieval.model.backbone import Backbone
-
         self.backbone = Backbone.of(self.backbone)
         self.pipeline = self.pipeline or EndoPipeline(self.backbone)
 
@@ -183,9 +181,6 @@ class TwoStageEndo(BaseMethod):
         return corpus, Passages.build(corpus, self.window_tokens)
 
     def rank(self, prepared, question: str, budget: int):
-        from endo_retrieval.scoring.bm25 import words
-        from endo_retrieval.methods.heads import _question
-
         corpus, passages = prepared
         question = _question(question)
         top, stage, _ = self.pipeline.stage_scores(corpus, passages, question)

@@ -28,10 +28,12 @@ import torch
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.scoring.bm25 import _STOP as STOP_WORDS, SentenceBM25
 from endo_retrieval.methods.base import BaseMethod
-from endo_retrieval.model.profiles import heads_profile
+from endo_retrieval.model.profiles import heads_profile, heads_profile_path, missing
 from endo_retrieval.model.reading import Reading, StageClock, ask, ask_parts, read, segment_cuts
 from endo_retrieval.scoring.attention import logits
 from endo_retrieval.scoring.select import sentence_spans
+from endo_retrieval.model.backbone import Backbone
+from endo_retrieval.scoring.fusion import rrf
 
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 NULL_QUESTION = "N/A"  # In-Context Re-ranking's content-free query
@@ -137,8 +139,6 @@ def calibrated_scores(backbone, prepared: Prepared, heads: Sequence[tuple[int, i
 
 
 def profile_heads(backbone) -> list[tuple[int, int]]:
-    from endo_retrieval.model.profiles import heads_profile_path, missing
-
     profile = heads_profile(backbone)
     if profile is None:
         raise HeadsError(missing(backbone, "heads", heads_profile_path(backbone)) +
@@ -166,8 +166,6 @@ class RetrievalHeads(BaseMethod):
     stream: bool = False  # read with ILRe's sink + window streaming instead (bounded memory, worse ranking)
 
     def __post_init__(self):
-        from endo_retrieval.model.backbone import Backbone
-
         self.backbone = Backbone.of(self.backbone)  # None: the default model; a folder or GGUF path: that model
         self.heads = [tuple(map(int, h)) for h in (self.heads or profile_heads(self.backbone))]
         bad = [h for h in self.heads if not (0 <= h[0] < self.backbone.n_layers and 0 <= h[1] < self.backbone.n_heads)]
@@ -249,8 +247,6 @@ def read_passages(backbone, passages: Sequence[str], question: str, heads: Seque
                   second_hop: bool = False, int8: bool = False, first_stage: np.ndarray | None = None,
                   evidence: Sequence[int] | None = None, batched: bool = True) -> PassageReading:
     """`passage_signals` with the token-level attention it was taken from (for a bridge: `bridge_terms`)."""
-    from endo_retrieval.scoring.fusion import rrf
-
     if not passages:
         empty = {"heads": np.zeros(0)} | ({"hop2": np.zeros(0)} if second_hop else {})
         return PassageReading(empty, "", np.zeros((0, 2), np.int64), np.zeros(0), [])

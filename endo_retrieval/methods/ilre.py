@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.core import Compressed, Span, check_budget
-from endo_retrieval.model.backbone import PIECE_CHARS, Encoding
+from endo_retrieval.model.backbone import Backbone, Encoding, PIECE_CHARS
 from endo_retrieval.model.profiles import ilre_profile, ilre_profile_path, missing
 from endo_retrieval.scoring.attention import attention_scores
 from endo_retrieval.scoring.select import runs
@@ -291,8 +291,6 @@ class ILRe:
     compiled: bool = False
 
     def __post_init__(self):
-        from endo_retrieval.model.backbone import Backbone
-
         self.backbone = Backbone.of(self.backbone)  # None: the default model; a path: that model, shared
         if self.layer is None:
             profile = ilre_profile(self.backbone)

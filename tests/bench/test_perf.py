@@ -96,7 +96,7 @@ def test_json_contract_and_outputs(tiny):
 
 
 def test_tiled_index_equals_indexing_the_copies(tiny):
-    from endo_retrieval.index.engine import Document, EndoIndex
+    from endo_retrieval.methods.search import Document, EndoIndex
 
     bb, bank, _ = tiny
     text = perf.generated_filler(sentences=24)

@@ -14,7 +14,7 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
-from endo_retrieval.index.engine import Document, EndoIndex
+from endo_retrieval import Document, EndoIndex
 from endo_retrieval.integrations import check_k, check_pipeline_settings, open_index, provenance, search_hits
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.core import Span

@@ -25,7 +25,7 @@ from llama_index.core.schema import (BaseNode, MetadataMode, NodeRelationship, N
 from llama_index.core.tools import RetrieverTool
 from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilters
 
-from endo_retrieval.index.engine import Document, EndoIndex
+from endo_retrieval import Document, EndoIndex
 from endo_retrieval.integrations import (PROVENANCE_KEYS, check_k, check_pipeline_settings, open_index, provenance,
                                         search_hits)
 from endo_retrieval.methods import DEFAULT_METHOD

@@ -1,0 +1,117 @@
+"""`EndoIndex`: the stored index of a corpus (index/engine.py) searched with the registry's methods.
+
+The store holds and loads; which method ranks how is the registry's (`METHODS`): the pipelines (`endo`,
+`endo-2hop`) rank passages with the model (pipeline.py), the others fill a budget with sentences by their own
+selection (s3.py).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from endo_retrieval.core import Span, capped_question, check_budget
+from endo_retrieval.index.engine import CHUNK, Document, IndexStore, unicode_text
+from endo_retrieval.index.rwlock import locked
+from endo_retrieval.methods import (DEFAULT_METHOD, METHODS, S3_METHODS, SEARCH_METHODS, check_search_method,
+                                    method_class)
+from endo_retrieval.methods.pipeline import EndoPipeline
+from endo_retrieval.model.backbone import Backbone, as_text
+from endo_retrieval.scoring.select import QA_KERNEL
+
+__all__ = ["Document", "EndoIndex"]
+
+
+class EndoIndex(IndexStore):
+    """A persistent endogenous index over documents (`IndexStore`: the corpus map, BM25 over its passages and
+    sentences, and for S3 the feature postings), searched with the methods of the registry. `method`: how `search`
+    ranks by default. An index built for `endo` or `bm25` holds no feature postings and cannot search with S3; one
+    built for `s3` or `s3-hybrid` serves every method."""
+
+    method_names = SEARCH_METHODS
+    feature_methods = S3_METHODS
+
+    def __init__(self, backbone: Backbone | None = None, method: str = DEFAULT_METHOD, saes=None,
+                 chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None,
+                 int8_queries: bool | None = None):
+        super().__init__(backbone, method, saes=saes, chunk_size=chunk_size, stop_freq=stop_freq, prune=prune,
+                         int8_queries=int8_queries)
+
+    # ---- phase 3: selection and fusion [S3 Eq. 8], by the method's own selection (s3.py) ------------------------
+    def signal_scores(self, question: str, method: str | None = None) -> dict[str, np.ndarray]:
+        """The per-position score arrays `method` fuses: {"s3": S[t], "bm25": ...} (none for a pipeline)."""
+        method = check_search_method(method or self.method)
+        question = unicode_text(as_text(question))
+        if METHODS[method].passages:
+            return {}
+        return method_class(method).signal_scores(self, question)
+
+    @locked("read")
+    def select(self, question: str, budget: int, method: str | None = None, lead_tail: int = 0,
+               kernel: int = QA_KERNEL, s3_share: float = 0.5, scores: dict[str, np.ndarray] | None = None
+               ) -> list[Span]:
+        """Spans (source order) under `budget` tokens chosen by `method`; documents are scored independently
+        (density and peaks never cross a document bound). `scores`: precomputed `signal_scores()`."""
+        if not len(self.corpus):
+            raise ValueError("The index is empty; add documents first.")
+        check_budget(budget)
+        method = self.check_method(method)
+        if METHODS[method].passages:
+            raise ValueError(f"select() fills a budget with sentences by s3-hybrid, s3 or bm25; the {method} "
+                             "pipeline ranks passages: use search().")
+        scores = scores if scores is not None else self.signal_scores(question, method)
+        return method_class(method).select_spans(self, budget, scores, lead_tail=lead_tail, kernel=kernel,
+                                                 s3_share=s3_share)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods this index can search with: all of them where it holds S3 feature postings."""
+        return SEARCH_METHODS if self.holds_features else tuple(m for m in SEARCH_METHODS if not METHODS[m].saes)
+
+    def check_method(self, method: str | None) -> str:
+        """`method` (None: the index's own) when this index can search with it, else a ValueError naming those it
+        can."""
+        method = check_search_method(method or self.method)
+        if method not in self.methods:
+            raise ValueError(f"This index was built with method={self.method!r} and holds no S3 feature postings, so "
+                             f"it cannot search with {method!r}; it searches with {', '.join(self.methods)}. Build "
+                             "it with method='s3-hybrid' to search with every method.")
+        if METHODS[method].passages:
+            self.pipeline(method)  # a model without retrieval heads fails here, with the command that makes them
+        return method
+
+    @locked("read")
+    def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None,
+               where: Callable[[dict], bool] | None = None, depth: int | None = None,
+               read_tokens: int | None = None) -> list[Span]:
+        """The k best evidence spans, best first (by score, higher is better). `endo` returns whole passages
+        (under `budget` tokens in all when given, each cut to its best part); the other methods sentence spans
+        under `budget` tokens (default 128 per span). `where(metadata)`: only documents it accepts can come back
+        (for `endo` they are the only candidates; the other methods drop the rest, so fewer than k may come).
+        A question longer than MAX_QUESTION_CHARS (methods/base.py) is cut to that length, with a warning.
+        `depth` (candidates the model reads) and `read_tokens` (tokens read of each) trade the pipeline's recall for
+        its time; None: the model profile's fitted values (docs/results.md, "How the pipeline's settings were
+        chosen", has the recall of each)."""
+        question = capped_question(question)
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
+        method = self.check_method(method)
+        if METHODS[method].passages:
+            if not len(self.corpus):
+                raise ValueError("The index is empty; add documents first.")
+            if budget is not None:
+                check_budget(budget)
+            return self.pipeline(method, depth, read_tokens).search(
+                self.corpus, self.passages(), unicode_text(as_text(question)), k, budget, where=where)
+        spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
+        return sorted(spans, key=lambda s: -s.score)[:k]
+
+    def pipeline(self, method: str = "endo", depth: int | None = None, read_tokens: int | None = None):
+        """The `endo` (or `endo-2hop`) pipeline over this index's model (settings left None from the model's
+        profile), made once per method and settings."""
+        pipelines = self.__dict__.setdefault("_pipelines", {})
+        key = (method, depth, read_tokens)
+        if key not in pipelines:
+            pipelines[key] = EndoPipeline(self.backbone, depth=depth, read_tokens=read_tokens,
+                                          two_hop=method == "endo-2hop")
+        return pipelines[key]
