@@ -5,7 +5,7 @@
 #             against 1: `endo bench perf --sections scale --random-llama-8b` (bench/endo_bench/perf_scale.py);
 #   pipeline  the default pipeline `endo` over the dev300 corpus (every paragraph pooled, as `endo bench corpus`
 #             pools them) with MODEL (default the Qwen2.5-Coder-1.5B GGUF): an endo index built by Ray workers,
-#             opened as 2 shards, questions per second with 1 reader and with 2 (`ReaderPool.search_many`), the
+#             opened as SHARDS shards (default 2), questions per second with 1 reader and with 2 (`ReaderPool.search_many`), the
 #             rankings of the two compared, and the first CHECK questions against one process (`EndoIndex.search`).
 # Writes $OUT/ray_pipeline.json (the scale rows, the pipeline's figures, the acceptance checks) and
 # $OUT/ray_pipeline.md, with each phase's log.
@@ -62,6 +62,7 @@ if [ "$phase" = all ] || [ "$phase" = pipeline ]; then
 """The default pipeline over the dev300 corpus on Ray: questions per second with 1 reader and with 2."""
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -103,7 +104,8 @@ distributed.RayIndexer(workers, method="endo").build(folder, [Document(t_, x, {"
 result["index_build_s"] = time.perf_counter() - t
 for w in workers:
     ray.kill(w)
-index = distributed.ShardedIndex(folder, shards=n)
+index = distributed.ShardedIndex(folder, shards=int(os.environ.get("SHARDS", n)))  # SHARDS: stage 1's actors
+result["shards"] = len(index.shards)
 result["tokens"] = sum(p["tokens"] for p in segments.listed_committed(folder))
 t = time.perf_counter()
 readers = distributed.start_workers(n, recipe, Reader, index.shards, max_concurrency=2)
