@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from endo_retrieval.methods import PIPELINE_METHODS
+
 logger = logging.getLogger(__name__)
 
 SCHEMA = "endo-bench-corpus/1"
@@ -40,7 +42,6 @@ TOP = 10  # distinct paragraphs ranked per question
 KS = (2, 5, TOP)
 METRICS = (*(f"recall@{k}" for k in KS), *(f"all@{k}" for k in KS), "mrr")
 ENDO_SYSTEMS = ("endo", "endo-2hop", "bm25", "s3-hybrid")
-PIPELINES = ("endo", "endo-2hop")  # the rows that take --depth and --read-tokens
 FIRST_STAGES = ("minilm", "bm25")  # FirstStage kinds, named as the reranker's fitted weights are
 FIRST_STAGE_ROWS = {"llamaindex-bm25": "bm25", "minilm": "minilm"}  # a first stage alone
 RERANKED = ("minilm+reranker", "minilm+heads", "bm25+reranker", "minilm+llmrerank", "bm25+llmrerank")
@@ -160,7 +161,7 @@ class EndoSpans(Row):
 
     def __init__(self, method: str, bb, depth: int | None = None, read_tokens: int | None = None):
         self.name, self.method, self.bb = method, method, bb
-        self.knobs = {"depth": depth, "read_tokens": read_tokens} if method in PIPELINES else {}
+        self.knobs = {"depth": depth, "read_tokens": read_tokens} if method in PIPELINE_METHODS else {}
 
     def load(self, shared: dict) -> None:
         pass  # the backbone is loaded before any system
@@ -507,7 +508,7 @@ def run_config(args, bb, systems, reference, n_paragraphs, items, gold_counts, n
             "corpus_paragraphs": n_paragraphs, "n_questions": len(items), "embedder": "all-MiniLM-L6-v2",
             "device": str(bb.device) if bb else "cpu", "reads": "plain" if args.plain_reads else "batched",
             "stage1_terms": "words" if args.unstemmed else "stems",
-            "pipeline": pipeline_settings(bb, args) if any(s in PIPELINES for s in systems) else None,
+            "pipeline": pipeline_settings(bb, args) if any(s in PIPELINE_METHODS for s in systems) else None,
             "question_ids": [it["_id"] for it in items],
             "gold_per_question": gold_counts, "left_out_no_gold": no_gold, "wall_s": round(wall_s, 1),
             "notes": ["gold: the distinct titles of a question's supporting facts; a paragraph counts once, at its "
