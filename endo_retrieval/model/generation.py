@@ -25,13 +25,7 @@ def chat_ids(backbone, prompt_or_messages, system: str | None = None) -> torch.T
 
 def generate(backbone, prompt_or_messages, max_new_tokens: int = 64, stream: bool = False,
              system: str | None = None, do_sample: bool = False, attention=None, **gen_kwargs):
-    """Chat-template generation, greedy by default. stream=True returns an iterator of text pieces. On CUDA,
-    plain greedy generation (no stream, no extra options) replays CUDA-graph steps over a static cache
-    (`decode.py`: 3-4x faster; bf16 near-ties may pick other tokens than `model.generate`).
-
-    attention: None (Hugging Face's own attention) or a decode-time backend object, e.g. `ReAttention(top_k=8)`
-    or `get_backend("reattention")` (endo_retrieval.attention); backends decode greedily. The backbone does not
-    know the backends: it hands the prompt to the object's own `generate`."""
+    """`Backbone.generate` (its docstring is the contract)."""
     ids = backbone.chat_ids(prompt_or_messages, system)
     if attention is not None:
         if isinstance(attention, str):
