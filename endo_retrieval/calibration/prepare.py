@@ -39,7 +39,7 @@ def ready_methods(backbone) -> list[str]:
     """The methods whose per-model files the model has (bm25 needs none)."""
     out = ["bm25"]
     if sae_card(backbone):
-        out += list(S3_METHODS)
+        out += sorted(S3_METHODS)
     try:
         ilre = ilre_profile(backbone)
         heads = heads_profile(backbone)
