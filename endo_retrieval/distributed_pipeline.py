@@ -30,8 +30,7 @@ import numpy as np
 
 from endo_retrieval.distributed import ModelRecipe, ShardedIndex, ray_cluster, spread, start_workers
 from endo_retrieval.index.engine import unicode_text
-from endo_retrieval.methods import check_search_method
-from endo_retrieval.methods import PIPELINE_METHODS
+from endo_retrieval.methods import PIPELINE_METHODS, check_search_method
 from endo_retrieval.core import Span, capped_question, check_budget
 from endo_retrieval.methods.pipeline import EndoPipeline
 from endo_retrieval.scoring.fusion import fuse

@@ -471,6 +471,8 @@ def run(args) -> int:
     nodes = corpus_nodes(titles, texts)
     titles_of = {n.node_id: t for n, t in zip(nodes, titles)}
     bb = load_backbone(args.model) if any(s not in FIRST_STAGE_ROWS for s in systems) else None
+    # resolved (and checked: a bad --depth fails here, not after the rows) before any row runs
+    settings = pipeline_settings(bb, args) if any(s in PIPELINE_METHODS for s in systems) else None
     from endo_retrieval.index import passages
     from endo_retrieval.methods import pipeline
 
@@ -488,8 +490,8 @@ def run(args) -> int:
     reference = pick_reference(args.reference, rows)
     gold_counts = [len(gold_titles(it)) for it in items]
     add_intervals(rows, gold_counts, reference, args.seed)
-    result = {"schema": SCHEMA, "config": run_config(args, bb, systems, reference, len(nodes), items, gold_counts,
-                                                     no_gold, time.perf_counter() - wall),
+    result = {"schema": SCHEMA, "config": run_config(args, bb, settings, systems, reference, len(nodes), items,
+                                                     gold_counts, no_gold, time.perf_counter() - wall),
               "rows": [order_keys(r) for r in rows]}
     write_outputs(result, out)
     for row in rows:
@@ -500,7 +502,7 @@ def run(args) -> int:
     return 0
 
 
-def run_config(args, bb, systems, reference, n_paragraphs, items, gold_counts, no_gold, wall_s) -> dict:
+def run_config(args, bb, settings, systems, reference, n_paragraphs, items, gold_counts, no_gold, wall_s) -> dict:
     return {"model": bb.model_id if bb else None, "model_hash": bb.model_hash if bb else None,
             "data": str(args.data), "limit": args.limit, "seed": args.seed, "systems": systems,
             "reference": reference, "candidates": args.candidates, "choice_batch_size": args.choice_batch_size,
@@ -508,7 +510,7 @@ def run_config(args, bb, systems, reference, n_paragraphs, items, gold_counts, n
             "corpus_paragraphs": n_paragraphs, "n_questions": len(items), "embedder": "all-MiniLM-L6-v2",
             "device": str(bb.device) if bb else "cpu", "reads": "plain" if args.plain_reads else "batched",
             "stage1_terms": "words" if args.unstemmed else "stems",
-            "pipeline": pipeline_settings(bb, args) if any(s in PIPELINE_METHODS for s in systems) else None,
+            "pipeline": settings,
             "question_ids": [it["_id"] for it in items],
             "gold_per_question": gold_counts, "left_out_no_gold": no_gold, "wall_s": round(wall_s, 1),
             "notes": ["gold: the distinct titles of a question's supporting facts; a paragraph counts once, at its "
