@@ -5,7 +5,8 @@
 #             against 1: `endo bench perf --sections scale --random-llama-8b` (bench/endo_bench/perf_scale.py);
 #   pipeline  the default pipeline `endo` over the dev300 corpus (every paragraph pooled, as `endo bench corpus`
 #             pools them) with MODEL (default the Qwen2.5-Coder-1.5B GGUF): an endo index built by Ray workers,
-#             opened as SHARDS shards (default 2), questions per second with 1 reader and with 2 (`ReaderPool.search_many`), the
+#             opened as SHARDS shards (default 2), questions per second with 1 reader and with 2
+#             (`ReaderPool.search_many`, BATCH x 2 questions per call, default 32 x 2), the
 #             rankings of the two compared, and the first CHECK questions against one process (`EndoIndex.search`).
 # Writes $OUT/ray_pipeline.json (the scale rows, the pipeline's figures, the acceptance checks) and
 # $OUT/ray_pipeline.md, with each phase's log.
@@ -116,7 +117,7 @@ result["readers_start_s"] = time.perf_counter() - t
 print("index and readers ready", result, flush=True)
 
 hits, seconds = {}, {}
-batch = 8 * n
+batch = int(os.environ.get("BATCH", 32)) * n  # questions per search_many call: each call waits for its slowest
 for w in (1, n):  # 1 reader asks until the time cap; 2 readers then ask the same questions
     asked = len(hits[1]) if w != 1 else len(questions)
     hits[w], t = [], time.perf_counter()

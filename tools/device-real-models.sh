@@ -7,7 +7,8 @@
 # tools/device-parts.sh under /root/parts/NAME.file, MiniLM unpacked under /root/parts/minilm/.
 #
 #   bash tools/device-real-models.sh PHASE NAME...
-# PHASE: calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | decode | reattention | papers | collect
+# PHASE: calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | decode |
+#        reattention | ilre128k | papers | collect
 # LAT=0: `decode` leaves out its latency run (time it with nothing beside it)
 # NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
 #
@@ -246,11 +247,17 @@ decode)  # retrieval-completion attention and PrHS on a real model: phi maps dis
   [ "${LAT:-1}" = 0 ] || bg "latency_attn_$m" endo bench attention --model "$(model "$m")" --measure latency --attention dense,topk,prhs \
     --accuracy-budget 0.125 --latency-keys 32768 --latency-batch 4 --error-text "$data/pg_essays" --out "$res/attn_latency_32k_$m.json" ;;
 reattention)  # passkeys inside (32k) and past (64k, 128k) the 1.5B model's window, dense against ReAttention
+  # RUNS: the attention:context pairs to run (default all six); DEPTHS: passkey depths per context (default 4)
   m=${1:-q15}
-  for att in dense reattention; do for c in 32768 65536 131072; do
-    bg "passkey_${att}_${c}_$m" endo bench attention $(margs "$m") --data passkey:$data/pg_essays --depths 4 \
+  for run in ${RUNS:-dense:32768 dense:65536 dense:131072 reattention:32768 reattention:65536 reattention:131072}; do
+    IFS=: read att c <<< "$run"
+    bg "passkey_${att}_${c}_$m" endo bench attention $(margs "$m") --data passkey:$data/pg_essays --depths ${DEPTHS:-4} \
       --measure accuracy --attention $att --context-tokens $c --out "$res/passkey_${att}_${c}_$m.json"
-  done; done ;;
+  done ;;
+ilre128k)  # ILRe past the window: dev300 haystacks of 128k tokens (2048 kept) beside BM25 (ILRE_LIMIT questions)
+  m=${1:-q15}
+  bg "ilre128k_$m" endo bench quality $(margs "$m") --data "$hot/dev300.json" --context-tokens 131072 --budget 2048 \
+    --limit ${ILRE_LIMIT:-50} --no-generate --no-reference --methods ilre,bm25-sent --out "$res/ilre_dev300_131072_$m.json" ;;
 papers)  # the 1.5B model past its window: passkeys for the decode-time backends and ILRe
   m=${1:-q15}
   bg "passkey_dense_$m" endo bench attention $(margs "$m") --data passkey:$data/pg_essays --depths 4 --measure accuracy \

@@ -41,6 +41,9 @@ def quality_add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="haystack shuffling seed")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed data rows (reported) instead of stopping")
     p.add_argument("--no-generate", action="store_true", help="skip greedy generation (no f1/em; faster)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip the full context's reference pass (no kl; past the model's window it is costly and "
+                   "not a reference)")
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="greedy answer length")
     model_argument(p)
 
@@ -50,7 +53,8 @@ def quality_run(args) -> int:
 
     config = QualityConfig(data=args.data, out=args.out, context_tokens=args.context_tokens or [4096],
                            budgets=args.budget or [1024], methods=args.methods, limit=args.limit, seed=args.seed,
-                           skip_bad=args.skip_bad, generate=not args.no_generate, max_new_tokens=args.max_new_tokens)
+                           skip_bad=args.skip_bad, generate=not args.no_generate, max_new_tokens=args.max_new_tokens,
+                           reference=not args.no_reference)
     backbone = None
     if args.model:
         from endo_retrieval.model.backbone import Backbone

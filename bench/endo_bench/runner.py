@@ -79,6 +79,7 @@ class QualityConfig:
     skip_bad: bool = False
     generate: bool = True
     max_new_tokens: int = MAX_NEW_TOKENS
+    reference: bool = True  # False: no full-context pass per example, so no kl (`--no-reference`)
     progress: bool | None = None  # None: a bar on a terminal only
 
     def __post_init__(self):
@@ -362,12 +363,13 @@ class Evaluator:
             else:
                 (scored,) = self._score(self.prompter(selected_text, example.question, example.answers[0]))
         latency["generate"] = scored.generate_ms
-        reference = self.full_logits(example, context_tokens, scored if selected_text == example.context else None)
+        reference = self.full_logits(example, context_tokens, scored if selected_text == example.context else None) \
+            if self.config.reference else None
         record.update(
             sp_recall=metrics.sp_recall(selected_text, example.supporting) if selected_text is not None else None,
             answer_recall=metrics.answer_recall(selected_text, example.answers) if selected_text is not None
             else None,
-            kl=metrics.kl_divergence(reference, scored.answer_logits),
+            kl=metrics.kl_divergence(reference, scored.answer_logits) if reference is not None else None,
             nll=metrics.nll(scored.answer_logits, self.prompter.answer_ids(example.answers[0])),
             f1=metrics.f1_score(scored.prediction, example.answers) if scored.prediction is not None else None,
             em=metrics.exact_match(scored.prediction, example.answers) if scored.prediction is not None else None,
@@ -398,7 +400,7 @@ def _load_method(name: str, bb):
 def fingerprint(bb, config: QualityConfig) -> dict:
     return {"model_hash": bb.model_hash, "data": str(config.data), "seed": config.seed,
             "generate": config.generate, "max_new_tokens": config.max_new_tokens, "template": USER_TEMPLATE,
-            "limit": config.limit}
+            "limit": config.limit} | ({} if config.reference else {"reference": False})  # records with kl or not
 
 
 def run_quality(config: QualityConfig, backbone=None) -> dict:
@@ -444,7 +446,7 @@ def run_quality(config: QualityConfig, backbone=None) -> dict:
                    "budget": config.budgets[0] if len(config.budgets) == 1 else config.budgets,
                    "seed": config.seed, "limit": config.limit, "methods": config.methods,
                    "n_examples": {str(L): len(d) for L, d in datasets.items()}, "generate": config.generate,
-                   "max_new_tokens": config.max_new_tokens, "prompt_template": USER_TEMPLATE,
+                   "reference": config.reference, "max_new_tokens": config.max_new_tokens, "prompt_template": USER_TEMPLATE,
                    "device": bb.device.type, "torch_threads": torch.get_num_threads(), "skipped_rows": skipped,
                    "notes": notes, "wall_s": round(time.perf_counter() - wall, 1)},
         "rows": aggregate(list(store.records.values()), config, unavailable,

@@ -161,6 +161,19 @@ def test_json_follows_the_schema_and_outputs_lie_beside_it(tmp_path, tiny, toy_m
         assert (tmp_path / f"q-{plot}.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_no_reference_skips_the_full_context_pass(tmp_path, tiny, toy_methods, monkeypatch):
+    """--no-reference (long contexts past the window): no full-context pass for a compressed row, so no kl;
+    the other metrics as with it."""
+    cfg = config(tmp_path, toy_hotpotqa(tmp_path / "toy.json"), methods=("oracle",), generate=False, reference=False)
+    whole = []
+    monkeypatch.setattr(runner.Evaluator, "whole_prompt", lambda self, *a: whole.append(a))
+    runner.run_quality(cfg, tiny)
+    assert whole == []
+    got = records(cfg.out)
+    assert got and all(r["kl"] is None and r["nll"] is not None and r["sp_recall"] is not None for r in got.values())
+    assert json.loads(cfg.out.read_text())["config"]["reference"] is False
+
+
 def test_rows_carry_bootstrap_intervals_and_the_paired_difference_to_bm25(tmp_path):
     cfg = runner.QualityConfig(data="toy.json", out=tmp_path / "q.json", context_tokens=[160], budgets=[64],
                                methods=["bm25", "s3", "ilre"])
