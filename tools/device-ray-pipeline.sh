@@ -118,25 +118,28 @@ print("index and readers ready", result, flush=True)
 
 hits, seconds = {}, {}
 batch = int(os.environ.get("BATCH", 32)) * n  # questions per search_many call: each call waits for its slowest
-for w in (1, n):  # 1 reader asks until the time cap; 2 readers then ask the same questions
-    asked = len(hits[1]) if w != 1 else len(questions)
-    hits[w], t = [], time.perf_counter()
+# 1 reader asks until the time cap; 2 readers then ask the same questions, and 1 reader again ("1 again"): the
+# first pass pays first-time costs (allocations, kernels for new lengths) the later ones do not, so the speed-up
+# is taken against the faster of the two single-reader passes
+for run, w in (("1", 1), (str(n), n), ("1 again", 1)):
+    asked = len(hits["1"]) if run != "1" else len(questions)
+    found, t = [], time.perf_counter()
     for i in range(0, asked, batch):
-        hits[w] += pools[w].search_many(questions[i: min(i + batch, asked)], k=args.k)
-        if w == 1 and time.perf_counter() - t > args.seconds:
+        found += pools[w].search_many(questions[i: min(i + batch, asked)], k=args.k)
+        if run == "1" and time.perf_counter() - t > args.seconds:
             break
-    seconds[w] = time.perf_counter() - t
-    print(f"{w} reader(s): {len(hits[w])} questions in {seconds[w]:.1f} s", flush=True)
-m = len(hits[1])
+    hits[run], seconds[run] = found, time.perf_counter() - t
+    print(f"{run} reader(s): {len(found)} questions in {seconds[run]:.1f} s", flush=True)
+m = len(hits["1"])
 key = lambda spans: [(s.doc_id, s.start, s.end) for s in spans]  # noqa: E731
-same = [key(a) == key(b) for a, b in zip(hits[1], hits[n])]
-diff = max((abs(x.score - y.score) for a, b in zip(hits[1], hits[n]) for x, y in zip(a, b)), default=0.0)
-qps = {w: m / seconds[w] for w in (1, n)}
+same = [key(a) == key(b) == key(c) for a, b, c in zip(hits["1"], hits[str(n)], hits["1 again"])]
+diff = max((abs(x.score - y.score) for a, b in zip(hits["1"], hits[str(n)]) for x, y in zip(a, b)), default=0.0)
+qps = {run: m / s for run, s in seconds.items()}
 gold = [{t for t, _ in it["supporting_facts"]} for it in items[:m]]
 recall5 = float(np.mean([len(g & set(list(dict.fromkeys(s.doc_id for s in h))[:5])) / len(g)
-                         for g, h in zip(gold, hits[n]) if g]))
-result |= {"questions_timed": m, "seconds": {str(w): seconds[w] for w in (1, n)},
-           "questions_per_s": {str(w): qps[w] for w in (1, n)}, "speedup": qps[n] / qps[1],
+                         for g, h in zip(gold, hits[str(n)]) if g]))
+result |= {"questions_timed": m, "seconds": seconds, "questions_per_s": qps,
+           "speedup": qps[str(n)] / max(qps["1"], qps["1 again"]), "speedup_first_pass": qps[str(n)] / qps["1"],
            "identical_rankings": all(same), "questions_differing": len(same) - sum(same),
            "max_abs_score_diff": diff, "recall@5_distinct_paragraphs": recall5}
 
@@ -146,7 +149,7 @@ if args.check:  # one process, in this driver, on the first questions: EndoIndex
     for r in readers:
         ray.kill(r)
     one = EndoIndex.load(folder, None if args.model == "default" else args.model)
-    checked = [key(one.search(q, k=args.k)) == key(h) for q, h in zip(questions[: args.check], hits[n])]
+    checked = [key(one.search(q, k=args.k)) == key(h) for q, h in zip(questions[: args.check], hits[str(n)])]
     result |= {"one_process_checked": len(checked), "one_process_identical": sum(checked)}
 Path(args.out).write_text(json.dumps(result, indent=1))
 print(json.dumps(result, indent=1))
@@ -181,7 +184,7 @@ lines = [f"# 2 against 1 on Ray ({device})", "", "| run | 1 | 2 | speed-up |", "
          f"{fmt(value('ilre_speedup', 'ilre'), 'x')} |"]
 if pipeline and "questions_per_s" in pipeline:
     q = pipeline["questions_per_s"]
-    lines.append(f"| endo over dev300 ({pipeline['model']}), questions/s | {fmt(q['1'])} | {fmt(q['2'])} | "
+    lines.append(f"| endo over dev300 ({pipeline['model']}), questions/s | {fmt(q['1'])} (again: {fmt(q.get('1 again'))}) | {fmt(q['2'])} | "
                  f"{fmt(pipeline['speedup'], 'x')} |")
 lines += ["", f"ILRe: largest |A^C| difference {fmt(value('ilre_max_abs_diff', 'ilre'))}, same allocation: "
           f"{rows.get(('ilre_max_abs_diff', 'ilre'), {}).get('same_allocation')}."]
