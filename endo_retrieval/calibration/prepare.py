@@ -123,7 +123,7 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
     t = time.perf_counter()
     documents = zero_label.read_documents(args.documents)
     share = zero_label.TWO_HOP_SHARE
-    settings = [n_tasks, n_passkeys, n_questions, lengths, args.seed, round(share, 4)]
+    settings = [n_tasks, n_passkeys, n_questions, lengths, args.seed, round(share, 4), zero_label.HARD_SHARE]
     fingerprint = f"{zero_label.fingerprint(documents)}/{settings}"
     state = {} if args.force else _state(state_path, bb.model_hash)
     if state.get("fingerprint") != fingerprint:  # other documents or sizes: nothing of an earlier run applies

@@ -73,20 +73,28 @@ def test_tasks_keep_their_evidence_verbatim(setup):
     assert all(q["supporting_facts"][0][0] in titles for q in questions)
 
 
-def test_balanced_tasks_are_half_ones_bm25_does_not_rank_first(monkeypatch):
+def test_balanced_tasks_are_a_share_of_ones_bm25_does_not_rank_first(monkeypatch):
     from endo_retrieval.calibration import zero_label
     from endo_retrieval.calibration.zero_label import Chunk, Task, balanced, bm25_ranks
+    from endo_retrieval.index import passages
 
     chunks = [Chunk(f"c{i}", "d", t) for i, t in enumerate(["blue boats", "yellow boats on the lake", "red pears"])]
     asks = [Task("a", "blue boats", "", 0, "keywords"), Task("b", "boats", "", 1, "keywords")]
     assert bm25_ranks(asks, chunks) == [0, 1]  # the shorter chunk wins "boats"
+    # BM25 as the pipeline's stage 1: over stems an inflected word still finds its chunk, over words it does not
+    inflected = [Task("c", "blue pear", "", 2, "keywords")]  # "blue" is the boats chunk's
+    assert bm25_ranks(inflected, chunks) == [0]
+    monkeypatch.setattr(passages, "STEMS", False)
+    assert bm25_ranks(inflected, chunks) == [1]
+    monkeypatch.setattr(passages, "STEMS", True)
 
     ranks = [0, 5, 0, 0, 40, 2, 0, 0, 1, 0]  # BM25's rank of each task's own chunk
     tasks = [Task(str(i), f"q{i}", "", 0, "keywords") for i in range(len(ranks))]
     monkeypatch.setattr(zero_label, "bm25_ranks", lambda ts, cs: [ranks[int(t.id)] for t in ts])
-    picked = [int(t.id) for t in balanced(tasks, chunks, 6, depth=20)]
+    picked = [int(t.id) for t in balanced(tasks, chunks, 6, hard_share=0.5, depth=20)]
     assert picked == [0, 1, 2, 3, 5, 8]  # the three hard ones found in 20, three easy ones, in the made order
-    assert [int(t.id) for t in balanced(tasks, chunks, 6, depth=3)] == [0, 2, 3, 5, 6, 8]  # rank 5 is past 3
+    assert [int(t.id) for t in balanced(tasks, chunks, 4, hard_share=0.75, depth=20)] == [0, 1, 5, 8]
+    assert [int(t.id) for t in balanced(tasks, chunks, 6, hard_share=0.5, depth=3)] == [0, 2, 3, 5, 6, 8]  # 5 > 3
 
 
 def test_prepare_makes_skips_resumes_and_the_retriever_answers(setup, monkeypatch, capsys):
