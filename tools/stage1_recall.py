@@ -2,6 +2,11 @@
 pooled paragraphs, over stems (as shipped) and over words, beside LlamaIndex's BM25Retriever.
 
     .venv/bin/python tools/stage1_recall.py ../shared/data/hotpotqa/dev300.json
+    .venv/bin/python tools/stage1_recall.py ../shared/data/hotpotqa/fit300.json --made
+
+--made: the same recall on the tasks `endo prepare` makes from the file's paragraphs (one document per question's
+ten, as plain text: no question or label read; 100 heads tasks and 300 pipeline tasks, the pipeline's counted),
+judged hard by BM25 over words or over stems, at two shares of hard tasks (`zero_label.HARD_SHARE`).
 """
 import os
 import sys
@@ -15,7 +20,7 @@ from endo_bench.corpus_bench import corpus_nodes, gold_titles  # noqa: E402
 
 from endo_retrieval.calibration.datasets import hotpotqa_corpus  # noqa: E402
 from endo_retrieval.index import passages as stage1  # noqa: E402
-from endo_retrieval.index.engine import Document, EndoIndex  # noqa: E402
+from endo_retrieval import Document, EndoIndex  # noqa: E402
 
 KS = (2, 5, 10, 20)
 
@@ -55,5 +60,33 @@ def main(path: str) -> None:
         print(name, " ".join(f"recall@{k} {100 * v:.1f}" for k, v in recall(ranked, items).items()))
 
 
+def made_tasks(path: str) -> None:
+    from endo_retrieval import Backbone
+    from endo_retrieval.calibration import zero_label
+    from endo_retrieval.scoring.bm25 import OkapiPostings, words
+
+    import json
+
+    documents = [(f"q{i:03d}.txt", "\n\n".join(t + ": " + " ".join(s) for t, s in it["context"]))
+                 for i, it in enumerate(json.load(open(path)))]
+    chunks = zero_label.chunk_documents(documents, Backbone().count_tokens)
+    made = zero_label.make_tasks(chunks, 8 * 400, 0)
+    linked = zero_label.two_hop_tasks(chunks, 8 * round(zero_label.TWO_HOP_SHARE * 400), 0)
+    bm25 = OkapiPostings.build([words(c.text) for c in chunks], True)  # the pipeline's stage 1
+    balanced = zero_label.balanced
+    for judged_by, share in (("words", 0.5), ("stems", 0.5), ("stems", zero_label.HARD_SHARE)):
+        stage1.STEMS = judged_by == "stems"  # what `bm25_ranks` judges a task's difficulty with
+        zero_label.balanced = lambda t, c, n, hard_share=share, depth=20: balanced(t, c, n, hard_share, depth)
+        tasks = zero_label.mixed(made, linked, chunks, 400, depth=20)[100:]
+        zero_label.balanced, stage1.STEMS = balanced, True
+        found = {k: [] for k in KS}
+        for t in tasks:
+            order = np.argsort(-bm25.get_scores(words(t.question)), kind="stable")
+            for k in KS:
+                found[k].append(len(set(order[:k].tolist()) & set(t.golds)) / len(t.golds))
+        print(f"made tasks judged by BM25 over {judged_by}, hard share {share}:",
+              " ".join(f"recall@{k} {100 * np.mean(v):.1f}" for k, v in found.items()))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    made_tasks(sys.argv[1]) if "--made" in sys.argv[2:] else main(sys.argv[1])
