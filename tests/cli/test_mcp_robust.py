@@ -4,9 +4,10 @@ nothing is written outside its index folder. In-process with the SDK's own clien
 import asyncio
 import json
 import os
-import select
+import queue
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -123,11 +124,17 @@ def test_malformed_json_rpc_over_stdio_gets_errors_and_the_server_lives_on():
         proc.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 7, "method": "initialize", "params": {
             "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}) + "\n")
         proc.stdin.flush()
+        # a thread reads the replies: select() on the pipe would wait for more bytes while lines it already read
+        # sit in the file's buffer, a wait that depended on how the replies happened to arrive
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, "")] + [lines.put("")],
+                         daemon=True).start()
         replies = []
         while not any(r.get("id") == 7 for r in replies):
-            ready, _, _ = select.select([proc.stdout], [], [], 60)
-            assert ready, f"no answer to initialize after malformed input; got {replies}"
-            line = proc.stdout.readline()
+            try:
+                line = lines.get(timeout=120)
+            except queue.Empty:
+                raise AssertionError(f"no answer to initialize after malformed input; got {replies}") from None
             assert line, f"the server exited (code {proc.poll()}) after malformed input; got {replies}"
             replies.append(json.loads(line))
         assert proc.poll() is None
