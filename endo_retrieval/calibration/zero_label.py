@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from endo_retrieval.index import passages
 from endo_retrieval.index.text_files import read_text_file, text_files
 from endo_retrieval.scoring.bm25 import OkapiPostings, words
 from endo_retrieval.calibration.datasets import Example, PARAGRAPH_SEPARATOR, make_passkey, passkey_needle
@@ -365,10 +366,6 @@ def bm25_ranks(tasks: list[Task], chunks: list[Chunk]) -> list[int]:
     BM25 as the pipeline's stage 1 has it (over stems unless `passages.STEMS` is off): judged over words, a task
     made hard by inflecting its words was easy for the stemmed stage 1, and the tasks' stage-1 recall@2 / @5 / @10
     on fit300's paragraphs was 80.7 / 91.2 / 94.3, against 57.8 / 77.4 / 90.0 for its real questions."""
-    import numpy as np
-
-    from endo_retrieval.index import passages
-
     bm25 = OkapiPostings.build([words(c.text) for c in chunks], passages.STEMS)
     out = []
     for t in tasks:
