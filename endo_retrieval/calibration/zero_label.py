@@ -375,10 +375,10 @@ def bm25_ranks(tasks: list[Task], chunks: list[Chunk]) -> list[int]:
     return out
 
 
-# the share of fit300's real questions (its 2,960 paragraphs pooled) whose weakest gold BM25 finds in its first
-# 20 but not first: 0.71. Made tasks balanced so have a stage-1 recall@2 / @5 / @10 of 58.0 / 79.5 / 90.0 on the
-# same paragraphs, against the real questions' 57.8 / 77.4 / 90.0 (at a share of 0.5: 72.2 / 87.8 / 94.2;
-# `tools/stage1_recall.py --made`)
+# of fit300's real questions whose weakest gold BM25 finds in its first 20 (its 2,960 paragraphs pooled), the
+# share it does not rank first: 0.71. Made tasks balanced so have a stage-1 recall@2 / @5 / @10 of 58.0 / 79.5 /
+# 90.0 on the same paragraphs, against the real questions' 57.8 / 77.4 / 90.0 (at a share of 0.5: 72.2 / 87.8 /
+# 94.2; `tools/stage1_recall.py --made`)
 HARD_SHARE = 0.7
 
 
