@@ -184,8 +184,8 @@ lines = [f"# 2 against 1 on Ray ({device})", "", "| run | 1 | 2 | speed-up |", "
          f"{fmt(value('ilre_speedup', 'ilre'), 'x')} |"]
 if pipeline and "questions_per_s" in pipeline:
     q = pipeline["questions_per_s"]
-    lines.append(f"| endo over dev300 ({pipeline['model']}), questions/s | {fmt(q['1'])} (again: {fmt(q.get('1 again'))}) | {fmt(q['2'])} | "
-                 f"{fmt(pipeline['speedup'], 'x')} |")
+    lines.append(f"| endo over dev300 ({pipeline['model']}), questions/s | {fmt(q['1'])} "
+                 f"(again: {fmt(q.get('1 again'))}) | {fmt(q['2'])} | {fmt(pipeline['speedup'], 'x')} |")
 lines += ["", f"ILRe: largest |A^C| difference {fmt(value('ilre_max_abs_diff', 'ilre'))}, same allocation: "
           f"{rows.get(('ilre_max_abs_diff', 'ilre'), {}).get('same_allocation')}."]
 if pipeline and "questions_timed" in pipeline:

@@ -8,6 +8,7 @@ pooled paragraphs, over stems (as shipped) and over words, beside LlamaIndex's B
 ten, as plain text: no question or label read; 100 heads tasks and 300 pipeline tasks, the pipeline's counted),
 judged hard by BM25 over words or over stems, at two shares of hard tasks (`zero_label.HARD_SHARE`).
 """
+import json
 import os
 import sys
 
@@ -65,20 +66,16 @@ def made_tasks(path: str) -> None:
     from endo_retrieval.calibration import zero_label
     from endo_retrieval.scoring.bm25 import OkapiPostings, words
 
-    import json
-
     documents = [(f"q{i:03d}.txt", "\n\n".join(t + ": " + " ".join(s) for t, s in it["context"]))
                  for i, it in enumerate(json.load(open(path)))]
     chunks = zero_label.chunk_documents(documents, Backbone().count_tokens)
     made = zero_label.make_tasks(chunks, 8 * 400, 0)
     linked = zero_label.two_hop_tasks(chunks, 8 * round(zero_label.TWO_HOP_SHARE * 400), 0)
     bm25 = OkapiPostings.build([words(c.text) for c in chunks], True)  # the pipeline's stage 1
-    balanced = zero_label.balanced
     for judged_by, share in (("words", 0.5), ("stems", 0.5), ("stems", zero_label.HARD_SHARE)):
         stage1.STEMS = judged_by == "stems"  # what `bm25_ranks` judges a task's difficulty with
-        zero_label.balanced = lambda t, c, n, hard_share=share, depth=20: balanced(t, c, n, hard_share, depth)
-        tasks = zero_label.mixed(made, linked, chunks, 400, depth=20)[100:]
-        zero_label.balanced, stage1.STEMS = balanced, True
+        tasks = zero_label.mixed(made, linked, chunks, 400, depth=20, hard_share=share)[100:]
+        stage1.STEMS = True
         found = {k: [] for k in KS}
         for t in tasks:
             order = np.argsort(-bm25.get_scores(words(t.question)), kind="stable")

@@ -399,12 +399,12 @@ def balanced(tasks: list[Task], chunks: list[Chunk], n: int, hard_share: float =
 
 
 def mixed(single: list[Task], two_hop: list[Task], chunks: list[Chunk], n: int, share: float = TWO_HOP_SHARE,
-          depth: int = 20) -> list[Task]:
+          depth: int = 20, hard_share: float = HARD_SHARE) -> list[Task]:
     """`n` tasks, `share` of them two-hop (fewer when fewer were made; single-hop ones fill in), each kind balanced
-    on its own (`balanced`), spread evenly through the list so every leading part of it (the heads' tasks, then
-    the pipeline's) holds about the same share."""
-    two = balanced(two_hop, chunks, min(len(two_hop), round(share * n)), depth=depth) if two_hop else []
-    one = balanced(single, chunks, n - len(two), depth=depth)
+    on its own (`balanced`, `hard_share` of each hard), spread evenly through the list so every leading part of it
+    (the heads' tasks, then the pipeline's) holds about the same share."""
+    two = balanced(two_hop, chunks, min(len(two_hop), round(share * n)), hard_share, depth) if two_hop else []
+    one = balanced(single, chunks, n - len(two), hard_share, depth)
     placed = [((i + 0.5) / len(one), 0, t) for i, t in enumerate(one)]
     placed += [((i + 0.5) / len(two), 1, t) for i, t in enumerate(two)]
     return [t for *_, t in sorted(placed, key=lambda x: x[:2])]
