@@ -7,9 +7,9 @@
 # tools/device-parts.sh under /root/parts/NAME.file, MiniLM unpacked under /root/parts/minilm/.
 #
 #   bash tools/device-real-models.sh PHASE NAME...
-# PHASE: calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | decode |
-#        reattention | ilre128k | papers | collect
-# LAT=0: `decode` leaves out its latency run (time it with nothing beside it)
+# PHASE: calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | s3probe |
+#        decode | attnlatency | reattention | ilre128k | passkeyilre | papers | collect
+# ACC_BUDGETS="0.02 0.05": `decode`'s accuracy runs, one process per budget fraction (default 0.05)
 # NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
 #
 # Every phase stops its processes at DEADLINE seconds (default 550) and packs what they wrote, with their logs,
@@ -228,7 +228,7 @@ s3)  # S3-Attention on a real model: SAEs on its keys (WikiText-2, as the paper)
     wait
   }
   bg "s3_$m" s3_chain ;;
-decode)  # retrieval-completion attention and PrHS on a real model: phi maps distilled (PHI=1), error, accuracy, latency
+decode)  # retrieval-completion attention and PrHS on a real model: phi maps distilled (PHI=1), error, accuracy
   m=${1:-q15}
   phi=${PHI:+,topk+phi}
   phi_chain() {
@@ -237,15 +237,39 @@ decode)  # retrieval-completion attention and PrHS on a real model: phi maps dis
     endo bench attention --model "$(model "$m")" --measure error --attention dense,topk$phi,prhs \
       --context-tokens 8192,16384,32768 --budgets 0.01,0.02,0.03,0.05 --error-windows 4 --error-queries 16 \
       --error-text "$data/pg_essays" ${phi:+--phi default} --out "$res/error_8k-32k_$m.json" > "$res/error_$m.log" 2>&1 &
-    [ "${ACC:-1}" = 0 ] || endo bench attention --model "$(model "$m")" --measure accuracy --attention dense,topk$phi,prhs \
-      --accuracy-budget 0.05 --context-tokens 8192,32768 --depths 5 --data passkey:$data/pg_essays \
-      --data "$hot/dev30.json" --limit 10 ${phi:+--phi default --phi-tolerance 4.1} --out "$res/accuracy_8k-32k_$m.json" \
-      > "$res/accuracy_$m.log" 2>&1 &
+    local dense=dense,  # dense reads every key whatever the budget: in the first budget's process only
+    [ "${ACC:-1}" = 0 ] || for b in ${ACC_BUDGETS:-0.05}; do
+      endo bench attention --model "$(model "$m")" --measure accuracy --attention ${dense}topk$phi,prhs \
+        --accuracy-budget $b --context-tokens 8192,32768 --depths 5 --data passkey:$data/pg_essays \
+        --data "$hot/dev30.json" --limit 10 ${phi:+--phi default --phi-tolerance 4.1} \
+        --out "$res/accuracy_8k-32k_b${b}_$m.json" > "$res/accuracy_b${b}_$m.log" 2>&1 &
+      dense=
+    done
     wait
   }
-  bg "phi_$m" phi_chain
-  [ "${LAT:-1}" = 0 ] || bg "latency_attn_$m" endo bench attention --model "$(model "$m")" --measure latency --attention dense,topk,prhs \
-    --accuracy-budget 0.125 --latency-keys 32768 --latency-batch 4 --error-text "$data/pg_essays" --out "$res/attn_latency_32k_$m.json" ;;
+  bg "phi_$m" phi_chain ;;  # its latency: `attnlatency`, with nothing beside it
+attnlatency)  # the decode step at 32k cached keys, dense SDPA against the sparse backends, nothing beside it
+  m=${1:-q15}
+  endo bench attention --model "$(model "$m")" --measure latency --attention dense,topk,prhs --accuracy-budget 0.125 \
+    --latency-keys 32768 --latency-batch 4 --error-text "$data/pg_essays" --out "$res/attn_latency_32k_$m.json" \
+    > "$res/attn_latency_32k_$m.log" 2>&1 ;;
+s3probe)  # S3 with the question encoded from its keys (tools/s3_key_probe.py), beside the shipped query encoding
+  m=${1:-q15}
+  s3_probe() {
+    local sae=$assets/sae/$(slug "$m")
+    [ -f "$sae/card.json" ] || endo train-sae --model "$(model "$m")" --corpus "$data/wikitext2/valid.txt" \
+      --heldout "$data/wikitext2/test.txt" --out "$sae" > "$res/train_sae_$m.log" 2>&1 || return 1
+    mkdir -p "$res/sae_$m" && cp "$sae/card.json" "$res/sae_$m/"
+    python3 tools/s3_key_probe.py bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens 8192 \
+      --budget 1024 --limit ${S3_LIMIT:-150} --no-generate --no-reference --methods s3,s3-hybrid \
+      --out "$res/s3_keys_dev300_8192_$m.json"
+  }
+  bg "s3probe_$m" s3_probe ;;
+passkeyilre)  # ILRe's passkeys at the CONTEXTS given (default 65536), beside endo and bm25-sent
+  m=${1:-q15}
+  bg "passkey_ilre_$m" endo bench quality $(margs "$m") --data passkey:$data/pg_essays --limit 10 --no-generate \
+    --context-tokens ${CONTEXTS:-65536} --budget 1024 --methods ilre,endo,bm25-sent \
+    --out "$res/passkey_ilre_${CONTEXTS:-65536}_$m.json" ;;
 reattention)  # passkeys inside (32k) and past (64k, 128k) the 1.5B model's window, dense against ReAttention
   # RUNS: the attention:context pairs to run (default all six); DEPTHS: passkey depths per context (default 4)
   m=${1:-q15}
