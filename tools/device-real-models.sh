@@ -7,7 +7,7 @@
 # tools/device-parts.sh under /root/parts/NAME.file, MiniLM unpacked under /root/parts/minilm/.
 #
 #   bash tools/device-real-models.sh PHASE NAME...
-# PHASE: calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | s3probe |
+# PHASE: convert | calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | s3probe |
 #        decode | attnlatency | reattention | ilre128k | passkeyilre | papers | collect
 # ACC_BUDGETS="0.02 0.05": `decode`'s accuracy runs, one process per budget fraction (default 0.05)
 # NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
@@ -126,6 +126,8 @@ case $phase in
 zero)  # zero-label: endo prepare from the fit300 documents, then its dev300 benches
   fit300_documents; mkdir -p /root/res/calibrate
   for m in "$@"; do bg "zero_$m" zero_label "$m"; done ;;
+convert)  # each GGUF file converted once (the cache), before processes that would race to convert it run beside each other
+  for m in "$@"; do endo info --model "$(model "$m")" --json > "$res/info_$m.json" 2>&1 & done; wait ;;
 collect) ;;  # only pack what an earlier phase left (e.g. one stopped at the call's limit)
 calibrate)
   for m in "$@"; do endo info --model "$(model "$m")" --json > "$res/info_$m.json" 2>&1 & done; wait  # convert once
