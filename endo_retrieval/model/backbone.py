@@ -23,6 +23,7 @@ import torch
 
 from endo_retrieval.files import cache_dir
 from endo_retrieval.model.chunk_graph import KEEP, ChunkGraph
+from endo_retrieval.model.parts_graph import PartsGraphs
 from endo_retrieval.model import generation
 from endo_retrieval.model.streaming import Chunk, StreamOptions, stream_chunks
 from endo_retrieval.model.locate import (DEFAULT_MODEL, SUPPORTED_FAMILIES, BackboneError,  # noqa: F401 (public here)
@@ -164,6 +165,9 @@ class Backbone:
         self.lock = threading.RLock()
         self.chunk_graphs = True  # on CUDA, stream() replays repeated chunk shapes from CUDA graphs (chunk_graph.py)
         self._graphs: OrderedDict[tuple, ChunkGraph] = OrderedDict()
+        # on CUDA, the batched reads' forwards replay from CUDA graphs over bucketed shapes (parts_graph.py);
+        # `parts_graphs.enabled = False` runs them eagerly
+        self.parts_graphs = PartsGraphs()
 
     @classmethod
     def default(cls, device: str | None = None) -> "Backbone":

@@ -38,8 +38,9 @@ def side_stream(role: str, device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[role, device]
 
 
-def capture_graph(fn, device: torch.device, warmups: int = 1):
-    """(graph, fn's output) of `fn` captured after `warmups` eager runs, all on the one capture stream per device."""
+def capture_graph(fn, device: torch.device, warmups: int = 1, pool=None):
+    """(graph, fn's output) of `fn` captured after `warmups` eager runs, all on the one capture stream per device;
+    `pool`: a memory pool shared with other graphs (`torch.cuda.graph_pool_handle`)."""
     stream = side_stream("capture", device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):  # warm-up outside the capture (cuBLAS and SDPA pick their kernels)
@@ -47,7 +48,7 @@ def capture_graph(fn, device: torch.device, warmups: int = 1):
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = fn()
     return graph, out
 

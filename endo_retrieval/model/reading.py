@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.model.backbone import BackboneError
+from endo_retrieval.model.parts_graph import CONTEXT, LEAD
 from endo_retrieval.model.threads import threads_for_cpu_work
 
 HOST_CACHES_FROM = 32768  # contexts at least this long keep their segments' caches in host memory between questions
@@ -236,15 +237,18 @@ def _attention(backbone, name: str):
         config._attn_implementation = before
 
 
-def _behind(context: np.ndarray, parts: Sequence[np.ndarray], start: int, device
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, positions), each (1, T) on `device`: `context`, then the parts' shared lead once and each part's tail,
-    every part at positions start, start + 1, ... (where it would be asked alone)."""
+def _behind(context: np.ndarray, parts: Sequence[np.ndarray], start: int
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, positions, groups) of the rows of one forward: `context`, then the parts' shared lead once and each
+    part's tail, every part at positions start, start + 1, ... (where it would be asked alone); each row's group
+    (`parts_graph`: context, the lead, or part i's own, i + 1) says which rows it may see (`parts_mask`)."""
     lead = shared_lead(parts)
     ids = np.concatenate([context, parts[0][:lead], *(p[lead:] for p in parts)])
     positions = np.concatenate([np.arange(len(context)), np.arange(start, start + lead)] +
                                [np.arange(start + lead, start + len(p)) for p in parts])
-    return torch.as_tensor(ids, device=device)[None], torch.as_tensor(positions, device=device)[None]
+    groups = np.concatenate([np.full(len(context), CONTEXT), np.full(lead, LEAD)] +
+                            [np.full(len(p) - lead, i + 1) for i, p in enumerate(parts)])
+    return ids.astype(np.int64), positions.astype(np.int64), groups.astype(np.int64)
 
 
 def _part_queries(backbone, store, layers, parts, first_row: int, start: int) -> list[dict[int, torch.Tensor]]:
@@ -299,8 +303,20 @@ def _forward_parts(backbone, cache, lead: np.ndarray, parts: list[np.ndarray], n
                    capture: tuple[str, ...], int8: bool, threads=nullcontext(), back_to_host: bool = False) -> dict:
     """One forward of `lead` (the segment's tokens, or none when `cache` holds them) with every part behind its `n`
     tokens (`parts_mask`); the cache is cut back to the segment (and moved to the host, `back_to_host`). The
-    hooked projections (`Backbone.run_to`) come back."""
-    x, pos = _behind(lead, parts, n, backbone.device)
+    hooked projections (`Backbone.run_to`) come back. On a GPU, a shape seen before replays a CUDA graph
+    (`parts_graph.py`): the same states, to float tolerance, at one launch."""
+    ids, pos, groups = _behind(lead, parts, n)
+    graph = None if int8 or back_to_host else \
+        backbone.parts_graphs.get(backbone, n - len(lead), len(ids), layers, capture)
+    if graph is not None:
+        with backbone.lock:
+            store, kv = graph(ids, pos, groups, cache if not len(lead) else None, n - len(lead))
+            if len(lead):  # the segment's cache, copied out of the graph's buffers
+                for l, (k, v) in sorted(kv.items()):
+                    cache.update(k[:, :, :n], v[:, :, :n], l)
+            # copies of the real rows' states: the next replay (another thread's, maybe) rewrites the outputs
+            return {kind: {l: t[:, :, :len(ids)].clone() for l, t in states.items()} for kind, states in store.items()}
+    x, pos = (torch.as_tensor(t, device=backbone.device)[None] for t in (ids, pos))
     mask = parts_mask(n, parts, backbone.device)
     with backbone.lock, torch.inference_mode(), threads, \
             backbone.run_to(layers[-1], layers, capture, int8, projections_only=True) as store, \

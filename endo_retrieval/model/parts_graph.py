@@ -1,0 +1,141 @@
+"""The batched reads' forwards (`model.reading._forward_parts`) replayed from CUDA graphs over bucketed shapes.
+
+A question to the default pipeline runs two forwards: the candidates with the question and the content-free
+question behind them, then the second hop's two parts behind the candidates' cache. Eager, each launches about
+1,500 kernels from the host, and on a GPU the launches cost more than the arithmetic (docs/perf/launches.md).
+Captured once per shape and replayed, a forward is one launch. Shapes differ per question, so a forward's rows are
+padded up to a multiple of BUCKET and the cache it reads behind is copied into a buffer of a bucketed length; which
+keys a row sees is computed inside the graph from one group label per key (`group_mask`, the rule of `parts_mask`
+and of the context's causal mask), so nothing that differs between questions is a host value. Padded rows see
+what comes before them and themselves; no real row sees a padded key.
+
+The same padded forward run eagerly (a `PartsGraph` on a CPU runs it so) is the twin the tests hold against the
+plain batched read, and the replay against it on the device. Every output of a replay is consumed (copied or
+computed from) before the next replay, under the backbone's lock: the graphs share one memory pool.
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from endo_retrieval.model.chunk_graph import capture_graph
+
+PAD, CONTEXT, LEAD = -2, -1, 0  # key groups; part i's own rows are group i + 1
+BUCKET = 256  # rows and cached keys are padded up to a multiple of this: a handful of shapes per workload
+MAX_KEYS = 8192  # cached keys + rows above this run eagerly (such a read is bound by arithmetic, not launches)
+MIN_REPLAYS = 2  # a shape seen fewer times runs eagerly: a capture costs about three forwards
+KEEP = 12  # captured shapes kept per backbone, least recently used dropped; each keeps its outputs' memory
+
+
+def bucket(n: int) -> int:
+    return -(-n // BUCKET) * BUCKET
+
+
+def group_mask(groups: torch.Tensor, cached: int) -> torch.Tensor:
+    """(1, 1, rows, cached + rows) bool: which keys each row attends to, for keys labelled `groups` (cached keys,
+    then the rows' own). A row sees the keys up to itself that are context, the parts' shared lead, or its own
+    group, never a padded one; and itself (a padded row so attends to at least one key)."""
+    col = torch.arange(len(groups), device=groups.device)
+    at = col[cached:, None]  # each row's own column
+    own = groups[cached:, None]
+    sees = (groups == CONTEXT) | (groups == LEAD) | (groups == own)
+    return ((sees & (groups != PAD) & (col <= at)) | (col == at))[None, None]
+
+
+class GraphKV:
+    """The KV cache a captured forward writes: per layer, the `prefix` buffers' keys and values (the cache read
+    behind, as static inputs) followed by the forward's own. Only what Hugging Face's attention layers call."""
+
+    def __init__(self, prefix: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        self.prefix, self.kv = prefix, {}
+
+    def update(self, keys, values, layer_idx, cache_kwargs=None):
+        if layer_idx in self.prefix:
+            before_k, before_v = self.prefix[layer_idx]
+            keys, values = torch.cat([before_k, keys], dim=2), torch.cat([before_v, values], dim=2)
+        self.kv[layer_idx] = keys, values
+        return keys, values
+
+
+class PartsGraph:
+    """One forward of `rows` rows behind `cached` cached keys (both bucketed) up to max(layers): ids, positions and
+    key groups in, the hooked pre-RoPE states and each cached layer's keys and values out. On CUDA captured at
+    construction and replayed per call; elsewhere run eagerly per call (the twin)."""
+
+    def __init__(self, backbone, cached: int, rows: int, layers: Sequence[int], capture: Sequence[str], pool=None):
+        self.backbone, self.cached, self.rows = backbone, cached, rows
+        self.layers, self.capture = list(layers), tuple(capture)
+        device, n_kv, d = backbone.device, backbone.n_kv_heads, backbone.head_dim
+        self.ids = torch.zeros(1, rows, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, rows, dtype=torch.long, device=device)
+        self.groups = torch.full((cached + rows,), PAD, dtype=torch.long, device=device)
+        # the last layer runs its projections only (`run_to`), so layers 0..max(layers) - 1 hold a cache
+        self.prefix = {l: tuple(torch.zeros(1, n_kv, cached, d, dtype=backbone.dtype, device=device)
+                                for _ in range(2)) for l in range(self.layers[-1])} if cached else {}
+        self.cache_position = torch.arange(cached, cached + rows, device=device)
+        self.graph = None
+        if device.type == "cuda":
+            self.graph, self.out = capture_graph(self._forward, device, warmups=2, pool=pool)
+
+    def _forward(self):
+        bb, kv = self.backbone, GraphKV(self.prefix)
+        with torch.inference_mode(), bb.run_to(self.layers[-1], self.layers, self.capture,
+                                               projections_only=True) as store:
+            bb.model.model(input_ids=self.ids, position_ids=self.pos, attention_mask=group_mask(self.groups,
+                           self.cached), past_key_values=kv, cache_position=self.cache_position, use_cache=True)
+        return {kind: dict(states) for kind, states in store.items()}, kv.kv
+
+    def __call__(self, ids: np.ndarray, pos: np.ndarray, groups: np.ndarray, cache=None, n_cached: int = 0):
+        """(store, kv) of the rows `ids` at positions `pos`, labelled `groups`, behind the first `n_cached` tokens
+        of `cache` (a Hugging Face cache; none for a forward of the context itself). Views of the graph's outputs:
+        use them before the next call."""
+        T = len(ids)
+        with torch.no_grad():
+            self.ids.copy_(torch.from_numpy(np.pad(ids, (0, self.rows - T)))[None])
+            self.pos.copy_(torch.from_numpy(np.pad(pos, (0, self.rows - T)))[None])
+            labels = np.full(self.cached + self.rows, PAD, np.int64)
+            labels[:n_cached] = CONTEXT
+            labels[self.cached:self.cached + T] = groups
+            self.groups.copy_(torch.from_numpy(labels))
+            if n_cached:  # the cache read behind, into the static buffers (what lies past it is never seen)
+                dst = [b[:, :, :n_cached] for l in sorted(self.prefix) for b in self.prefix[l]]
+                src = [t for l in sorted(self.prefix) for t in (cache.layers[l].keys, cache.layers[l].values)]
+                torch._foreach_copy_(dst, src)
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        return self.out
+
+
+class PartsGraphs:
+    """A backbone's captured `PartsGraph`s, by bucketed shape: `get` gives the graph a forward should replay, or
+    None where it should run eagerly (not CUDA, turned off, too long, or a shape not seen MIN_REPLAYS times)."""
+
+    def __init__(self):
+        self.enabled = True
+        self.twin = False  # True: off CUDA too, the padded forwards run eagerly (the tests' twin of the replay)
+        self.graphs: OrderedDict[tuple, PartsGraph] = OrderedDict()
+        self.seen: Counter = Counter()
+        self.pool = None
+
+    def get(self, backbone, cached: int, rows: int, layers: Sequence[int], capture: Sequence[str]
+            ) -> PartsGraph | None:
+        if not self.enabled or not (backbone.device.type == "cuda" or self.twin):
+            return None
+        key = (bucket(cached) if cached else 0, bucket(rows), tuple(layers), tuple(sorted(capture)))
+        if key[0] + key[1] > MAX_KEYS:
+            return None
+        self.seen[key] += 1
+        if key not in self.graphs:
+            if self.seen[key] < MIN_REPLAYS:
+                return None
+            if len(self.graphs) >= KEEP:
+                self.graphs.popitem(last=False)
+            if self.pool is None and backbone.device.type == "cuda":
+                self.pool = torch.cuda.graph_pool_handle()
+            self.graphs[key] = PartsGraph(backbone, key[0], key[1], key[2], key[3], pool=self.pool)
+        self.graphs.move_to_end(key)
+        return self.graphs[key]
