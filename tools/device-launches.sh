@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The default pipeline's time, forwards and CUDA launches per question on the device, its query parts read one per
-# forward (`--plain-reads`, as before they were batched) and batched, one process at a time with nothing beside it:
-# `endo bench corpus` on dev300's first 100 questions beside LlamaIndex's BM25, for the default model and, when its
-# file is there, Qwen2.5-Coder-1.5B.
+# The default pipeline's time, forwards and CUDA launches per question on the device, one process at a time with
+# nothing beside it: `endo bench corpus` on dev300's first 100 questions beside LlamaIndex's BM25, for the default
+# model and, when its file is there, Qwen2.5-Coder-1.5B, in each of MODES (default "eager graphs"):
+#   plain   one query part per forward (`--plain-reads --eager`, as before the parts were batched)
+#   eager   the parts batched, two forwards a question, run eagerly (`--eager`)
+#   graphs  the same two forwards replayed from CUDA graphs (the default)
 #
 # Needs, carried: .whl (tools/device-wheels.sh REV), .device-data (a copy of ../shared/data); the default model's
 # package unpacked under /root/parts/smollm/smollm and the 1.5B file at /root/parts/qwen2.5-coder-1.5b-instruct.gguf
 # or /root/parts/q15.file (tools/device-parts.sh smollm|q15 ...), as for tools/device-real-models.sh.
 #
 #   bash tools/device-launches.sh [LIMIT]        (default 100 questions)
-# Writes $OUT/launches.md (p50, forwards and launches per question, plain against batched) and $OUT/launches.tgz
+# Writes $OUT/launches.md (p50, forwards and launches per question, one row per model and mode) and $OUT/launches.tgz
 # (every run's JSON, Markdown and log). Each run stops after RUN_S seconds (default 240).
 set -uo pipefail
 limit=${1:-100}
@@ -34,9 +36,9 @@ q15=/root/parts/qwen2.5-coder-1.5b-instruct.gguf  # named as users have it: the 
 [ -f "$q15" ] && models+=(q15)
 for m in "${models[@]}"; do
   margs=(); [ "$m" = q15 ] && margs=(--model "$q15")
-  for reads in plain batched; do
-    flag=(); [ "$reads" = plain ] && flag=(--plain-reads)
-    name=corpus_${m}_${reads}
+  for mode in ${MODES:-eager graphs}; do
+    case $mode in plain) flag=(--plain-reads --eager) ;; eager) flag=(--eager) ;; *) flag=() ;; esac
+    name=corpus_${m}_${mode}
     [ -f "$res/$name.json" ] && continue  # a finished run is not run again
     timeout "${RUN_S:-240}" endo bench corpus "${margs[@]}" "${flag[@]}" --data "$data/hotpotqa/dev300.json" \
       --limit "$limit" --systems endo,llamaindex-bm25 --out "$res/$name.json" > "$res/$name.log" 2>&1 \
@@ -46,9 +48,9 @@ done
 python3 - "$res" > "$out/launches.md" <<'PY'
 import glob, json, os, sys
 res = sys.argv[1]
-print("| model | reads | device | n | endo p50 ms | p95 ms | read | question | hop2 | forwards | CUDA launches |"
+print("| model | reads | graphs | device | n | endo p50 ms | p95 ms | read | question | hop2 | forwards | CUDA launches |"
       " kernels | recall@5 | BM25 p50 ms |")
-print("|" + "---|" * 14)
+print("|" + "---|" * 15)
 for path in sorted(glob.glob(f"{res}/corpus_*.json")):
     result = json.load(open(path))
     rows = {r["system"]: r for r in result["rows"] if "skipped" not in r}
@@ -57,7 +59,8 @@ for path in sorted(glob.glob(f"{res}/corpus_*.json")):
         continue
     lat, cuda = endo["latency_ms"], endo.get("cuda_per_question") or {}
     stage = lambda s: f"{lat[s]['p50']:.1f}" if s in lat else "-"
-    print(f"| {result['config']['model']} | {result['config']['reads']} | {result['config']['device']} | {endo['n']} "
+    print(f"| {result['config']['model']} | {result['config']['reads']} | {result['config'].get('cuda_graphs', False)} "
+          f"| {result['config']['device']} | {endo['n']} "
           f"| {lat['query']['p50']:.1f} | {lat['query']['p95']:.1f} | {stage('read')} | {stage('question')} "
           f"| {stage('hop2')} | {endo.get('forwards_per_question', '-')} | {cuda.get('launches', '-')} "
           f"| {cuda.get('kernels', '-')} | {endo['recall@5']['value']:.3f} "

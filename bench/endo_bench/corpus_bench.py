@@ -74,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="bootstrap resampling seed")
     p.add_argument("--plain-reads", action="store_true", help="the endo pipelines read one query part per forward "
                    "(five per question, not two; the same rankings): the path before batching, for timing beside it")
+    p.add_argument("--eager", action="store_true", help="on CUDA, the batched reads' forwards run eagerly, not "
+                   "replayed from CUDA graphs (the same rankings to float tolerance): for timing beside them")
     p.add_argument("--depth", type=int, default=None, help="candidates the endo pipelines read (default: the "
                    "model's profile)")
     p.add_argument("--read-tokens", type=int, default=None, help="tokens the endo pipelines read of each candidate "
@@ -471,6 +473,8 @@ def run(args) -> int:
     nodes = corpus_nodes(titles, texts)
     titles_of = {n.node_id: t for n, t in zip(nodes, titles)}
     bb = load_backbone(args.model) if any(s not in FIRST_STAGE_ROWS for s in systems) else None
+    if bb is not None:
+        bb.parts_graphs.enabled = not args.eager
     # resolved (and checked: a bad --depth fails here, not after the rows) before any row runs
     settings = pipeline_settings(bb, args) if any(s in PIPELINE_METHODS for s in systems) else None
     from endo_retrieval.index import passages
@@ -509,6 +513,7 @@ def run_config(args, bb, settings, systems, reference, n_paragraphs, items, gold
             "top": TOP, "ks": list(KS), "bootstrap": {"resamples": RESAMPLES, "level": 0.95},
             "corpus_paragraphs": n_paragraphs, "n_questions": len(items), "embedder": "all-MiniLM-L6-v2",
             "device": str(bb.device) if bb else "cpu", "reads": "plain" if args.plain_reads else "batched",
+            "cuda_graphs": bool(bb and bb.device.type == "cuda" and not args.eager),
             "stage1_terms": "words" if args.unstemmed else "stems",
             "pipeline": settings,
             "question_ids": [it["_id"] for it in items],
