@@ -49,8 +49,11 @@ class GraphKV:
     """The KV cache a captured forward writes: per layer, the `prefix` buffers' keys and values (the cache read
     behind, as static inputs) followed by the forward's own. Only what Hugging Face's attention layers call."""
 
-    def __init__(self, prefix: dict[int, tuple[torch.Tensor, torch.Tensor]]):
-        self.prefix, self.kv = prefix, {}
+    def __init__(self, prefix: dict[int, tuple[torch.Tensor, torch.Tensor]], cached: int):
+        self.prefix, self.cached, self.kv = prefix, cached, {}
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # where the forward's positions start, if not given
+        return self.cached
 
     def update(self, keys, values, layer_idx, cache_kwargs=None):
         if layer_idx in self.prefix:
@@ -75,17 +78,16 @@ class PartsGraph:
         # the last layer runs its projections only (`run_to`), so layers 0..max(layers) - 1 hold a cache
         self.prefix = {l: tuple(torch.zeros(1, n_kv, cached, d, dtype=backbone.dtype, device=device)
                                 for _ in range(2)) for l in range(self.layers[-1])} if cached else {}
-        self.cache_position = torch.arange(cached, cached + rows, device=device)
         self.graph = None
         if device.type == "cuda":
             self.graph, self.out = capture_graph(self._forward, device, warmups=2, pool=pool)
 
     def _forward(self):
-        bb, kv = self.backbone, GraphKV(self.prefix)
+        bb, kv = self.backbone, GraphKV(self.prefix, self.cached)
         with torch.inference_mode(), bb.run_to(self.layers[-1], self.layers, self.capture,
                                                projections_only=True) as store:
             bb.model.model(input_ids=self.ids, position_ids=self.pos, attention_mask=group_mask(self.groups,
-                           self.cached), past_key_values=kv, cache_position=self.cache_position, use_cache=True)
+                           self.cached), past_key_values=kv, use_cache=True)
         return {kind: dict(states) for kind, states in store.items()}, kv.kv
 
     def __call__(self, ids: np.ndarray, pos: np.ndarray, groups: np.ndarray, cache=None, n_cached: int = 0):
