@@ -45,6 +45,20 @@ for m in "${models[@]}"; do
       || echo "$name: exit $?" >> "$res/failed.txt"
   done
 done
+# compress() of one 8192-token dev300 haystack to 1024 tokens (`endo`), eager against replayed, COMPRESS_LIMIT
+# questions (default 50; 0 leaves it out): the quality bench's index and query times
+for m in "${models[@]}"; do
+  [ "${COMPRESS_LIMIT:-50}" = 0 ] && break
+  margs=(); [ "$m" = q15 ] && margs=(--model "$q15")
+  for mode in eager graphs; do
+    flag=(); [ "$mode" = eager ] && flag=(--eager)
+    name=compress_${m}_${mode}
+    [ -f "$res/$name.json" ] && continue
+    timeout "${RUN_S:-240}" endo bench quality "${margs[@]}" "${flag[@]}" --data "$data/hotpotqa/dev300.json" \
+      --context-tokens 8192 --budget 1024 --limit "${COMPRESS_LIMIT:-50}" --no-generate --no-reference \
+      --methods endo,bm25-sent --out "$res/$name.json" > "$res/$name.log" 2>&1 || echo "$name: exit $?" >> "$res/failed.txt"
+  done
+done
 python3 - "$res" > "$out/launches.md" <<'PY'
 import glob, json, os, sys
 res = sys.argv[1]
@@ -65,6 +79,17 @@ for path in sorted(glob.glob(f"{res}/corpus_*.json")):
           f"| {stage('hop2')} | {endo.get('forwards_per_question', '-')} | {cuda.get('launches', '-')} "
           f"| {cuda.get('kernels', '-')} | {endo['recall@5']['value']:.3f} "
           f"| {bm25['latency_ms']['query']['p50'] if bm25 else '-'} |")
+print("\n| compress 8192/1024 | graphs | n | index p50 ms | select p50 ms | sp_recall | bm25-sent select p50 ms |")
+print("|" + "---|" * 7)
+for path in sorted(glob.glob(f"{res}/compress_*.json")):
+    result = json.load(open(path))
+    rows = {r["method"]: r for r in result["rows"]}
+    endo, bm25 = rows.get("endo"), rows.get("bm25-sent")
+    if endo is None or "latency_ms" not in endo:
+        continue
+    lat = endo["latency_ms"]
+    print(f"| {result['config']['model']} | {result['config'].get('cuda_graphs')} | {endo['n']} | {lat.get('index')} "
+          f"| {lat.get('query')} | {endo.get('sp_recall')} | {(bm25 or {}).get('latency_ms', {}).get('query')} |")
 if os.path.exists(f"{res}/failed.txt"):
     print("\nfailed: " + open(f"{res}/failed.txt").read().strip().replace("\n", "; "))
 PY

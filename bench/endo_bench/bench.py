@@ -45,6 +45,8 @@ def quality_add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the full context's reference pass (no kl; past the model's window it is costly and "
                    "not a reference)")
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="greedy answer length")
+    p.add_argument("--eager", action="store_true", help="on CUDA, the batched reads' forwards run eagerly, not "
+                   "replayed from CUDA graphs (the same selections to float tolerance): for timing beside them")
     model_argument(p)
 
 
@@ -54,7 +56,7 @@ def quality_run(args) -> int:
     config = QualityConfig(data=args.data, out=args.out, context_tokens=args.context_tokens or [4096],
                            budgets=args.budget or [1024], methods=args.methods, limit=args.limit, seed=args.seed,
                            skip_bad=args.skip_bad, generate=not args.no_generate, max_new_tokens=args.max_new_tokens,
-                           reference=not args.no_reference)
+                           reference=not args.no_reference, cuda_graphs=not args.eager)
     backbone = None
     if args.model:
         from endo_retrieval.model.backbone import Backbone

@@ -80,6 +80,7 @@ class QualityConfig:
     generate: bool = True
     max_new_tokens: int = MAX_NEW_TOKENS
     reference: bool = True  # False: no full-context pass per example, so no kl (`--no-reference`)
+    cuda_graphs: bool = True  # False: the batched reads run eagerly on CUDA (`--eager`; timing beside the replay)
     progress: bool | None = None  # None: a bar on a terminal only
 
     def __post_init__(self):
@@ -400,7 +401,8 @@ def _load_method(name: str, bb):
 def fingerprint(bb, config: QualityConfig) -> dict:
     return {"model_hash": bb.model_hash, "data": str(config.data), "seed": config.seed,
             "generate": config.generate, "max_new_tokens": config.max_new_tokens, "template": USER_TEMPLATE,
-            "limit": config.limit} | ({} if config.reference else {"reference": False})  # records with kl or not
+            "limit": config.limit} | ({} if config.reference else {"reference": False}) \
+        | ({} if config.cuda_graphs else {"cuda_graphs": False})  # records with kl or not; timed eagerly or not
 
 
 def run_quality(config: QualityConfig, backbone=None) -> dict:
@@ -410,6 +412,7 @@ def run_quality(config: QualityConfig, backbone=None) -> dict:
     from endo_retrieval.model.backbone import Backbone
     wall = time.perf_counter()
     bb = backbone or Backbone.default()
+    bb.parts_graphs.enabled = config.cuda_graphs
     store = RecordStore(config.out.with_suffix(".records.jsonl"), fingerprint(bb, config))
     methods, unavailable = {}, {}
     for name in config.methods:
@@ -447,6 +450,7 @@ def run_quality(config: QualityConfig, backbone=None) -> dict:
                    "seed": config.seed, "limit": config.limit, "methods": config.methods,
                    "n_examples": {str(L): len(d) for L, d in datasets.items()}, "generate": config.generate,
                    "reference": config.reference, "max_new_tokens": config.max_new_tokens,
+                   "cuda_graphs": bb.device.type == "cuda" and config.cuda_graphs,
                    "prompt_template": USER_TEMPLATE,
                    "device": bb.device.type, "torch_threads": torch.get_num_threads(), "skipped_rows": skipped,
                    "notes": notes, "wall_s": round(time.perf_counter() - wall, 1)},

@@ -25,9 +25,9 @@ from endo_retrieval.model.chunk_graph import capture_graph
 
 PAD, CONTEXT, LEAD = -2, -1, 0  # key groups; part i's own rows are group i + 1
 BUCKET = 256  # rows and cached keys are padded up to a multiple of this: a handful of shapes per workload
-MAX_KEYS = 8192  # cached keys + rows above this run eagerly (such a read is bound by arithmetic, not launches)
+MAX_KEYS = 16384  # cached keys + rows above this run eagerly (such a forward is bound by arithmetic, not launches)
 MIN_REPLAYS = 2  # a shape seen fewer times runs eagerly: a capture costs about three forwards
-KEEP = 12  # captured shapes kept per backbone, least recently used dropped; each keeps its outputs' memory
+KEEP = 8  # captured shapes kept per backbone, least recently used dropped; each keeps its outputs' memory
 
 
 def bucket(n: int) -> int:
@@ -88,7 +88,8 @@ class PartsGraph:
                                                projections_only=True) as store:
             bb.model.model(input_ids=self.ids, position_ids=self.pos, attention_mask=group_mask(self.groups,
                            self.cached), past_key_values=kv, use_cache=True)
-        return {kind: dict(states) for kind, states in store.items()}, kv.kv
+        # a forward behind a cache keeps no cache of its own (the keys it made are temporaries the pool reuses)
+        return {kind: dict(states) for kind, states in store.items()}, {} if self.cached else kv.kv
 
     def __call__(self, ids: np.ndarray, pos: np.ndarray, groups: np.ndarray, cache=None, n_cached: int = 0):
         """(store, kv) of the rows `ids` at positions `pos`, labelled `groups`, behind the first `n_cached` tokens
