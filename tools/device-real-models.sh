@@ -9,7 +9,6 @@
 #   bash tools/device-real-models.sh PHASE NAME...
 # PHASE: convert | calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | s3probe |
 #        decode | attnlatency | reattention | ilre128k | passkeyilre | papers | collect
-# ACC_BUDGETS="0.02 0.05": `decode`'s accuracy runs, one process per budget fraction (default 0.05)
 # NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
 #
 # Every phase stops its processes at DEADLINE seconds (default 550) and packs what they wrote, with their logs,
@@ -230,22 +229,22 @@ s3)  # S3-Attention on a real model: SAEs on its keys (WikiText-2, as the paper)
     wait
   }
   bg "s3_$m" s3_chain ;;
-decode)  # retrieval-completion attention and PrHS on a real model: phi maps distilled (PHI=1), error, accuracy
+decode)  # retrieval-completion attention and PrHS on a real model: phi maps distilled (PHI=1), error (ERR=0: not),
+  # accuracy: one process per ACC_RUNS entry "contexts:attentions:budget" (default both lengths, every backend, 5%)
   m=${1:-q15}
   phi=${PHI:+,topk+phi}
+  maps=$assets/phi/$(slug "$m")  # where `endo train-phi` puts a model's maps ("default" names the default model's)
   phi_chain() {
     [ -z "$phi" ] || endo train-phi --model "$(model "$m")" --corpus "$data/pg_essays" --length 8192 --steps 300 \
       || return 1
-    endo bench attention --model "$(model "$m")" --measure error --attention dense,topk$phi,prhs \
+    [ "${ERR:-1}" = 0 ] || endo bench attention --model "$(model "$m")" --measure error --attention dense,topk$phi,prhs \
       --context-tokens 8192,16384,32768 --budgets 0.01,0.02,0.03,0.05 --error-windows 4 --error-queries 16 \
-      --error-text "$data/pg_essays" ${phi:+--phi default} --out "$res/error_8k-32k_$m.json" > "$res/error_$m.log" 2>&1 &
-    local dense=dense,  # dense reads every key whatever the budget: in the first budget's process only
-    [ "${ACC:-1}" = 0 ] || for b in ${ACC_BUDGETS:-0.05}; do
-      endo bench attention --model "$(model "$m")" --measure accuracy --attention ${dense}topk$phi,prhs \
-        --accuracy-budget $b --context-tokens 8192,32768 --depths 5 --data passkey:$data/pg_essays \
-        --data "$hot/dev30.json" --limit 10 ${phi:+--phi default --phi-tolerance 4.1} \
-        --out "$res/accuracy_8k-32k_b${b}_$m.json" > "$res/accuracy_b${b}_$m.log" 2>&1 &
-      dense=
+      --error-text "$data/pg_essays" ${phi:+--phi $maps} --out "$res/error_8k-32k_$m.json" > "$res/error_$m.log" 2>&1 &
+    [ "${ACC:-1}" = 0 ] || for run in ${ACC_RUNS:-8192,32768:dense,topk$phi,prhs:0.05}; do
+      IFS=: read c att b <<< "$run"; local name=accuracy_${c/,/-}_${att//,/-}_b${b}_$m
+      endo bench attention --model "$(model "$m")" --measure accuracy --attention $att --accuracy-budget $b \
+        --context-tokens $c --depths 5 --data passkey:$data/pg_essays --data "$hot/dev30.json" --limit 10 \
+        ${phi:+--phi $maps --phi-tolerance 4.1} --out "$res/$name.json" > "$res/$name.log" 2>&1 &
     done
     wait
   }
