@@ -79,7 +79,7 @@ for path in sorted(glob.glob(f"{res}/corpus_*.json")):
           f"| {stage('hop2')} | {endo.get('forwards_per_question', '-')} | {cuda.get('launches', '-')} "
           f"| {cuda.get('kernels', '-')} | {endo['recall@5']['value']:.3f} "
           f"| {bm25['latency_ms']['query']['p50'] if bm25 else '-'} |")
-print("\n| compress 8192/1024 | graphs | n | index p50 ms | select p50 ms | sp_recall | bm25-sent select p50 ms |")
+print("\n| compress 8192/1024 | graphs | n | index mean ms | select mean ms | sp_recall | bm25-sent select mean ms |")
 print("|" + "---|" * 7)
 for path in sorted(glob.glob(f"{res}/compress_*.json")):
     result = json.load(open(path))
