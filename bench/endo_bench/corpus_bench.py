@@ -380,10 +380,11 @@ def use_shipped_tiktoken_cache() -> None:
 def measure(system, nodes: list, items: list[dict], titles_of: dict[str, str], shared: dict, bb=None) -> dict:
     """Load the system's models (untimed), build its index (timed, with its warm-up question), then ask every
     question, counting the forwards of the model `bb` (when given) each takes; on CUDA, profile the first
-    LAUNCH_QUESTIONS again, now warm, for their launches."""
+    LAUNCH_QUESTIONS again, warm (each asked once more first, so what the profile counts is the steady state: CUDA
+    graphs replayed, not captured), for their launches."""
     from tqdm import tqdm
 
-    from endo_bench.launches import LAUNCH_QUESTIONS, counting_forwards, cuda_launches
+    from endo_bench.launches import counting_forwards, launches_per_question
 
     system.load(shared)
     start = time.perf_counter()
@@ -409,11 +410,9 @@ def measure(system, nodes: list, items: list[dict], titles_of: dict[str, str], s
            "per_question": per_question}
     if bb is not None:
         row["forwards_per_question"] = round(float(np.mean(per_question["forwards"])), 2)
-        profiled = [cuda_launches(lambda: system.ask(item["question"]), bb.device)
-                    for item in items[:LAUNCH_QUESTIONS]]
-        if profiled and profiled[0] is not None:
-            row["cuda_per_question"] = {key: round(float(np.mean([p[key] for p in profiled])), 1)
-                                        for key in profiled[0]} | {"questions": len(profiled)}
+        cuda = launches_per_question(system.ask, [item["question"] for item in items], bb.device)
+        if cuda is not None:
+            row["cuda_per_question"] = cuda
     if system.note():
         row["note"] = system.note()
     return row
@@ -526,8 +525,9 @@ def run_config(args, bb, settings, systems, reference, n_paragraphs, items, gold
                       "(first_stage and rerank for the rerankers; the endo pipelines: bm25, then heads: the model's "
                       "read of the candidates, itself read, question and hop2, each waited for on CUDA)",
                       "forwards_per_question: calls of the model's decoder per question (mean); cuda_per_question: "
-                      "torch.profiler's count over the first warm questions: launches (host calls that start a "
-                      "kernel or a captured graph), kernels run, memory copies",
+                      "torch.profiler's count over the first questions, each asked once more first (the steady "
+                      "state: graphs replayed, not captured): launches (host calls that start a kernel or a captured "
+                      "graph), kernels run, memory copies",
                       "llmrerank rows: LLMRerank keeps only the paragraphs it parses from the model's answer; "
                       "where that is fewer than the top, the first stage's order fills the rest, and the row's "
                       "note says for how many questions",

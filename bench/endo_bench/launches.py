@@ -47,3 +47,19 @@ def cuda_launches(fn, device) -> dict | None:
         elif event.name in LAUNCH_CALLS:
             counts["launches"] += 1
     return counts
+
+
+def launches_per_question(ask, questions, device) -> dict | None:
+    """`cuda_launches` of `ask(question)` averaged over the first LAUNCH_QUESTIONS of `questions`, each asked once
+    more unprofiled first, so the profile counts the steady state (its shapes' CUDA graphs replayed, not
+    captured): {"launches", "kernels", "copies", "questions"}. None off CUDA."""
+    if torch.device(device).type != "cuda":
+        return None
+    profiled = []
+    for question in questions[:LAUNCH_QUESTIONS]:
+        ask(question)
+        profiled.append(cuda_launches(lambda: ask(question), device))
+    if not profiled or profiled[0] is None:
+        return None
+    return {key: round(float(sum(p[key] for p in profiled) / len(profiled)), 1) for key in profiled[0]} | \
+        {"questions": len(profiled)}

@@ -362,7 +362,7 @@ def endo_pipeline_rows(backbone, corpus, passages, questions: list[str], size: i
     query's p50/p95, each stage's p50 (`EndoPipeline.search`'s stage_ms: bm25, then the model's read, question
     and hop2), the model's forwards per question and, on CUDA, the launches, kernels and copies of the first
     LAUNCH_QUESTIONS, warm. A model without a heads profile gets one row saying so."""
-    from endo_bench.launches import LAUNCH_QUESTIONS, counting_forwards, cuda_launches
+    from endo_bench.launches import counting_forwards, launches_per_question
     from endo_retrieval.methods.pipeline import EndoPipeline
     from endo_retrieval.methods.heads import HeadsError
 
@@ -390,13 +390,11 @@ def endo_pipeline_rows(backbone, corpus, passages, questions: list[str], size: i
                 **{**extra, "note": note}) for stage, v in stages.items() if stage != "total"]
     out.append(row("query", "endo_forwards_per_question", "endo", size, float(np.mean(forwards)), "forwards", dev,
                    **{**extra, "note": note}))
-    profiled = [cuda_launches(lambda: pipe.search(corpus, passages, q, k), device)
-                for q in questions[:LAUNCH_QUESTIONS]]
-    if profiled and profiled[0] is not None:
-        out += [row("query", f"endo_cuda_{kind}_per_question", "endo", size,
-                    float(np.mean([p[kind] for p in profiled])), kind, dev,
-                    **{**extra, "questions": len(profiled), "note": note + "; torch.profiler's count"})
-                for kind in profiled[0]]
+    cuda = launches_per_question(lambda q: pipe.search(corpus, passages, q, k), questions, device)
+    if cuda is not None:
+        out += [row("query", f"endo_cuda_{kind}_per_question", "endo", size, value, kind, dev,
+                    **{**extra, "questions": cuda["questions"], "note": note + "; torch.profiler's count"})
+                for kind, value in cuda.items() if kind != "questions"]
     return out
 
 
