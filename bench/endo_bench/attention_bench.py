@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accuracy-budget", type=float, default=None,
                    help="accuracy runs: budget fraction for topk, topk+phi and prhs (default: each backend's own)")
     p.add_argument("--phi", default="default",
-                   help="phi maps for topk+phi: a folder from `endo train-phi`, or 'default' (the shipped maps)")
+                   help="phi maps for topk+phi: a folder from `endo train-phi`, or 'default' (the maps shipped for the "
+                        "model, where `endo train-phi` writes them)")
     p.add_argument("--phi-tolerance", type=float, default=2.0,
                    help="accuracy runs: refuse phi maps distilled for a prefill length further than this factor "
                         "(default 2.0; a 16k haystack plus its question is just over 2 x 8192)")

@@ -43,7 +43,7 @@ class Completion(AttentionBackend):
             raise AttentionError(f"sink and tail must be >= 0 (got {self.sink}, {self.tail})")
         if isinstance(self.budget, float) and not 0 < self.budget <= 1:
             raise AttentionError(f"a fractional budget must lie in (0, 1], got {self.budget}")
-        self.maps = PhiMaps.load(self.phi) if isinstance(self.phi, (str, Path)) else self.phi
+        self.maps = PhiMaps.load(self.phi, backbone.model_id) if isinstance(self.phi, (str, Path)) else self.phi
         if self.maps is not None:
             self.maps.check(backbone)
         if isinstance(self.budget, int):

@@ -9,7 +9,8 @@ Initialised at W = sqrt(scaling) * omega, omega ~ N(0, I), b = -log(d_phi) / 2, 
 feature map, an unbiased estimate of exp(scaling q.k) before any training; `endo train-phi` then distils W and b
 (appendix B). The maps are saved as safetensors plus a JSON card (model_hash, head_dim, layers, heads, d_phi,
 length) and refused for another model, head size or head count. The default model's maps ship in
-endo_retrieval/assets/phi/<model slug>/ (like the SAEs); `phi="default"` loads them.
+endo_retrieval/assets/phi/<model slug>/ (like the SAEs), where `endo train-phi` writes another model's;
+`phi="default"` loads the backbone's model's.
 """
 from __future__ import annotations
 
@@ -91,15 +92,15 @@ class PhiMaps(torch.nn.Module):
         atomic_write(folder / CARD, lambda p: Path(p).write_text(json.dumps(card, indent=1)))
 
     @classmethod
-    def load(cls, folder: str | Path) -> "PhiMaps":
-        """Maps from a folder of `endo train-phi`, or "default": the shipped maps of the default model (`check`
-        then refuses them for any other model)."""
+    def load(cls, folder: str | Path, model_id: str | None = None) -> "PhiMaps":
+        """Maps from a folder of `endo train-phi`, or "default": the maps shipped for `model_id` (where `endo
+        train-phi` writes them; None: the default model), which `check` then holds to the model's hash."""
         if str(folder) == "default":
-            folder = shipped_dir()
+            folder = shipped_dir(model_id)
             if not (folder / CARD).exists():
-                raise AttentionError(f"no phi maps ship in {folder}; distil them for the default model with `endo "
-                                     f"train-phi --length 8192 --out {folder}` (a GPU: about 3 minutes) or pass "
-                                     "phi=<folder of your own maps>")
+                model = f" --model {model_id}" if model_id else ""
+                raise AttentionError(f"no phi maps ship in {folder}; distil them with `endo train-phi{model} --length "
+                                     f"8192` (a GPU: about 3 to 5 minutes) or pass phi=<folder of your own maps>")
         folder = Path(folder)
         if not (folder / CARD).exists() or not (folder / WEIGHTS).exists():
             raise AttentionError(f"{folder} holds no phi maps ({CARD} + {WEIGHTS}); train them with `endo train-phi`")

@@ -10,7 +10,7 @@ import torch
 
 from endo_retrieval.attention import AttentionError, Dense
 from endo_retrieval.attention.completion import Completion
-from endo_retrieval.attention.phi import PhiMaps
+from endo_retrieval.attention.phi import PhiMaps, shipped_dir
 
 ALL = 10 ** 9  # a budget above any mid region: K covers M
 
@@ -177,4 +177,8 @@ def test_the_default_models_maps_ship_and_fit_only_it(backbone, tiny_backbone):
     assert shipped.layers == list(range(backbone.n_layers)) and shipped.card["train"]["steps"] > 0
     Completion(phi="default").setup(backbone)
     with pytest.raises(AttentionError, match="trained for another model"):
+        Completion(phi=shipped_dir()).setup(tiny_backbone)
+    # "default" is the backbone's own model's maps, where `endo train-phi --model` writes them: none for this one
+    with pytest.raises(AttentionError, match=f"no phi maps ship in .*{shipped_dir(tiny_backbone.model_id).name}.*"
+                                             "train-phi --model"):
         Completion(phi="default").setup(tiny_backbone)
