@@ -28,6 +28,7 @@ BUCKET = 256  # rows and cached keys are padded up to a multiple of this: a hand
 MAX_KEYS = 16384  # cached keys + rows above this run eagerly (such a forward is bound by arithmetic, not launches)
 MIN_REPLAYS = 2  # a shape seen fewer times runs eagerly: a capture costs about three forwards
 KEEP = 8  # captured shapes kept per backbone, least recently used dropped; each keeps its outputs' memory
+MEMORY_SHARE = 8  # ... and at most this share of the GPU's memory (1/8) in their buffers and outputs
 
 
 def bucket(n: int) -> int:
@@ -82,6 +83,15 @@ class PartsGraph:
         if device.type == "cuda":
             self.graph, self.out = capture_graph(self._forward, device, warmups=2, pool=pool)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory this graph keeps for itself: its input buffers and (captured) its outputs."""
+        kept = [self.ids, self.pos, self.groups, *(t for pair in self.prefix.values() for t in pair)]
+        if self.graph is not None:
+            store, kv = self.out
+            kept += [t for states in store.values() for t in states.values()] + [t for kv_ in kv.values() for t in kv_]
+        return sum(t.numel() * t.element_size() for t in kept)
+
     def _forward(self):
         bb, kv = self.backbone, GraphKV(self.prefix, self.cached)
         with torch.inference_mode(), bb.run_to(self.layers[-1], self.layers, self.capture,
@@ -123,6 +133,7 @@ class PartsGraphs:
         self.graphs: OrderedDict[tuple, PartsGraph] = OrderedDict()
         self.seen: Counter = Counter()
         self.pool = None
+        self.max_bytes: int | None = None  # None: the GPU's memory / MEMORY_SHARE (no bound off CUDA)
 
     def get(self, backbone, cached: int, rows: int, layers: Sequence[int], capture: Sequence[str]
             ) -> PartsGraph | None:
@@ -135,10 +146,14 @@ class PartsGraphs:
         if key not in self.graphs:
             if self.seen[key] < MIN_REPLAYS:
                 return None
-            if len(self.graphs) >= KEEP:
-                self.graphs.popitem(last=False)
             if self.pool is None and backbone.device.type == "cuda":
                 self.pool = torch.cuda.graph_pool_handle()
+                self.max_bytes = self.max_bytes or \
+                    torch.cuda.get_device_properties(backbone.device).total_memory // MEMORY_SHARE
             self.graphs[key] = PartsGraph(backbone, key[0], key[1], key[2], key[3], pool=self.pool)
+            # the least recently used go while more than KEEP are kept or they hold more than max_bytes
+            while len(self.graphs) > 1 and (len(self.graphs) > KEEP or self.max_bytes is not None and
+                                            sum(g.nbytes for g in self.graphs.values()) > self.max_bytes):
+                self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
         return self.graphs[key]

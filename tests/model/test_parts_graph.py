@@ -78,6 +78,26 @@ def test_padded_forwards_give_the_plain_batched_states(tiny_backbone, monkeypatc
             torch.testing.assert_close(m.values, t.values, rtol=1e-4, atol=1e-4)
 
 
+def test_graphs_past_their_memory_go_least_recently_used_first(tiny_backbone, monkeypatch):
+    bb = tiny_backbone
+    bb.parts_graphs = graphs = parts_graph.PartsGraphs()
+    monkeypatch.setattr(parts_graph, "BUCKET", 64)
+    monkeypatch.setattr(parts_graph, "MIN_REPLAYS", 1)
+    graphs.twin = True
+    ids = bb.encode(CONTEXT).ids
+    question = bb.encode("\n\nQuestion: where do farmers sell apples?\nAnswer:").ids
+    reading = read(bb, ids, LAYERS, parts=[question])
+    first = next(iter(graphs.graphs.values()))
+    assert first.nbytes >= first.ids.numel() * 8 and not first.prefix  # a read keeps no cache buffers
+    graphs.max_bytes = first.nbytes  # room for one read graph only
+    ask_parts(bb, reading, [np.concatenate([question, question[:3]])], LAYERS)  # behind the cache: a second shape
+    (kept,) = graphs.graphs.values()
+    assert kept.cached and kept.nbytes > first.nbytes  # the newest stays even alone past the bound
+    graphs.max_bytes = None
+    read(bb, ids, LAYERS, parts=[question])
+    assert len(graphs.graphs) == 2  # without a bound, KEEP alone limits them
+
+
 def test_off_cuda_nothing_is_captured(tiny_backbone):
     tiny_backbone.parts_graphs = parts_graph.PartsGraphs()
     reading = read(tiny_backbone, tiny_backbone.encode(CONTEXT).ids, LAYERS, parts=[np.array([5, 6, 7])] * 2)
