@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-keys", type=int, default=4096, help="cached keys per sequence (default 4096)")
     p.add_argument("--latency-batch", type=int, default=16, help="sequences decoded together (default 16)")
     p.add_argument("--latency-steps", type=int, default=32, help="decode steps timed per backend (default 32)")
+    p.add_argument("--throughput-context", type=int, default=None,
+                   help="prompt tokens before the decode-throughput run (default: --latency-keys; 0 leaves it out: "
+                        "a long prompt through the sparse backends' own prefill takes minutes)")
     p.add_argument("--scopes", type=int_list, default=None,
                    help="ReAttention attended scopes to compare (its `window`: local = half, k' fills the rest); "
                         "default: the model's trained window only")
@@ -541,7 +544,8 @@ def run(args) -> int:
                      for l, n, s in timed]
             rows, profile = operator_rows(backbone, text(), timed,
                                           args.latency_keys, args.latency_batch, args.latency_steps)
-            result["rows"] += rows + throughput_rows(backbone, text(), timed, args.latency_keys)
+            context = args.latency_keys if args.throughput_context is None else args.throughput_context
+            result["rows"] += rows + (throughput_rows(backbone, text(), timed, context) if context else [])
             result["latency_profile"] = profile
             result["config"]["latency"] = {"keys": args.latency_keys, "batch": args.latency_batch,
                                            "batch_means": "sequences decoded together, one new query each "
