@@ -306,10 +306,10 @@ def _forward_parts(backbone, cache, lead: np.ndarray, parts: list[np.ndarray], n
     hooked projections (`Backbone.run_to`) come back. On a GPU, a shape seen before replays a CUDA graph
     (`parts_graph.py`): the same states, to float tolerance, at one launch."""
     ids, pos, groups = _behind(lead, parts, n)
-    graph = None if int8 or back_to_host else \
-        backbone.parts_graphs.get(backbone, n - len(lead), len(ids), layers, capture)
-    if graph is not None:
-        with backbone.lock:
+    with backbone.lock:  # a capture, a replay and the copies of its outputs, one thread at a time
+        graph = None if int8 or back_to_host else \
+            backbone.parts_graphs.get(backbone, n - len(lead), len(ids), layers, capture)
+        if graph is not None:
             store, kv = graph(ids, pos, groups, cache if not len(lead) else None, n - len(lead))
             if len(lead):  # the segment's cache, copied out of the graph's buffers
                 for l, (k, v) in sorted(kv.items()):
