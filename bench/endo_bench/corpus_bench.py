@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="bootstrap resampling seed")
     p.add_argument("--plain-reads", action="store_true", help="the endo pipelines read one query part per forward "
                    "(five per question, not two; the same rankings): the path before batching, for timing beside it")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="the model's weights and reads in this type (default: bfloat16 on CUDA, float32 on a CPU; a "
+                        "CPU with avx512_bf16 or AMX multiplies bfloat16 about twice as fast)")
     p.add_argument("--eager", action="store_true", help="on CUDA, the batched reads' forwards run eagerly, not "
                    "replayed from CUDA graphs (the same rankings to float tolerance): for timing beside them")
     p.add_argument("--depth", type=int, default=None, help="candidates the endo pipelines read (default: the "
@@ -347,11 +350,14 @@ def pipeline_settings(bb, args) -> dict:
             "weights": pipe.weights}
 
 
-def load_backbone(model):
-    """The local model, loaded once before any index is timed (a function, so tests can stub it)."""
+def load_backbone(model, dtype: str | None = None):
+    """The local model, loaded once before any index is timed (a function, so tests can stub it); `dtype`
+    ("float32", "bfloat16"): its weights' type, else the device's default (bf16 on CUDA, fp32 on a CPU)."""
+    import torch
+
     from endo_retrieval.model.backbone import Backbone
 
-    return Backbone.of(model)
+    return Backbone.of(model) if dtype is None else Backbone(model, dtype=getattr(torch, dtype))
 
 
 def use_shipped_tiktoken_cache() -> None:
@@ -471,7 +477,7 @@ def run(args) -> int:
         raise ValueError(f"{args.data}: no question with supporting facts to score")
     nodes = corpus_nodes(titles, texts)
     titles_of = {n.node_id: t for n, t in zip(nodes, titles)}
-    bb = load_backbone(args.model) if any(s not in FIRST_STAGE_ROWS for s in systems) else None
+    bb = load_backbone(args.model, args.dtype) if any(s not in FIRST_STAGE_ROWS for s in systems) else None
     if bb is not None:
         bb.parts_graphs.enabled = not args.eager
     # resolved (and checked: a bad --depth fails here, not after the rows) before any row runs
@@ -513,6 +519,7 @@ def run_config(args, bb, settings, systems, reference, n_paragraphs, items, gold
             "corpus_paragraphs": n_paragraphs, "n_questions": len(items), "embedder": "all-MiniLM-L6-v2",
             "device": str(bb.device) if bb else "cpu", "reads": "plain" if args.plain_reads else "batched",
             "cuda_graphs": bool(bb and bb.device.type == "cuda" and not args.eager),
+            "dtype": str(bb.dtype).removeprefix("torch.") if bb else None,
             "stage1_terms": "words" if args.unstemmed else "stems",
             "pipeline": settings,
             "question_ids": [it["_id"] for it in items],
