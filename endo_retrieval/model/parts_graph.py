@@ -15,6 +15,7 @@ computed from) before the next replay, under the backbone's lock: the graphs sha
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter, OrderedDict
 from typing import Sequence
 
@@ -22,6 +23,8 @@ import numpy as np
 import torch
 
 from endo_retrieval.model.chunk_graph import capture_graph
+
+log = logging.getLogger(__name__)
 
 PAD, CONTEXT, LEAD = -2, -1, 0  # key groups; part i's own rows are group i + 1
 BUCKET = 256  # rows and cached keys are padded up to a multiple of this: a handful of shapes per workload
@@ -150,7 +153,13 @@ class PartsGraphs:
                 self.pool = torch.cuda.graph_pool_handle()
                 self.max_bytes = self.max_bytes or \
                     torch.cuda.get_device_properties(backbone.device).total_memory // MEMORY_SHARE
-            self.graphs[key] = PartsGraph(backbone, key[0], key[1], key[2], key[3], pool=self.pool)
+            try:
+                self.graphs[key] = PartsGraph(backbone, key[0], key[1], key[2], key[3], pool=self.pool)
+            except Exception as err:  # noqa: BLE001 - a speed-up that cannot be had must not fail the read
+                self.enabled = False
+                log.warning("CUDA graphs of the batched reads are off for this model (a capture failed: %s: %s); "
+                            "the reads run eagerly, with the same results", type(err).__name__, err)
+                return None
             # the least recently used go while more than KEEP are kept or they hold more than max_bytes
             while len(self.graphs) > 1 and (len(self.graphs) > KEEP or self.max_bytes is not None and
                                             sum(g.nbytes for g in self.graphs.values()) > self.max_bytes):

@@ -98,6 +98,25 @@ def test_graphs_past_their_memory_go_least_recently_used_first(tiny_backbone, mo
     assert len(graphs.graphs) == 2  # without a bound, KEEP alone limits them
 
 
+def test_a_capture_that_fails_turns_the_graphs_off_and_reads_eagerly(tiny_backbone, monkeypatch, caplog):
+    bb = tiny_backbone
+    bb.parts_graphs = graphs = parts_graph.PartsGraphs()
+    monkeypatch.setattr(parts_graph, "MIN_REPLAYS", 1)
+    graphs.twin = True
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no capture here")
+
+    monkeypatch.setattr(parts_graph, "PartsGraph", fails)
+    ids = bb.encode(CONTEXT).ids
+    with caplog.at_level("WARNING", logger="endo_retrieval.model.parts_graph"):
+        got = read(bb, ids, LAYERS, parts=[np.array([5, 6, 7])])
+    assert not graphs.enabled and not graphs.graphs and "no capture here" in caplog.text
+    want = read(bb, ids, LAYERS, parts=[np.array([5, 6, 7])])  # the eager read, as before
+    for layer in LAYERS:
+        torch.testing.assert_close(got.segments[0].keys[layer], want.segments[0].keys[layer])
+
+
 def test_off_cuda_nothing_is_captured(tiny_backbone):
     tiny_backbone.parts_graphs = parts_graph.PartsGraphs()
     reading = read(tiny_backbone, tiny_backbone.encode(CONTEXT).ids, LAYERS, parts=[np.array([5, 6, 7])] * 2)
