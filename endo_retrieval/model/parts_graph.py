@@ -5,8 +5,9 @@ question behind them, then the second hop's two parts behind the candidates' cac
 1,500 kernels from the host, and on a GPU the launches cost more than the arithmetic (docs/perf/launches.md).
 Captured once per shape and replayed, a forward is one launch. Shapes differ per question, so a forward's rows are
 padded up to a multiple of BUCKET and the cache it reads behind is copied into a buffer of a bucketed length; which
-keys a row sees is computed inside the graph from one group label per key (`group_mask`, the rule of `parts_mask`
-and of the context's causal mask), so nothing that differs between questions is a host value. Padded rows see
+keys a row sees is computed inside the graph from one group label per key (`group_mask`: the context's causal
+mask and the parts' rule, which the eager reads' `parts_mask` takes from it too), so nothing that differs between
+questions is a host value. Padded rows see
 what comes before them and themselves; no real row sees a padded key.
 
 The same padded forward run eagerly (a `PartsGraph` on a CPU runs it so) is the twin the tests hold against the

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.model.backbone import BackboneError
-from endo_retrieval.model.parts_graph import CONTEXT, LEAD
+from endo_retrieval.model.parts_graph import CONTEXT, LEAD, group_mask
 from endo_retrieval.model.threads import threads_for_cpu_work
 
 HOST_CACHES_FROM = 32768  # contexts at least this long keep their segments' caches in host memory between questions
@@ -198,13 +198,10 @@ def parts_mask(before: int, parts: Sequence[np.ndarray], device) -> torch.Tensor
     """Which keys each query part's token attends to, (1, 1, rows, before + rows) over the rows `_behind` lays
     out (the parts' shared lead once, then each part's tail): the `before` tokens in front of the parts (the
     context, read in this forward or cached), then its own part's tokens up to itself; never another part's, so
-    each part reads as if it were asked alone."""
-    lead = shared_lead(parts)
-    sizes = torch.as_tensor([lead] + [len(p) - lead for p in parts])
-    group = torch.repeat_interleave(torch.arange(len(sizes)), sizes)  # 0: the lead, i + 1: part i's tail
-    own = ((group[:, None] == group[None, :]) | (group[None, :] == 0)) & \
-        torch.ones(len(group), len(group), dtype=torch.bool).tril()
-    return torch.cat([torch.ones(len(group), before, dtype=torch.bool), own], 1)[None, None].to(device)
+    each part reads as if it were asked alone. The rule is `group_mask`'s, which the CUDA graphs apply to the
+    groups `_behind` gives the rows."""
+    _, _, groups = _behind(np.empty(0, np.int64), parts, before)
+    return group_mask(torch.as_tensor(np.concatenate([np.full(before, CONTEXT), groups]), device=device), before)
 
 
 def context_then_parts_attention(module, query, key, value, attention_mask, **kwargs):
