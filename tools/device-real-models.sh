@@ -113,6 +113,17 @@ rerank_one() {  # the fit writes into the model's profile (a copy under $res, in
     --systems minilm,minilm+reranker,minilm+heads,llamaindex-bm25,bm25+reranker --out "$res/rerank_dev300_$m.json"
 }
 
+model_saes() {  # the model's SAEs on its keys (WikiText-2, as the paper), trained where the package finds them
+  local sae=$assets/sae/$(slug "$1")  # found by the model's hash in card.json
+  [ -f "$sae/card.json" ] || endo train-sae --model "$(model "$1")" --corpus "$data/wikitext2/valid.txt" \
+    --heldout "$data/wikitext2/test.txt" --out "$sae" > "$res/train_sae_$1.log" 2>&1 || return 1
+  mkdir -p "$res/sae_$1" && cp "$sae/card.json" "$res/sae_$1/"
+}
+
+convert_models() {  # each GGUF file converted once (the cache), before processes that would race to convert it
+  for m in "$@"; do endo info --model "$(model "$m")" --json > "$res/info_$m.json" 2>&1 & done; wait
+}
+
 fit300_documents() {  # fit300's paragraphs as plain files, one per question's ten: no question, answer or label
   mkdir -p /root/docs_fit300
   python3 -c "
@@ -125,11 +136,11 @@ case $phase in
 zero)  # zero-label: endo prepare from the fit300 documents, then its dev300 benches
   fit300_documents; mkdir -p /root/res/calibrate
   for m in "$@"; do bg "zero_$m" zero_label "$m"; done ;;
-convert)  # each GGUF file converted once (the cache), before processes that would race to convert it run beside each other
-  for m in "$@"; do endo info --model "$(model "$m")" --json > "$res/info_$m.json" 2>&1 & done; wait ;;
+convert)  # each GGUF file converted once, before phases whose processes would race to convert it
+  convert_models "$@" ;;
 collect) ;;  # only pack what an earlier phase left (e.g. one stopped at the call's limit)
 calibrate)
-  for m in "$@"; do endo info --model "$(model "$m")" --json > "$res/info_$m.json" 2>&1 & done; wait  # convert once
+  convert_models "$@"
   for m in "$@"; do
     bg "labelled_$m" calibrate_one "$m"
     bg "ilre_$m" endo calibrate-ilre --model "$(model "$m")" --data "$data/pg_essays" --lengths 8192 \
@@ -215,10 +226,7 @@ twohop)  # the second hop that retrieves, beside the default pipeline
 s3)  # S3-Attention on a real model: SAEs on its keys (WikiText-2, as the paper), then S3 / S3-Hybrid beside BM25
   m=${1:-q15}
   s3_chain() {
-    local sae=$assets/sae/$(slug "$m")  # where the shipped SAEs live: found by the model's hash in card.json
-    [ -f "$sae/card.json" ] || endo train-sae --model "$(model "$m")" --corpus "$data/wikitext2/valid.txt" \
-      --heldout "$data/wikitext2/test.txt" --out "$sae" > "$res/train_sae_$m.log" 2>&1 || return 1
-    mkdir -p "$res/sae_$m" && cp "$sae/card.json" "$res/sae_$m/"
+    model_saes "$m" || return 1
     endo bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens 8192 --budget 1024 \
       --limit ${S3_LIMIT:-300} --no-generate --methods s3,s3-hybrid,bm25-sent,endo --out "$res/s3_dev300_8192_$m.json" > "$res/s3_8192_$m.log" 2>&1 &
     endo bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens 32768 --budget 2048 \
@@ -233,7 +241,7 @@ decode)  # retrieval-completion attention and PrHS on a real model: phi maps dis
   # accuracy: one process per ACC_RUNS entry "contexts:attentions:budget" (default both lengths, every backend, 5%)
   m=${1:-q15}
   phi=${PHI:+,topk+phi}
-  maps=$assets/phi/$(slug "$m")  # where `endo train-phi` puts a model's maps ("default" names the default model's)
+  maps=$assets/phi/$(slug "$m")  # where `endo train-phi` puts a model's maps (what `--phi default` loads)
   phi_chain() {
     [ -z "$phi" ] || endo train-phi --model "$(model "$m")" --corpus "$data/pg_essays" --length 8192 --steps 300 \
       || return 1
@@ -258,10 +266,7 @@ attnlatency)  # the decode step at 32k cached keys, dense SDPA against the spars
 s3probe)  # S3 with the question encoded from its keys (tools/s3_key_probe.py), beside the shipped query encoding
   m=${1:-q15}
   s3_probe() {
-    local sae=$assets/sae/$(slug "$m")
-    [ -f "$sae/card.json" ] || endo train-sae --model "$(model "$m")" --corpus "$data/wikitext2/valid.txt" \
-      --heldout "$data/wikitext2/test.txt" --out "$sae" > "$res/train_sae_$m.log" 2>&1 || return 1
-    mkdir -p "$res/sae_$m" && cp "$sae/card.json" "$res/sae_$m/"
+    model_saes "$m" || return 1
     python3 tools/s3_key_probe.py bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens 8192 \
       --budget 1024 --limit ${S3_LIMIT:-150} --no-generate --no-reference --methods s3,s3-hybrid \
       --out "$res/s3_keys_dev300_8192_$m.json"
