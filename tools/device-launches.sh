@@ -12,7 +12,8 @@
 #
 #   bash tools/device-launches.sh [LIMIT]        (default 100 questions)
 # Writes $OUT/launches.md (p50, forwards and launches per question, one row per model and mode) and $OUT/launches.tgz
-# (every run's JSON, Markdown and log). Each run stops after RUN_S seconds (default 240).
+# (every run's JSON, Markdown and log). Each run stops after RUN_S seconds (default 240). DEPTH: the candidates read
+# per question (default: each model's profile).
 set -uo pipefail
 limit=${1:-100}
 data=$PWD/.device-data; res=/root/res/launches; mkdir -p "$res" "${OUT:-/tmp/out}"
@@ -38,10 +39,10 @@ for m in "${models[@]}"; do
   margs=(); [ "$m" = q15 ] && margs=(--model "$q15")
   for mode in ${MODES:-eager graphs}; do
     case $mode in plain) flag=(--plain-reads --eager) ;; eager) flag=(--eager) ;; *) flag=() ;; esac
-    name=corpus_${m}_${mode}
+    name=corpus_${m}_${mode}${DEPTH:+_d$DEPTH}
     [ -f "$res/$name.json" ] && continue  # a finished run is not run again
     timeout "${RUN_S:-240}" endo bench corpus "${margs[@]}" "${flag[@]}" --data "$data/hotpotqa/dev300.json" \
-      --limit "$limit" --systems endo,llamaindex-bm25 --out "$res/$name.json" > "$res/$name.log" 2>&1 \
+      --limit "$limit" --systems endo,llamaindex-bm25 ${DEPTH:+--depth $DEPTH} --out "$res/$name.json" > "$res/$name.log" 2>&1 \
       || echo "$name: exit $?" >> "$res/failed.txt"
   done
 done

@@ -238,9 +238,10 @@ s3)  # S3-Attention on a real model: SAEs on its keys (WikiText-2, as the paper)
   }
   bg "s3_$m" s3_chain ;;
 decode)  # retrieval-completion attention and PrHS on a real model: phi maps distilled (PHI=1), error (ERR=0: not),
-  # accuracy: one process per ACC_RUNS entry "contexts:attentions:budget" (default both lengths, every backend, 5%)
+  # accuracy: one process per ACC_RUNS entry "contexts:attentions:budget" (default both lengths, every backend, 5%),
+  # ACC_LIMIT questions of ACC_QA (default 10 of dev30.json), and passkeys when ACC_PASSKEYS is set (default 1)
   m=${1:-q15}
-  phi=${PHI:+,topk+phi}
+  phi=${PHI:+,topk+phi}; ACC_PASSKEYS=${ACC_PASSKEYS-1}
   maps=$assets/phi/$(slug "$m")  # where `endo train-phi` puts a model's maps (what `--phi default` loads)
   phi_chain() {
     [ -z "$phi" ] || endo train-phi --model "$(model "$m")" --corpus "$data/pg_essays" --length 8192 --steps 300 \
@@ -251,7 +252,8 @@ decode)  # retrieval-completion attention and PrHS on a real model: phi maps dis
     [ "${ACC:-1}" = 0 ] || for run in ${ACC_RUNS:-8192,32768:dense,topk$phi,prhs:0.05}; do
       IFS=: read c att b <<< "$run"; local name=accuracy_${c/,/-}_${att//,/-}_b${b}_$m
       endo bench attention --model "$(model "$m")" --measure accuracy --attention $att --accuracy-budget $b \
-        --context-tokens $c --depths 5 --data passkey:$data/pg_essays --data "$hot/dev30.json" --limit 10 \
+        --context-tokens $c --depths 5 ${ACC_PASSKEYS:+--data passkey:$data/pg_essays} --data "$hot/${ACC_QA:-dev30.json}" \
+        --limit ${ACC_LIMIT:-10} \
         ${phi:+--phi $maps --phi-tolerance 4.1} --out "$res/$name.json" > "$res/$name.log" 2>&1 &
     done
     wait

@@ -141,7 +141,7 @@ def accuracy_rows(backbone, data: str, lengths: list[int], depths: int, limit: i
 
     from endo_retrieval.attention import AttentionError, get_backend
     from endo_retrieval.calibration.datasets import load_examples
-    from endo_bench.metrics import exact_match, f1_score
+    from endo_bench.metrics import bootstrap_ci, exact_match, f1_score
     from endo_bench.runner import Prompter
 
     passkey = data.startswith("passkey:")
@@ -182,12 +182,16 @@ def accuracy_rows(backbone, data: str, lengths: list[int], depths: int, limit: i
                     grid.setdefault(label, {}).setdefault(str(n), {})[f"{ex.meta['depth']:.2f}"] = bool(scores[-1])
                 bar.update()
             done = len(scores)
+            _, lo, hi = bootstrap_ci(scores, seed)
             rows.append({"attention": name, "variant": label, "task": task, "context_tokens": n,
                          "budget": backend.scope if done else None, "budget_fraction": fraction
                          if label in ("topk", "topk+phi", "completion", "prhs") else None, "n": done,
                          "accuracy": sum(scores) / done if done else None, "attn_rel_l1": None,
                          "f1": None if passkey or not done else sum(scores) / done,
                          "em": None if passkey or not done else sum(ems) / done,
+                         # per example, in the examples' order (the same for every backend at one length): paired
+                         # intervals between backends come from these
+                         "accuracy_ci": [lo, hi], "scores": [round(x, 4) for x in scores],
                          "latency_ms": 1000 * seconds / done if done else None, "peak_mem_mb": peak,
                          "device": backbone.device.type, "note": note})
     bar.close()

@@ -159,6 +159,9 @@ def test_bench_attention_writes_the_contract(tmp_path):
     assert rows[("reattention", 600)]["budget"] == 32 + 63 * 32 + 2048 == 4096  # 4096 window: local 2048, k' 63
     assert rows[("dense", 300)]["budget"] is None and rows[("dense", 300)]["n"] == 2
     assert {"accuracy", "attn_rel_l1", "latency_ms", "peak_mem_mb", "device"} <= set(rows[("dense", 300)])
+    for row in rows.values():  # one score per example, in order, so backends pair; their mean is the accuracy
+        assert len(row["scores"]) == row["n"] == 2 and sum(row["scores"]) / 2 == row["accuracy"]
+        assert row["accuracy_ci"][0] <= row["accuracy"] <= row["accuracy_ci"][1]
     assert set(result["grid"]["reattention"]["600"]) == {"0.00", "1.00"}
     assert out.with_suffix(".png").stat().st_size > 0 and "| reattention | 4096 |" in out.with_suffix(".md").read_text()
     assert main(["bench", "attention", "--attention", "sparse", "--out", str(out)]) == 2  # unknown backend: listed
