@@ -94,13 +94,16 @@ refit_bench() {  # the refitted profile installed, then the dev300 corpus beside
 }
 
 zero_label() {  # finish the zero-label profile if its pipeline fit was stopped, then its dev300 benches
-  local m=$1 zl=/root/res/calibrate/zl_$1.json
-  grep -q '"pipeline"' "$zl" || endo prepare --model "$(model "$m")" --documents /root/docs_fit300 --profile "$zl" \
-    --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 --depths 20 --read-tokens 128,256 || return 1
-  [ -f "$res/zero_label_corpus_dev300_$m.json" ] || ENDO_HEADS_PROFILE=$zl endo bench corpus --model "$(model "$m")" \
-    --data "$hot/dev300.json" --systems endo --out "$res/zero_label_corpus_dev300_$m.json" &
+  # QUESTIONS_BY=model: the model writes the tasks' questions (files named zero_label_written_*)
+  local m=$1 tag=${QUESTIONS_BY:+_written}; local zl=/root/res/calibrate/zl${tag}_$1.json
+  grep -q '"pipeline"' "$zl" 2>/dev/null || endo prepare --model "$(model "$m")" --documents /root/docs_fit300 \
+    --profile "$zl" --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 --depths 20 \
+    --read-tokens 128,256 ${QUESTIONS_BY:+--questions-by $QUESTIONS_BY} || return 1
+  cp "$zl" "$res/zero_label${tag}_profile_$m.json"; cp "${zl%.json}.prepare/tasks.json" "$res/zero_label${tag}_tasks_$m.json"
+  [ -f "$res/zero_label${tag}_corpus_dev300_$m.json" ] || ENDO_HEADS_PROFILE=$zl endo bench corpus \
+    --model "$(model "$m")" --data "$hot/dev300.json" --systems endo --out "$res/zero_label${tag}_corpus_dev300_$m.json" &
   ENDO_HEADS_PROFILE=$zl endo bench quality --model "$(model "$m")" --data "$hot/dev300.json" --context-tokens 8192 \
-    --budget 1024 --no-generate --methods endo --out "$res/zero_label_dev300_8192_$m.json" &
+    --budget 1024 --no-generate --methods endo --out "$res/zero_label${tag}_dev300_8192_$m.json" &
   wait
 }
 

@@ -4,7 +4,8 @@ and no labels.
 Phases, each skipped when what it makes exists (`--force` makes it again):
   load      the model (a GGUF file is converted once, into the cache)
   tasks     zero-label tasks made from the documents (zero_label.py): single-hop ones and, a third of them,
-            two-hop ones joined by a rare bridge; kept beside the profile
+            two-hop ones joined by a rare bridge, their questions made by rules or written by the model
+            (`--questions-by model`); kept beside the profile
   sae       the SAEs, only when `--methods` names s3 or s3-hybrid (`endo train-sae` on the documents)
   ilre      ILRe's layer, only when `--methods` names ilre (`endo calibrate-ilre` with passkeys in the documents)
   heads     the retrieval heads and the fused ranking's weights, on the tasks' haystacks (`endo calibrate-heads`'s
@@ -124,6 +125,7 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
     documents = zero_label.read_documents(args.documents)
     share = zero_label.TWO_HOP_SHARE
     settings = [n_tasks, n_passkeys, n_questions, lengths, args.seed, round(share, 4), zero_label.HARD_SHARE]
+    settings += [args.questions_by] if args.questions_by != "rules" else []  # earlier rules runs' states still apply
     fingerprint = f"{zero_label.fingerprint(documents)}/{settings}"
     state = {} if args.force else _state(state_path, bb.model_hash)
     if state.get("fingerprint") != fingerprint:  # other documents or sizes: nothing of an earlier run applies
@@ -136,6 +138,17 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
     else:
         made = zero_label.make_tasks(chunks, 8 * (n_tasks + n_questions), args.seed)
         linked = zero_label.two_hop_tasks(chunks, 8 * round(share * (n_tasks + n_questions)), args.seed)
+        if args.questions_by == "model":  # twice the tasks needed written, for `mixed` to balance
+            made = made[: 2 * round((1 - share) * (n_tasks + n_questions))]
+            linked = linked[: 2 * round(share * (n_tasks + n_questions))]
+            asked = len(made) + len(linked)
+            with tqdm(total=asked, desc="writing questions", unit="task", disable=None) as bar:
+                made = zero_label.written_tasks(made, bb.generate_many, bar)
+                linked = zero_label.written_tasks(linked, bb.generate_many, bar)
+            if len(made) + len(linked) < asked // 4:
+                raise ValueError(f"{bb.model_id} wrote {len(made) + len(linked)} usable questions of {asked} "
+                                 "asked (a usable one is a question about its sentence); a model this small "
+                                 "calibrates better on made questions: drop --questions-by model.")
         tasks = zero_label.mixed(made, linked, chunks, n_tasks + n_questions, share, depth=max(args.depths))
         _write(tasks_path, [vars(t) for t in tasks])
     if len(tasks) < 4:

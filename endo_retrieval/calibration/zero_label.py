@@ -40,7 +40,7 @@ import numpy as np
 
 from endo_retrieval.index import passages
 from endo_retrieval.index.text_files import read_text_file, text_files
-from endo_retrieval.scoring.bm25 import OkapiPostings, words
+from endo_retrieval.scoring.bm25 import OkapiPostings, stems, words
 from endo_retrieval.calibration.datasets import Example, PARAGRAPH_SEPARATOR, make_passkey, passkey_needle
 from endo_retrieval.calibration.heads import hard_haystacks
 from endo_retrieval.methods.endo import GRID_STEP, SIGNALS, recall_in_budget, simplex
@@ -318,6 +318,59 @@ def two_hop_tasks(chunks: list[Chunk], n: int, seed: int = 0, min_words: int = 5
         if question and not any(t.question == question for t in tasks):
             tasks.append(Task(f"zl2-{len(tasks)}", question, s1, a, TWO_HOP, chunk2=b, evidence2=s2, bridge=bridge))
     return tasks
+
+
+# ---------------------------------------------------------------- questions the model writes itself
+
+# A made question is a bag of the evidence's words (inflected or not); a reader's question is a sentence that names
+# what it asks in its own words, and the model's retrieval heads read the two differently. `--questions-by model`
+# asks the model to write each task's question from its evidence (two-hop: from both sentences, never naming the
+# bridge), so the tasks are in the form the heads meet at query time.
+WRITE_ONE = ("Here is a sentence from a document:\n\n{evidence}\n\nWrite one short question that this sentence "
+             "answers, as someone who has not read it would ask: in your own words, not the sentence's. Reply with "
+             "the question only.")
+WRITE_TWO = ("Here are two sentences from two documents, linked by \"{bridge}\":\n\n1. {evidence}\n2. {evidence2}"
+             "\n\nWrite one short question that needs both sentences to answer, in your own words, without saying "
+             "\"{bridge}\". Reply with the question only.")
+WRITTEN = "written"
+
+
+def written_question(reply: str) -> str | None:
+    """The question in a model's reply: its first line, a leading "Question:" dropped, up to its first "?";
+    None unless that is 3 to 40 words."""
+    line = next((x.strip() for x in reply.splitlines() if x.strip()), "")
+    line = re.sub(r"^(?:\*\*)?(?:question|q)\s*\d*\s*[:.](?:\*\*)?\s*", "", line, flags=re.I).strip().strip('"*')
+    if "?" not in line:
+        return None
+    line = line[: line.index("?") + 1]
+    return line if 3 <= len(line.split()) <= 40 else None
+
+
+def written_tasks(tasks: list[Task], write, progress=None, batch: int = 64) -> list[Task]:
+    """`tasks` with the questions the model wrote from their evidence instead of the made ones (`write`: prompts
+    -> replies, Backbone.generate_many; `progress`: a tqdm bar, advanced per task). A task is dropped when the
+    reply holds no question (written_question), when the question is the evidence itself, when it names a
+    two-hop task's bridge, or when it shares no content word with each evidence sentence (a question about
+    nothing, such as "What is the answer to this question?")."""
+    prompts = [WRITE_TWO.format(bridge=t.bridge, evidence=t.evidence, evidence2=t.evidence2) if t.chunk2 >= 0
+               else WRITE_ONE.format(evidence=t.evidence) for t in tasks]
+    replies = []
+    for at in range(0, len(prompts), batch):
+        replies += write(prompts[at: at + batch])
+        if progress is not None:
+            progress.update(len(prompts[at: at + batch]))
+    out = []
+    for t, reply in zip(tasks, replies):
+        question = written_question(reply)
+        if question is None or question.rstrip("?").lower() in t.evidence.lower() \
+                or (t.bridge and t.bridge.lower() in question.lower()):
+            continue
+        terms = lambda text: set(stems(words(text)))  # noqa: E731
+        if not all(terms(question) & terms(e) - terms(t.bridge) for e in t.evidences):
+            continue
+        form = f"{WRITTEN} {TWO_HOP}" if t.chunk2 >= 0 else WRITTEN
+        out.append(Task(t.id, question, t.evidence, t.chunk, form, "", t.chunk2, t.evidence2, t.bridge))
+    return out
 
 
 def _zip_longest(lists: list[list[int]]):

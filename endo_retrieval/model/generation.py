@@ -48,6 +48,25 @@ def generate(backbone, prompt_or_messages, max_new_tokens: int = 64, stream: boo
     return generate_stream(backbone, ids, kwargs)
 
 
+def generate_many(backbone, prompts: list[str], max_new_tokens: int = 48, batch: int = 16) -> list[str]:
+    """Greedy chat-template answers to many prompts, `batch` at a time: the prompts left-padded so that every
+    sequence's next token sits in the last column (a batch of 16 takes about the time of one prompt on a GPU)."""
+    tok, out = backbone.tokenizer, []
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for at in range(0, len(prompts), batch):
+        rows = [backbone.chat_ids(p)[0] for p in prompts[at: at + batch]]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long, device=backbone.device)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+        with backbone.lock, torch.inference_mode():
+            made = backbone.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                           temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+        out += [tok.decode(m[width:], skip_special_tokens=True).strip() for m in made]
+    return out
+
+
 def generate_graphed(backbone, ids: torch.Tensor, max_new_tokens: int) -> str:
     """Greedy decoding with CUDA-graph steps over a static cache (`decode.py`; an eager Hugging Face step of the
     default model is nearly all kernel launches); stops at the model's end-of-sequence ids."""

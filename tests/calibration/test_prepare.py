@@ -169,3 +169,34 @@ def test_the_default_model_is_ready_and_its_shipped_profile_is_never_overwritten
     assert "is ready for: bm25, s3, s3-hybrid, ilre, heads, endo" in out
     assert main(["prepare", "--device", "cpu", "--force"]) == 2
     assert "pass --profile PATH" in capsys.readouterr().err
+
+
+def test_questions_written_by_the_model_make_the_tasks(setup, monkeypatch, capsys):
+    """`--questions-by model`: the questions the model writes are the tasks' (a writer stands in for a model able to
+    write them: the tiny random one writes noise, which gets the clear error)."""
+    import re
+
+    from endo_retrieval.model.backbone import Backbone
+    from endo_retrieval.calibration import zero_label
+
+    model, docs, root = setup
+    argv = prepare_argv(model, docs, "--questions-by", "model", "--profile", str(root / "written.json"))
+    assert main(argv) == 2
+    assert "drop --questions-by model" in capsys.readouterr().err
+
+    def write(self, prompts, max_new_tokens=48, batch=16):  # a few longer words of each sentence, never the bridge
+        out = []
+        for p in prompts:
+            bridge = re.search(r'linked by "([^"]+)"', p)
+            avoid = {bridge.group(1).lower()} if bridge else set()
+            lines = re.findall(r"^(?:\d\. )?([A-Z].*[.])$", p, flags=re.M)
+            picked = [w for line in lines for w in re.findall(r"[a-z]{6,}", line)[:2] if w not in avoid]
+            out.append("Which record mentions " + " and ".join(picked) + "?")
+        return out
+
+    monkeypatch.setattr(Backbone, "generate_many", write)
+    assert main(argv) == 0
+    profile = json.loads((root / "written.json").read_text())
+    assert set(profile["zero_label"]["forms"]) <= {zero_label.WRITTEN, f"{zero_label.WRITTEN} two-hop"}
+    tasks = json.loads((root / "written.prepare" / "tasks.json").read_text())
+    assert tasks and all(t["question"].startswith("Which record mentions ") for t in tasks)

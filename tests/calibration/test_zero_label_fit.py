@@ -135,3 +135,25 @@ def test_an_informative_fit_still_picks_its_best():
     assert fit["single"]["heads"] == 1.0 and fit["best"]["recall"] == 1.0
     assert fit["recall"] == pytest.approx(fit["best"]["recall"], abs=0.03)
     assert fit["weights"]["heads"] == max(fit["weights"].values()) >= 0.5
+
+
+def test_written_questions_replace_the_made_ones_and_bad_replies_drop_their_task():
+    cs = chunks()
+    one = Task("a", "made", "The engineer Aldous Merrow drew the new quay walls.", 0, "keywords")
+    two = Task("b", "made", cs[0].text.split(". ")[1], 0, TWO_HOP, chunk2=1, evidence2="Aldous Merrow trained in "
+               "Glasgow as a surveyor.", bridge="Merrow")
+    replies = {"one": "Question: Who designed the harbour's new walls? It was an engineer.",
+               "two": "Which surveyor trained in Scotland drew walls for a harbour?"}
+    write = lambda prompts: [replies["two" if "two sentences" in p else "one"] for p in prompts]  # noqa: E731
+    got = zero_label.written_tasks([one, two], write)
+    assert [t.question for t in got] == ["Who designed the harbour's new walls?", replies["two"]]
+    assert [t.form for t in got] == [zero_label.WRITTEN, f"{zero_label.WRITTEN} {TWO_HOP}"]
+    assert [(t.chunk, t.chunk2, t.evidences) for t in got] == [(t.chunk, t.chunk2, t.evidences) for t in (one, two)]
+    for bad in ("What is the answer to this question?",  # about nothing in the evidence
+                "Who is Merrow and which walls did he draw?",  # names the bridge (dropped for the two-hop task)
+                "Sure! Here is a question", "Which?"):  # no question, too short
+        kept = zero_label.written_tasks([one, two], lambda prompts: [bad] * len(prompts))
+        assert two.id not in {t.id for t in kept}
+        assert not kept or bad.startswith("Who is Merrow")  # the single-hop task may ask about Merrow
+    copy = zero_label.written_tasks([one], lambda p: ["The engineer Aldous Merrow drew the new quay walls?"])
+    assert copy == []  # the evidence itself, turned into a question

@@ -58,3 +58,13 @@ def test_graph_replay_equals_the_eager_steps(backbone):
     # Not compared with model.generate here: in bf16 its SDPA kernels flip near-ties within a few tokens on some
     # prompts (README 'Decoding'); the CPU test above holds the steps to it in fp32.
     assert graphed[:16] == eager[:16] and sum(a == b for a, b in zip(graphed, eager)) >= 24
+
+
+def test_batched_generation_answers_as_one_prompt_at_a_time(tmp_path):
+    from endo_retrieval import Backbone
+
+    bb = Backbone(make_tiny_model("llama", tmp_path), device="cpu")
+    prompts = ["A short one.", "A much longer prompt, so that the batch pads the other rows on their left.", "Mid."]
+    single = [bb.generate(p, max_new_tokens=8) for p in prompts]
+    assert bb.generate_many(prompts, max_new_tokens=8, batch=2) == single  # batches of 2 and 1: padded and not
+    assert len(set(single)) > 1
