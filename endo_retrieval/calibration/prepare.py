@@ -138,9 +138,9 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
     else:
         made = zero_label.make_tasks(chunks, 8 * (n_tasks + n_questions), args.seed)
         linked = zero_label.two_hop_tasks(chunks, 8 * round(share * (n_tasks + n_questions)), args.seed)
-        if args.questions_by == "model":  # twice the tasks needed written, for `mixed` to balance
-            made = made[: 2 * round((1 - share) * (n_tasks + n_questions))]
-            linked = linked[: 2 * round(share * (n_tasks + n_questions))]
+        if args.questions_by == "model":  # three times the tasks needed written, for `mixed` to balance
+            made = made[: 3 * round((1 - share) * (n_tasks + n_questions))]
+            linked = linked[: 3 * round(share * (n_tasks + n_questions))]
             asked = len(made) + len(linked)
             with tqdm(total=asked, desc="writing questions", unit="task", disable=None) as bar:
                 made = zero_label.written_tasks(made, bb.generate_many, bar)

@@ -439,7 +439,7 @@ class Backbone:
         return generation.generate(self, prompt_or_messages, max_new_tokens, stream, system, do_sample, attention,
                                    **gen_kwargs)
 
-    def generate_many(self, prompts: list[str], max_new_tokens: int = 48, batch: int = 16) -> list[str]:
+    def generate_many(self, prompts: list[str], max_new_tokens: int = 48, batch: int = 32) -> list[str]:
         """Greedy answers to many chat prompts, in batches (left-padded): for work that asks the model many short
         things at once, as `endo prepare --questions-by model` does."""
         return generation.generate_many(self, prompts, max_new_tokens, batch)
