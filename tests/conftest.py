@@ -1,9 +1,14 @@
 """Shared fixtures: the real default backbone (loaded once), tiny random models of each family, data paths."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# the twins and tolerances here are fp32's: a CPU with bf16 units would otherwise load every backbone in bf16
+# (threads.cpu_dtype); tests of that default clear this
+os.environ.setdefault("ENDO_CPU_DTYPE", "float32")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -67,7 +67,7 @@ class IndexStore:
     for S3 the feature postings. `method`: the method it is built for, kept in its header. `endo` (the default
     pipeline: pipeline.py) and `bm25` need only the corpus map, so an index built for them holds no feature
     postings and cannot score with S3; one built for `s3` or `s3-hybrid` serves every method.
-    `int8_queries`: forward questions through int8-quantized linear maps (None: on a CPU backbone, where it halves
+    `int8_queries`: forward questions through int8-quantized linear maps (None: on an fp32 CPU backbone, where it halves
     the question's forward at unchanged S3-Hybrid recall on dev30, docs/papers.md 'Questions on a CPU go
     through int8 linear maps'); documents stay fp32/bf16."""
 
@@ -83,7 +83,8 @@ class IndexStore:
         on_cpu = self.backbone.device.type == "cpu"
         if int8_queries and not on_cpu:
             raise ValueError("int8_queries runs on a CPU backbone only; on a GPU the bf16 question forward is faster")
-        self.int8_queries = on_cpu if int8_queries is None else bool(int8_queries)
+        fp32 = self.backbone.dtype == torch.float32  # int8 maps quantize fp32 ones; bf16 is as fast on its CPU
+        self.int8_queries = on_cpu and fp32 if int8_queries is None else bool(int8_queries)
         if method not in self.method_names:
             raise ValueError(f"Unknown method {method!r}; the index searches with one of "
                              f"{', '.join(self.method_names)}.")

@@ -26,6 +26,7 @@ from endo_retrieval.model.chunk_graph import KEEP, ChunkGraph
 from endo_retrieval.model.parts_graph import PartsGraphs
 from endo_retrieval.model import generation
 from endo_retrieval.model.streaming import Chunk, StreamOptions, stream_chunks
+from endo_retrieval.model.threads import cpu_dtype
 from endo_retrieval.model.locate import (DEFAULT_MODEL, SUPPORTED_FAMILIES, BackboneError,  # noqa: F401 (public here)
                                          ModelNotFoundError, UnsupportedModelError, check_family, convert_gguf,
                                          default_gguf, file_sha256, is_hub_id, locate_model, model_source,
@@ -103,7 +104,8 @@ class Backbone:
     `Backbone()` loads the default model; `Backbone("path/to/hf-folder")`, `Backbone("path/to/model.gguf")` or
     `Backbone("owner/name")` (a Hugging Face hub id) a model of a supported family (SUPPORTED_FAMILIES).
     `Backbone.of(...)` shares one instance per model.
-    device: None picks CUDA when available, else CPU. dtype: None picks bfloat16 on CUDA, float32 on CPU.
+    device: None picks CUDA when available, else CPU. dtype: None picks bfloat16 on CUDA; on a CPU, bfloat16 where it
+    has bf16 units and float32 elsewhere (threads.cpu_dtype; ENDO_CPU_DTYPE fixes it).
     """
 
     _shared: dict[tuple, "Backbone"] = {}
@@ -147,7 +149,7 @@ class Backbone:
     def _set_device(self, config, device, dtype) -> None:
         check_family(config.model_type, getattr(config, "_name_or_path", None) or "this model")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else getattr(torch, cpu_dtype()))
         if self.device.type == "cuda":
             # cuDNN's SDPA builds a new plan for every key length, i.e. at every decode step and chunk, which made
             # ReAttention's decoding an order of magnitude slower (docs/papers.md); flash / mem-efficient SDPA remain.
@@ -287,6 +289,9 @@ class Backbone:
         """Decoder layers 0..last_layer (at least) with dynamically int8-quantized linear maps (weights 4x smaller
         than fp32): a CPU forward of a short text reads every weight once per token batch, so it runs ~2x faster.
         Each layer is quantized once, and only as deep as a forward asks (questions stop at the deepest SAE layer)."""
+        if self.dtype != torch.float32:
+            raise BackboneError(f"int8 layers quantize fp32 linear maps; this backbone is {self.dtype} (already "
+                                "faster on its CPU): leave int8 off, or load it with dtype=torch.float32.")
         done = getattr(self, "_q8_layers", [])
         if len(done) <= last_layer:
             import copy
