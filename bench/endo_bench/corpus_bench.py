@@ -75,8 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain-reads", action="store_true", help="the endo pipelines read one query part per forward "
                    "(five per question, not two; the same rankings): the path before batching, for timing beside it")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="the model's weights and reads in this type (default: bfloat16 on CUDA, float32 on a CPU; a "
-                        "CPU with avx512_bf16 or AMX multiplies bfloat16 about twice as fast)")
+                   help="the model's weights and reads in this type (default: bfloat16 on CUDA and on a CPU "
+                        "with avx512_bf16 or AMX units, float32 on other CPUs)")
     p.add_argument("--eager", action="store_true", help="on CUDA, the batched reads' forwards run eagerly, not "
                    "replayed from CUDA graphs (the same rankings to float tolerance): for timing beside them")
     p.add_argument("--depth", type=int, default=None, help="candidates the endo pipelines read (default: the "
@@ -352,7 +352,7 @@ def pipeline_settings(bb, args) -> dict:
 
 def load_backbone(model, dtype: str | None = None):
     """The local model, loaded once before any index is timed (a function, so tests can stub it); `dtype`
-    ("float32", "bfloat16"): its weights' type, else the device's default (bf16 on CUDA, fp32 on a CPU)."""
+    ("float32", "bfloat16"): its weights' type, else the device's default (Backbone)."""
     import torch
 
     from endo_retrieval.model.backbone import Backbone
