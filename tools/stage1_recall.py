@@ -7,6 +7,13 @@ pooled paragraphs, over stems (as shipped) and over words, beside LlamaIndex's B
 --made: the same recall on the tasks `endo prepare` makes from the file's paragraphs (one document per question's
 ten, as plain text: no question or label read; 100 heads tasks and 300 pipeline tasks, the pipeline's counted),
 judged hard by BM25 over words or over stems, at two shares of hard tasks (`zero_label.HARD_SHARE`).
+
+--written MODEL N: the first N single-hop and N/2 two-hop tasks made as above, asked as made and as MODEL writes
+them (`endo prepare --questions-by model`; zero_label.written_tasks), none balanced: how many replies are usable,
+and stage 1's recall on the same tasks under each kind of question (on a CPU the 1.5B model writes ~30 a minute).
+
+    .venv/bin/python tools/stage1_recall.py ../shared/data/hotpotqa/fit300.json \
+        --written qwen2.5-coder-1.5b-instruct.gguf 96
 """
 import json
 import os
@@ -61,7 +68,7 @@ def main(path: str) -> None:
         print(name, " ".join(f"recall@{k} {100 * v:.1f}" for k, v in recall(ranked, items).items()))
 
 
-def made_tasks(path: str) -> None:
+def made_tasks(path: str, written: tuple[str, int] | None = None) -> None:
     from endo_retrieval import Backbone
     from endo_retrieval.calibration import zero_label
     from endo_retrieval.scoring.bm25 import OkapiPostings, words
@@ -72,18 +79,37 @@ def made_tasks(path: str) -> None:
     made = zero_label.make_tasks(chunks, 8 * 400, 0)
     linked = zero_label.two_hop_tasks(chunks, 8 * round(zero_label.TWO_HOP_SHARE * 400), 0)
     bm25 = OkapiPostings.build([words(c.text) for c in chunks], True)  # the pipeline's stage 1
-    for judged_by, share in (("words", 0.5), ("stems", 0.5), ("stems", zero_label.HARD_SHARE)):
-        stage1.STEMS = judged_by == "stems"  # what `bm25_ranks` judges a task's difficulty with
-        tasks = zero_label.mixed(made, linked, chunks, 400, depth=20, hard_share=share)[100:]
-        stage1.STEMS = True
+
+    def stage1_recall(tasks) -> str:
         found = {k: [] for k in KS}
         for t in tasks:
             order = np.argsort(-bm25.get_scores(words(t.question)), kind="stable")
             for k in KS:
                 found[k].append(len(set(order[:k].tolist()) & set(t.golds)) / len(t.golds))
-        print(f"made tasks judged by BM25 over {judged_by}, hard share {share}:",
-              " ".join(f"recall@{k} {100 * np.mean(v):.1f}" for k, v in found.items()))
+        return " ".join(f"recall@{k} {100 * np.mean(v):.1f}" for k, v in found.items())
+
+    if written:
+        model, n = written
+        asked = made[:n] + linked[: n // 2]
+        wrote = zero_label.written_tasks(asked, Backbone(model).generate_many)
+        ids = {t.id for t in wrote}
+        print(f"{model} wrote {len(wrote)} usable questions of {len(asked)} asked "
+              f"({sum(t.chunk2 >= 0 for t in wrote)} of {len(asked) - n} two-hop)")
+        print("the same tasks, made questions:", stage1_recall([t for t in asked if t.id in ids]))
+        print("the same tasks, written questions:", stage1_recall(wrote))
+        for t in wrote[:: max(1, len(wrote) // 12)]:
+            print(f"  {t.form}: {t.question}")
+        return
+    for judged_by, share in (("words", 0.5), ("stems", 0.5), ("stems", zero_label.HARD_SHARE)):
+        stage1.STEMS = judged_by == "stems"  # what `bm25_ranks` judges a task's difficulty with
+        tasks = zero_label.mixed(made, linked, chunks, 400, depth=20, hard_share=share)[100:]
+        stage1.STEMS = True
+        print(f"made tasks judged by BM25 over {judged_by}, hard share {share}:", stage1_recall(tasks))
 
 
 if __name__ == "__main__":
-    made_tasks(sys.argv[1]) if "--made" in sys.argv[2:] else main(sys.argv[1])
+    if "--written" in sys.argv[2:]:
+        at = sys.argv.index("--written")
+        made_tasks(sys.argv[1], (sys.argv[at + 1], int(sys.argv[at + 2])))
+    else:
+        made_tasks(sys.argv[1]) if "--made" in sys.argv[2:] else main(sys.argv[1])

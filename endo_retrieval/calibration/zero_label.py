@@ -333,17 +333,19 @@ WRITE_TWO = ("Here are two sentences from two documents, linked by \"{bridge}\":
              "\n\nWrite one short question that needs both sentences to answer, in your own words, without saying "
              "\"{bridge}\". Reply with the question only.")
 WRITTEN = "written"
+# a question that points at its prompt ("...mentioned in the sentence?") asks nothing a reader would
+_ABOUT_PROMPT = re.compile(r"\b(?:sentences?|passages?|paragraphs?|documents?)\b", re.I)
 
 
 def written_question(reply: str) -> str | None:
     """The question in a model's reply: its first line, a leading "Question:" dropped, up to its first "?";
-    None unless that is 3 to 40 words."""
+    None unless that is 3 to 40 words and does not point at the prompt (the sentence, the passage)."""
     line = next((x.strip() for x in reply.splitlines() if x.strip()), "")
     line = re.sub(r"^(?:\*\*)?(?:question|q)\s*\d*\s*[:.](?:\*\*)?\s*", "", line, flags=re.I).strip().strip('"*')
     if "?" not in line:
         return None
     line = line[: line.index("?") + 1]
-    return line if 3 <= len(line.split()) <= 40 else None
+    return line if 3 <= len(line.split()) <= 40 and not _ABOUT_PROMPT.search(line) else None
 
 
 def written_tasks(tasks: list[Task], write, progress=None, batch: int = 64) -> list[Task]:

@@ -151,7 +151,8 @@ def test_written_questions_replace_the_made_ones_and_bad_replies_drop_their_task
     assert [(t.chunk, t.chunk2, t.evidences) for t in got] == [(t.chunk, t.chunk2, t.evidences) for t in (one, two)]
     for bad in ("What is the answer to this question?",  # about nothing in the evidence
                 "Who is Merrow and which walls did he draw?",  # names the bridge (dropped for the two-hop task)
-                "Sure! Here is a question", "Which?"):  # no question, too short
+                "Sure! Here is a question", "Which?",  # no question, too short
+                "Which walls are mentioned in the sentence?"):  # points at the prompt
         kept = zero_label.written_tasks([one, two], lambda prompts: [bad] * len(prompts))
         assert two.id not in {t.id for t in kept}
         assert not kept or bad.startswith("Who is Merrow")  # the single-hop task may ask about Merrow
