@@ -348,6 +348,10 @@ def written_question(reply: str) -> str | None:
     return line if 3 <= len(line.split()) <= 40 and not _ABOUT_PROMPT.search(line) else None
 
 
+def _terms(text: str) -> set[str]:
+    return set(stems(words(text)))
+
+
 def written_tasks(tasks: list[Task], write, progress=None, batch: int = 64) -> list[Task]:
     """`tasks` with the questions the model wrote from their evidence instead of the made ones (`write`: prompts
     -> replies, Backbone.generate_many; `progress`: a tqdm bar, advanced per task). A task is dropped when the
@@ -367,8 +371,7 @@ def written_tasks(tasks: list[Task], write, progress=None, batch: int = 64) -> l
         if question is None or question.rstrip("?").lower() in t.evidence.lower() \
                 or (t.bridge and t.bridge.lower() in question.lower()):
             continue
-        terms = lambda text: set(stems(words(text)))  # noqa: E731
-        if not all(terms(question) & terms(e) - terms(t.bridge) for e in t.evidences):
+        if not all(_terms(question) & _terms(e) - _terms(t.bridge) for e in t.evidences):
             continue
         form = f"{WRITTEN} {TWO_HOP}" if t.chunk2 >= 0 else WRITTEN
         out.append(Task(t.id, question, t.evidence, t.chunk, form, "", t.chunk2, t.evidence2, t.bridge))
