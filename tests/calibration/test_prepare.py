@@ -189,7 +189,8 @@ def test_questions_written_by_the_model_make_the_tasks(setup, monkeypatch, capsy
         for p in prompts:
             bridge = re.search(r'linked by "([^"]+)"', p)
             avoid = {bridge.group(1).lower()} if bridge else set()
-            lines = re.findall(r"^(?:\d\. )?([A-Z].*[.])$", p, flags=re.M)
+            lines = [x for x in re.findall(r"^(?:\d\. )?([A-Z].*[.])$", p, flags=re.M)
+                     if not x.startswith(("Here ", "Write "))]  # the evidence, not the instructions
             picked = [w for line in lines for w in re.findall(r"[a-z]{6,}", line)[:2] if w not in avoid]
             out.append("Which record mentions " + " and ".join(picked) + "?")
         return out
