@@ -8,7 +8,8 @@
 #
 #   bash tools/device-real-models.sh PHASE NAME...
 # PHASE: convert | calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | s3probe |
-#        decode | attnlatency | reattention | ilre128k | passkeyilre | papers | collect
+#        s3corpus | decode | attnlatency | reattention | reattentionqa | ilre128k | ilreevidence | passkeyilre | papers |
+#        collect
 # NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
 #
 # Every phase stops its processes at DEADLINE seconds (default 550) and packs what they wrote, with their logs,
@@ -294,6 +295,34 @@ ilre128k)  # ILRe past the window: dev300 haystacks of 128k tokens (2048 kept) b
   m=${1:-q15}
   bg "ilre128k_$m" endo bench quality $(margs "$m") --data "$hot/dev300.json" --context-tokens 131072 --budget 2048 \
     --limit ${ILRE_LIMIT:-50} --no-generate --no-reference --methods ilre,bm25-sent --out "$res/ilre_dev300_131072_$m.json" ;;
+reattentionqa)  # dev300 haystacks inside (32k) and past (64k, 128k) the window, dense against ReAttention
+  # RUNS: attention:context:questions (the first N of dev300; a 128k example takes minutes with the chunked prefill)
+  m=${1:-q15}
+  for run in ${RUNS:-dense:32768:10 reattention:32768:10 dense:65536:10 reattention:65536:10 dense:131072:4 reattention:131072:4}; do
+    IFS=: read att c n <<< "$run"
+    bg "qa_${att}_${c}_$m" endo bench attention $(margs "$m") --data "$hot/dev300.json" --limit $n --measure accuracy \
+      --attention $att --context-tokens $c --out "$res/qa_${att}_${c}_$m.json"
+  done ;;
+ilreevidence)  # ILRe's layer chosen on evidence (calib100 haystacks), installed, then dev300 beside BM25
+  m=${1:-q15}
+  ilre_evidence() {
+    endo calibrate-ilre $(margs "$m") --data "$hot/calib100.json" --limit 100 --lengths 8192 \
+      --out "$res/ilre_evidence_$m.json" --no-progress || return 1
+    cp "$res/ilre_evidence_$m.json" "$assets/ilre/$(slug "$m").json"
+    endo bench quality $(margs "$m") --data "$hot/dev300.json" --context-tokens 8192 --budget 1024 --no-generate \
+      --no-reference --methods ilre,bm25-sent --out "$res/ilre_evidence_dev300_8192_$m.json"
+    endo bench quality $(margs "$m") --data "$hot/dev300.json" --context-tokens 32768 --budget 2048 --limit 100 \
+      --no-generate --no-reference --methods ilre,bm25-sent --out "$res/ilre_evidence_dev300_32768_$m.json"
+  }
+  bg "ilreevidence_$m" ilre_evidence ;;
+s3corpus)  # S3-Hybrid over the dev300 corpus (the model's SAEs trained first), beside LlamaIndex's BM25 and endo
+  m=${1:-q15}
+  s3_corpus() {
+    model_saes "$m" || return 1
+    endo bench corpus $(margs "$m") --data "$hot/dev300.json" --systems s3-hybrid,llamaindex-bm25,endo \
+      --out "$res/s3_corpus_dev300_$m.json"
+  }
+  bg "s3corpus_$m" s3_corpus ;;
 papers)  # the 1.5B model past its window: passkeys for the decode-time backends and ILRe
   m=${1:-q15}
   bg "passkey_dense_$m" endo bench attention $(margs "$m") --data passkey:$data/pg_essays --depths 4 --measure accuracy \

@@ -5,6 +5,11 @@ equal segments of a filler text; the query part asks for that key id. A sample c
 passkey is kept at budget 1024 (exact match). One streaming pass per sample captures all candidate layers at
 once; each layer is scored with the default kernels and with one max + one avg kernel (Table 5's One-Max-Avg).
 l_R is the smallest layer with the highest default-kernel recall (section 3.2); it goes into the model's profile.
+
+With `--data FILE.json` (HotpotQA layout) the task is evidence instead (our deviation): each question's haystack of
+`--lengths` tokens built as the quality bench builds it, a sample scoring the share of its gold sentences kept
+whole. Passkeys saturate on larger models (recall 1.0 at 10 of Qwen2.5-1.5B's 28 layers, so the smallest, layer 2,
+is chosen), and a layer that finds a copied number need not find the sentences a question needs.
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.methods.ilre import (DEFAULT_AVG_KERNELS, DEFAULT_MAX_KERNELS, ILReError, allocate,
+from endo_retrieval.calibration.datasets import load_examples
+from endo_retrieval.methods.ilre import (DEFAULT_AVG_KERNELS, DEFAULT_MAX_KERNELS, ILRe, ILReError, allocate,
                                          context_scores, prefill)
 from endo_retrieval.model.profiles import ilre_profile_path
 from endo_retrieval.model.backbone import Backbone
@@ -76,8 +82,8 @@ def make_sample(backbone, filler_ids: np.ndarray, filler_offsets: np.ndarray, fi
                          key_length, segment)
 
 
-def passkey_tokens(offsets: np.ndarray, chars: tuple[int, int]) -> np.ndarray:
-    """Indices of the tokens that overlap the passkey's characters."""
+def tokens_in(offsets: np.ndarray, chars: tuple[int, int]) -> np.ndarray:
+    """Indices of the tokens that overlap the characters [chars[0], chars[1]) (a passkey, a gold sentence)."""
     return np.flatnonzero((offsets[:, 0] < chars[1]) & (offsets[:, 1] > chars[0]))
 
 
@@ -105,43 +111,72 @@ def calibrate(backbone, filler: str, lengths: list[int], layers: list[int], key_
     filler_enc = backbone.encode(filler)
     rng = random.Random(seed)
     jobs = [(n, k, s) for n in lengths for k in key_lengths for s in segments_for(n_depths)]
-    hits = {name: {l: [] for l in layers} for name in KERNEL_SETS}  # name -> layer -> [(length, key_len, hit)]
+
+    def samples():
+        for length, key_length, segment in jobs:
+            s = make_sample(backbone, filler_enc.ids, filler_enc.offsets, filler, length, key_length, segment, rng)
+            yield f"{length}/{key_length}", s.context, s.query, [s.value_chars]
+
+    task = {"kind": "passkey", "lengths": lengths, "key_lengths": key_lengths, "segments": segments_for(n_depths)}
+    return _calibrate(backbone, samples(), len(jobs), layers, budget, seed, task, progress, positions)
+
+
+def calibrate_evidence(backbone, data: str, lengths: list[int], layers: list[int], limit: int = 100,
+                       budget: int = 1024, seed: int = 0, progress: bool = True, positions: str = "frame") -> dict:
+    """The same search over layers with evidence for the needle: the first `limit` questions of the HotpotQA-layout
+    `data`, each in a haystack of each length; a sample scores the share of its gold sentences kept whole."""
+    sets = [load_examples(data, count_tokens=backbone.count_tokens, context_tokens=n, limit=limit, seed=seed)
+            for n in lengths]
+
+    def samples():
+        for n, examples in zip(lengths, sets):
+            for e in examples:
+                spans = [(at, at + len(s)) for s in e.supporting if (at := e.context.find(s)) >= 0]
+                if spans:
+                    yield f"{n}/evidence", e.context, ILRe.query_template.format(question=e.question.strip()), spans
+
+    task = {"kind": "evidence", "data": Path(data).name, "lengths": lengths, "limit": limit}
+    return _calibrate(backbone, samples(), sum(map(len, sets)), layers, budget, seed, task, progress, positions)
+
+
+def _calibrate(backbone, samples, total: int, layers, budget, seed, task, progress, positions) -> dict:
+    """Score every layer on every (setting, context, query, needle spans) sample with one streaming pass each: a
+    sample's hit is the share of its needle spans whose tokens are all kept at `budget`."""
     from tqdm.auto import tqdm
 
+    hits = {name: {l: [] for l in layers} for name in KERNEL_SETS}  # name -> layer -> [(setting, hit)]
     started = time.time()
-    for length, key_length, segment in tqdm(jobs, desc="calibrate-ilre", disable=not progress):
-        sample = make_sample(backbone, filler_enc.ids, filler_enc.offsets, filler, length, key_length, segment, rng)
-        enc = backbone.encode(sample.context)
-        needed = passkey_tokens(enc.offsets, sample.value_chars)
-        states = prefill(backbone, enc.ids, backbone.encode(sample.query).ids, layers, positions=positions)
+    for setting, context, query, spans in tqdm(samples, total=total, desc="calibrate-ilre", disable=not progress):
+        enc = backbone.encode(context)
+        needles = [tokens_in(enc.offsets, chars) for chars in spans]
+        states = prefill(backbone, enc.ids, backbone.encode(query).ids, layers, positions=positions)
         for layer in layers:
             scores = context_scores(backbone, states[layer], dca=positions == "dca")
             for name, (max_k, avg_k) in KERNEL_SETS.items():
                 kept = allocate(scores, budget, 4, max_k, avg_k)
-                hits[name][layer].append((length, key_length, bool(np.isin(needed, kept).all())))
+                hit = float(np.mean([np.isin(needed, kept).all() for needed in needles]))
+                hits[name][layer].append((setting, hit))
         del states
-    return summarise(backbone, hits, lengths, key_lengths, n_depths, budget, seed, time.time() - started) | {
-        "positions": positions}
+    task |= {"budget": budget, "seed": seed, "seconds": round(time.time() - started, 1)}
+    return summarise(backbone, hits, task) | {"positions": positions}
 
 
-def summarise(backbone, hits: dict, lengths, key_lengths, n_depths, budget, seed, seconds) -> dict:
-    def recall(rows, length=None, key_length=None):
-        sel = [h for n, k, h in rows if length in (None, n) and key_length in (None, k)]
-        return round(float(np.mean(sel)), 4)
+def summarise(backbone, hits: dict, task: dict) -> dict:
+    def recall(rows, setting=None):
+        return round(float(np.mean([h for s, h in rows if setting in (None, s)])), 4)
 
     default = hits["default"]
     overall = {str(l): recall(rows) for l, rows in default.items()}
     best = max(overall.values())
     layer = min(int(l) for l, r in overall.items() if r == best)  # smallest layer with the highest recall
+    settings = list(dict.fromkeys(s for rows in default.values() for s, _ in rows))
     return {
         "model": backbone.model_id, "model_hash": backbone.model_hash, "layer": layer, "recall": overall,
-        "recall_by_setting": {name: {f"{n}/{k}": {str(l): recall(rows, n, k) for l, rows in per_layer.items()}
-                                     for n in lengths for k in key_lengths}
+        "recall_by_setting": {name: {s: {str(l): recall(rows, s) for l, rows in per_layer.items()} for s in settings}
                               for name, per_layer in hits.items()},
-        "task": {"lengths": lengths, "key_lengths": key_lengths, "segments": segments_for(n_depths),
-                 "budget": budget, "seed": seed, "samples": len(next(iter(default.values()))),
-                 "kernel_sets": {k: [list(m), list(a)] for k, (m, a) in KERNEL_SETS.items()},
-                 "seconds": round(seconds, 1), "device": str(backbone.device)},
+        "task": task | {"samples": len(next(iter(default.values()))),
+                        "kernel_sets": {k: [list(m), list(a)] for k, (m, a) in KERNEL_SETS.items()},
+                        "device": str(backbone.device)},
     }
 
 
@@ -159,9 +194,9 @@ def plot(profile: dict, path: Path) -> bool:
         for setting, per_layer in settings.items():
             layers = sorted(per_layer, key=int)
             ax.plot([int(l) for l in layers], [per_layer[l] for l in layers], marker="o", markersize=3,
-                    linestyle="-" if name == "default" else "--", label=f"{name} {setting} tok/digits")
+                    linestyle="-" if name == "default" else "--", label=f"{name} {setting}")
     ax.axvline(profile["layer"], color="grey", linewidth=0.8)
-    ax.set(xlabel="layer", ylabel="passkey recall", ylim=(-0.02, 1.02),
+    ax.set(xlabel="layer", ylabel=f"{profile['task'].get('kind', 'passkey')} recall", ylim=(-0.02, 1.02),
            title=f"ILRe layer calibration, {profile['model']} (l_R = {profile['layer']})")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -189,9 +224,13 @@ def run(args: argparse.Namespace) -> int:
     if args.positions != "frame" and not args.out:
         raise ILReError("--positions other than 'frame' needs --out FILE: the shipped profile is calibrated "
                         "with 'frame' and ILRe reads it with that layout.")
-    filler = load_filler(Path(args.data))
-    profile = calibrate(backbone, filler, lengths, layers, key_lengths, args.depths, args.budget, args.seed,
-                        progress=not args.no_progress and sys.stderr.isatty(), positions=args.positions)
+    progress = not args.no_progress and sys.stderr.isatty()
+    if Path(args.data).suffix == ".json":
+        profile = calibrate_evidence(backbone, args.data, lengths, layers, args.limit, args.budget, args.seed,
+                                     progress, args.positions)
+    else:
+        profile = calibrate(backbone, load_filler(Path(args.data)), lengths, layers, key_lengths, args.depths,
+                            args.budget, args.seed, progress, args.positions)
     out = Path(args.out) if args.out else ilre_profile_path(backbone)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=1) + "\n")

@@ -23,7 +23,8 @@ COMMANDS = {
     "compress": ("endo_retrieval.cli.commands", "compress_", "compress one long context for one question"),
     "train-sae": ("endo_retrieval.cli.calibrate", "train_sae_", "train Top-k sparse autoencoders on key projections"),
     "train-phi": ("endo_retrieval.cli.calibrate", "train_phi_", "distil phi feature maps for completion attention"),
-    "calibrate-ilre": ("endo_retrieval.cli.calibrate", "ilre_", "pick ILRe's retrieval layer with a passkey task"),
+    "calibrate-ilre": ("endo_retrieval.cli.calibrate", "ilre_",
+                       "pick ILRe's retrieval layer with a passkey or evidence task"),
     "calibrate-heads": ("endo_retrieval.cli.calibrate", "heads_",
                         "choose the retrieval heads and fit the fused ranking"),
     "calibrate-pipeline": ("endo_retrieval.cli.calibrate", "pipeline_", "fit the endo pipeline's depth, reading and "

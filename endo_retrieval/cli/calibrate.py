@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 from endo_retrieval.calibration import heads, ilre, pipeline, train_phi, train_sae
 from endo_retrieval.cli.commands import int_list, model_argument
+from endo_retrieval.methods.ilre import POSITIONS
 
 def train_sae_add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model_argument(parser)
@@ -60,7 +61,10 @@ def train_phi_add_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
 
 
 def ilre_add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default=str(ilre.DEFAULT_FILLER), help="folder of .txt filler (default: %(default)s)")
+    parser.add_argument("--data", default=str(ilre.DEFAULT_FILLER),
+                        help="a folder of .txt filler for the passkey task (default: %(default)s), or a "
+                             "HotpotQA-layout .json for the evidence task (the share of gold sentences kept)")
+    parser.add_argument("--limit", type=int, default=100, help="evidence task: first N questions (default 100)")
     model_argument(parser)
     parser.add_argument("--lengths", default="8192", help="context lengths in tokens, e.g. 8192,32768")
     parser.add_argument("--layers", default="all", help="candidate layers, e.g. all or 0-14 (default: all)")
@@ -69,7 +73,7 @@ def ilre_add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how many of the 20 segment starts to use, evenly spread (default: all 20)")
     parser.add_argument("--budget", type=int, default=1024, help="token budget (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--positions", choices=ilre.POSITIONS, default="frame",
+    parser.add_argument("--positions", choices=POSITIONS, default="frame",
                         help="RoPE layout of the prefill: frame (default), dca [ILRe Eq. 6-7] or absolute (no DCA); "
                              "other than frame needs --out, so the shipped profile stays as calibrated")
     parser.add_argument("--out", default=None, help="profile JSON (default: where ILRe looks for the model's profile)")

@@ -41,5 +41,10 @@ def test_help_imports_nothing_heavy(command):
     assert parse(*command, "--help") == "exit=0 heavy=[]"
 
 
+@pytest.mark.parametrize("command", sorted(HEAVY_HELP))
+def test_help_of_the_calibration_commands_answers(command):
+    assert parse(command, "--help").startswith("exit=0 ")  # they may import torch, but their arguments must parse
+
+
 def test_the_check_sees_a_heavy_import():
     assert parse("index", "--bogus", prelude="import torch") == "exit=2 heavy=['torch']"

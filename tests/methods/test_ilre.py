@@ -2,6 +2,7 @@
 compressed text as a subsequence of the source, bad input, and the appendix A.1 passkey task."""
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from endo_retrieval.calibration.ilre import (DEFAULT_FILLER, N_SEGMENTS, calibrate, load_filler, make_sample,
-                                           parse_ints, passkey_tokens, segments_for, summarise)
+from endo_retrieval.calibration.ilre import (DEFAULT_FILLER, N_SEGMENTS, calibrate, calibrate_evidence, load_filler,
+                                           make_sample, parse_ints, segments_for, summarise, tokens_in)
 from endo_retrieval.methods.ilre import (ILRe, ILReError, allocate, allocate_reference, attention_scores,
                                         combination_budgets, context_scores, dca_key_positions, prefill)
 from endo_retrieval.model.backbone import BackboneError
@@ -410,7 +411,7 @@ def test_passkey_sample_layout(tiny_backbone):
         assert abs(depth - segment / N_SEGMENTS) < 0.01  # the key opens its segment of the filler
         ctx = bb.encode(s.context)
         assert abs(len(ctx) - 400) <= 3
-        got = "".join(s.context[a:b] for a, b in ctx.offsets[passkey_tokens(ctx.offsets, s.value_chars)])
+        got = "".join(s.context[a:b] for a, b in ctx.offsets[tokens_in(ctx.offsets, s.value_chars)])
         assert s.passkey in got
 
 
@@ -422,9 +423,9 @@ def test_parse_ints_and_segments():
 
 
 def test_summarise_picks_the_smallest_best_layer(tiny_backbone):
-    rows = {0: [(800, 8, False), (800, 8, True)], 2: [(800, 8, True)] * 2, 5: [(800, 8, True)] * 2}
-    hits = {"default": rows, "one-max-avg": {l: [(800, 8, False)] * 2 for l in rows}}
-    profile = summarise(tiny_backbone, hits, [800], [8], 2, 64, 0, 1.0)
+    rows = {0: [("800/8", 0.0), ("800/8", 1.0)], 2: [("800/8", 1.0)] * 2, 5: [("800/8", 1.0)] * 2}
+    hits = {"default": rows, "one-max-avg": {l: [("800/8", 0.0)] * 2 for l in rows}}
+    profile = summarise(tiny_backbone, hits, {"kind": "passkey"})
     assert profile["layer"] == 2 and profile["recall"] == {"0": 0.5, "2": 1.0, "5": 1.0}
     assert profile["recall_by_setting"]["one-max-avg"]["800/8"]["2"] == 0.0
 
@@ -433,6 +434,22 @@ def test_calibrate_end_to_end_on_the_tiny_model(tiny_backbone):
     profile = calibrate(tiny_backbone, FILLER, [300], [0, 1], [6], n_depths=2, budget=64, progress=False)
     assert profile["layer"] in (0, 1) and set(profile["recall"]) == {"0", "1"}
     assert profile["task"]["samples"] == 2 and profile["model_hash"] == tiny_backbone.model_hash
+
+
+def test_calibrate_on_evidence_scores_the_gold_sentences_kept(tiny_backbone, tmp_path):
+    items = [{"_id": f"q{k}", "question": f"What does item {k} say?", "answer": "x", "type": "bridge",
+              "supporting_facts": [[f"T{k}-0", 1], [f"T{k}-1", 0]],
+              "context": [[f"T{k}-{j}", [f" Item {k} part {j} line {i} says {'word ' * (i + 1)}." for i in range(3)]]
+                          for j in range(4)]} for k in range(6)]
+    data = tmp_path / "toy.json"
+    data.write_text(json.dumps(items))
+    profile = calibrate_evidence(tiny_backbone, str(data), [300], [0, 1], limit=3, budget=64, progress=False)
+    assert profile["task"]["kind"] == "evidence" and profile["task"]["samples"] == 3
+    assert set(profile["recall_by_setting"]["default"]) == {"300/evidence"}
+    assert all(0.0 <= r <= 1.0 for r in profile["recall"].values()) and profile["layer"] in (0, 1)
+    # a budget that keeps the whole haystack keeps every gold sentence, at every layer
+    whole = calibrate_evidence(tiny_backbone, str(data), [300], [0, 1], limit=3, budget=299, progress=False)
+    assert whole["recall"] == {"0": 1.0, "1": 1.0}
 
 
 # ---------------------------------------------------------------- the real default model
