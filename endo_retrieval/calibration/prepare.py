@@ -32,6 +32,10 @@ from endo_retrieval.model.profiles import (ASSETS, ProfileError, _read_profile, 
 METHODS = tuple(REGISTRY)  # prepare makes every one-context method ready
 
 # sizes of the calibration per device kind: a CPU reads about a hundred times fewer tokens per second
+# `--questions-by auto`: the model writes the questions from this size on. Measured against the labelled profiles on
+# dev300 (docs/results.md): the 1.5B model's written questions took the zero-label gap at corpus recall@5 from -7.2
+# to -2.0 and at sp_recall 8k from -4.5 to -1.2; the 0.5B's moved it within the noise (-2.3 to -1.7, -1.2 to -0.2)
+WRITER_PARAMS = 1_000_000_000
 SIZES = {"cpu": {"tasks": 40, "passkeys": 4, "questions": 40, "context_tokens": [1024]},
          "cuda": {"tasks": 128, "passkeys": 8, "questions": 200, "context_tokens": [4096]}}
 
@@ -125,7 +129,10 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
     documents = zero_label.read_documents(args.documents)
     share = zero_label.TWO_HOP_SHARE
     settings = [n_tasks, n_passkeys, n_questions, lengths, args.seed, round(share, 4), zero_label.HARD_SHARE]
-    settings += [args.questions_by] if args.questions_by != "rules" else []  # earlier rules runs' states still apply
+    questions_by = args.questions_by
+    if questions_by == "auto":
+        questions_by = "model" if sum(p.numel() for p in bb.model.parameters()) >= WRITER_PARAMS else "rules"
+    settings += [questions_by] if questions_by != "rules" else []  # earlier rules runs' states still apply
     fingerprint = f"{zero_label.fingerprint(documents)}/{settings}"
     state = {} if args.force else _state(state_path, bb.model_hash)
     if state.get("fingerprint") != fingerprint:  # other documents or sizes: nothing of an earlier run applies
@@ -138,7 +145,7 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
     else:
         made = zero_label.make_tasks(chunks, 8 * (n_tasks + n_questions), args.seed)
         linked = zero_label.two_hop_tasks(chunks, 8 * round(share * (n_tasks + n_questions)), args.seed)
-        if args.questions_by == "model":  # three times the tasks needed written, for `mixed` to balance
+        if questions_by == "model":  # three times the tasks needed written, for `mixed` to balance
             made = made[: 3 * round((1 - share) * (n_tasks + n_questions))]
             linked = linked[: 3 * round(share * (n_tasks + n_questions))]
             asked = len(made) + len(linked)
@@ -189,7 +196,8 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
                         "budgets": [int(b * scale) for b, _ in cells], "seed": args.seed,
                         "zero_label": {"documents": len(documents), "chunks": len(chunks),
                                        "tasks": len(heads_tasks), "passkeys": n_passkeys * len(lengths),
-                                       "forms": zero_label.forms(heads_tasks), "two_hop_share": round(share, 4)},
+                                       "forms": zero_label.forms(heads_tasks), "two_hop_share": round(share, 4),
+                                       "questions_by": questions_by},
                         "wall_s": round(time.perf_counter() - t, 1)}
             heads_calibrate.write_profile(profile, out)
             _phase_done(state, state_path, "heads", time.perf_counter() - t, timings)

@@ -26,10 +26,10 @@ def prepare_add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", type=int_list, default=[20], help="pipeline candidate depths to try (default 20)")
     p.add_argument("--read-tokens", type=int_list, default=[128], help="tokens read per candidate to try "
                    "(default 128)")
-    p.add_argument("--questions-by", choices=("rules", "model"), default="rules",
-                   help="who writes the tasks' questions: rules (a few of the evidence's words, some inflected; "
-                        "default) or model (the model writes each question from its evidence in its own words: "
-                        "a minute or two more on a GPU)")
+    p.add_argument("--questions-by", choices=("auto", "rules", "model"), default="auto",
+                   help="who writes the tasks' questions: rules (a few of the evidence's words, some inflected), "
+                        "model (the model writes each question from its evidence in its own words: a minute or two "
+                        "more on a GPU), or auto (default: model for models of 1B parameters or more, else rules)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="make every asked-for artefact again")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")

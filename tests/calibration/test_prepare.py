@@ -10,7 +10,7 @@ import random
 import pytest
 
 from conftest import make_tiny_model
-from endo_retrieval.calibration import heads as heads_calibrate
+from endo_retrieval.calibration import heads as heads_calibrate, prepare
 from endo_retrieval.cli import main
 
 NAMES = ["Albatross", "Kestrel", "Orion", "Marlow", "Thornbury", "Calder", "Wrenfield", "Penhallow"]
@@ -129,6 +129,7 @@ def test_prepare_makes_skips_resumes_and_the_retriever_answers(setup, monkeypatc
     made = profile["zero_label"]
     assert made["two_hop_share"] == round(1 / 3, 4) and sum(made["forms"].values()) == made["tasks"] == 6
     assert set(made["forms"]) <= {"keywords", "cloze", "two-hop"}
+    assert made["questions_by"] == "rules"  # auto: a model this small does not write them
     assert "flattest" in profile["fusion"]["rule"]
     assert profile["budgets"] == [int(256 // 8 * profile["fusion"]["budget_scale"])]
     assert sum(profile["pipeline"]["fit"]["forms"].values()) == profile["pipeline"]["fit"]["n_questions"]
@@ -199,5 +200,11 @@ def test_questions_written_by_the_model_make_the_tasks(setup, monkeypatch, capsy
     assert main(argv) == 0
     profile = json.loads((root / "written.json").read_text())
     assert set(profile["zero_label"]["forms"]) <= {zero_label.WRITTEN, f"{zero_label.WRITTEN} two-hop"}
+    assert profile["zero_label"]["questions_by"] == "model"
     tasks = json.loads((root / "written.prepare" / "tasks.json").read_text())
     assert tasks and all(t["question"].startswith("Which record mentions ") for t in tasks)
+    # auto: the model writes them from WRITER_PARAMS on (here every model is that large)
+    monkeypatch.setattr(prepare, "WRITER_PARAMS", 0)
+    auto = prepare_argv(model, docs, "--profile", str(root / "auto.json"))
+    assert main(auto) == 0
+    assert json.loads((root / "auto.json").read_text())["zero_label"]["questions_by"] == "model"
