@@ -95,11 +95,14 @@ refit_bench() {  # the refitted profile installed, then the dev300 corpus beside
 }
 
 zero_label() {  # finish the zero-label profile if its pipeline fit was stopped, then its dev300 benches
-  # QUESTIONS_BY=model: the model writes the tasks' questions (files named zero_label_written_*)
-  local m=$1 tag=${QUESTIONS_BY:+_written}; local zl=/root/res/calibrate/zl${tag}_$1.json
+  # QUESTIONS_BY=model: the model writes the tasks' questions (files named zero_label_written_*); ZL_GRID=labelled:
+  # the pipeline grid the labelled fit chose from, depths 20 and 30 in both orders (files zero_label_grid_*)
+  local m=$1 tag=${QUESTIONS_BY:+_written}; tag=${ZL_GRID:+_grid}${tag}; local zl=/root/res/calibrate/zl${tag}_$1.json
+  local grid="--depths 20 --read-tokens 128,256"
+  [ -n "${ZL_GRID:-}" ] && grid="--depths 20,30 --read-tokens 128 --orders best-last first-stage"
   grep -q '"pipeline"' "$zl" 2>/dev/null || endo prepare --model "$(model "$m")" --documents /root/docs_fit300 \
-    --profile "$zl" --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 --depths 20 \
-    --read-tokens 128,256 ${QUESTIONS_BY:+--questions-by $QUESTIONS_BY} || return 1
+    --profile "$zl" --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 $grid \
+    ${QUESTIONS_BY:+--questions-by $QUESTIONS_BY} || return 1
   cp "$zl" "$res/zero_label${tag}_profile_$m.json"; cp "${zl%.json}.prepare/tasks.json" "$res/zero_label${tag}_tasks_$m.json"
   [ -f "$res/zero_label${tag}_corpus_dev300_$m.json" ] || ENDO_HEADS_PROFILE=$zl endo bench corpus \
     --model "$(model "$m")" --data "$hot/dev300.json" --systems endo --out "$res/zero_label${tag}_corpus_dev300_$m.json" &

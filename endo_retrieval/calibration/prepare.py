@@ -183,7 +183,7 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
             examples = zero_label.haystacks(heads_tasks, chunks, bb.count_tokens, L, args.seed)
             examples += zero_label.passkey_tasks(chunks, n_passkeys, L, bb.count_tokens, args.seed)
             cells.append((L // 8, examples))
-    n_settings = len(args.depths) * len(args.read_tokens)
+    n_settings = len(args.depths) * len(args.read_tokens) * len(args.orders)
     total = 2 * sum(len(e) for _, e in cells) + (len(pipeline_tasks) * n_settings if need["pipeline"] else 0)
     items = state_dir / "items"
     with tqdm(total=total, desc="calibrating", unit="item", disable=None) as bar:
@@ -206,7 +206,7 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
             profile = json.loads(out.read_text())
             titles, texts, questions = zero_label.corpus_questions(pipeline_tasks, chunks)
             best, table, _ = pipeline_calibrate.fit_settings(
-                bb, titles, texts, questions, args.depths, args.read_tokens, ["best-last"], heads=profile["heads"],
+                bb, titles, texts, questions, args.depths, args.read_tokens, args.orders, heads=profile["heads"],
                 progress=bar, cache=items)
             profile["pipeline"] = pipeline_calibrate.section(best, table, "zero-label", len(questions),
                                                              time.perf_counter() - t)

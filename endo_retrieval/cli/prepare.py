@@ -26,6 +26,10 @@ def prepare_add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", type=int_list, default=[20], help="pipeline candidate depths to try (default 20)")
     p.add_argument("--read-tokens", type=int_list, default=[128], help="tokens read per candidate to try "
                    "(default 128)")
+    # the keys of calibration.pipeline.ORDERS (not imported: it loads torch, and --help must not)
+    p.add_argument("--orders", nargs="+", choices=("best-last", "first-stage"), default=["best-last"],
+                   help="candidate orders to try: best-last (the best candidate nearest the question; default) and "
+                        "first-stage (the first stage's order)")
     p.add_argument("--questions-by", choices=("auto", "rules", "model"), default="auto",
                    help="who writes the tasks' questions: rules (a few of the evidence's words, some inflected), "
                         "model (the model writes each question from its evidence in its own words: a minute or two "

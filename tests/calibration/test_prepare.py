@@ -4,6 +4,7 @@ retriever answers with what it made. Also the zero-label task maker's guarantees
 chunk and in its haystack). Random weights test the plumbing; quality is measured on the default model."""
 from __future__ import annotations
 
+import argparse
 import json
 import random
 
@@ -208,3 +209,13 @@ def test_questions_written_by_the_model_make_the_tasks(setup, monkeypatch, capsy
     auto = prepare_argv(model, docs, "--profile", str(root / "auto.json"))
     assert main(auto) == 0
     assert json.loads((root / "auto.json").read_text())["zero_label"]["questions_by"] == "model"
+
+
+def test_the_orders_offered_are_the_pipelines():
+    from endo_retrieval.calibration.pipeline import ORDERS
+    from endo_retrieval.cli import prepare as prepare_cli
+
+    parser = argparse.ArgumentParser()
+    prepare_cli.prepare_add_arguments(parser)
+    orders = next(a for a in parser._actions if a.dest == "orders")
+    assert set(orders.choices) == set(ORDERS) and set(orders.default) <= set(ORDERS)
