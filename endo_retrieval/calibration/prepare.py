@@ -154,8 +154,8 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
                 linked = zero_label.written_tasks(linked, bb.generate_many, bar)
             if len(made) + len(linked) < asked // 4:
                 raise ValueError(f"{bb.model_id} wrote {len(made) + len(linked)} usable questions of {asked} "
-                                 "asked (a usable one is a question about its sentence); a model this small "
-                                 "calibrates better on made questions: drop --questions-by model.")
+                                 "asked (a usable one is a question about its sentence); such a model "
+                                 "calibrates better on made questions: pass --questions-by rules.")
         tasks = zero_label.mixed(made, linked, chunks, n_tasks + n_questions, share, depth=max(args.depths))
         _write(tasks_path, [vars(t) for t in tasks])
     if len(tasks) < 4:

@@ -184,7 +184,7 @@ def test_questions_written_by_the_model_make_the_tasks(setup, monkeypatch, capsy
     model, docs, root = setup
     argv = prepare_argv(model, docs, "--questions-by", "model", "--profile", str(root / "written.json"))
     assert main(argv) == 2
-    assert "drop --questions-by model" in capsys.readouterr().err
+    assert "pass --questions-by rules" in capsys.readouterr().err
 
     def write(self, prompts, max_new_tokens=48, batch=16):  # a few longer words of each sentence, never the bridge
         out = []
