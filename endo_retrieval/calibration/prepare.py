@@ -31,11 +31,11 @@ from endo_retrieval.model.profiles import (ASSETS, ProfileError, _read_profile, 
 
 METHODS = tuple(REGISTRY)  # prepare makes every one-context method ready
 
-# sizes of the calibration per device kind: a CPU reads about a hundred times fewer tokens per second
 # `--questions-by auto`: the model writes the questions from this size on. Measured against the labelled profiles on
 # dev300 (docs/results.md): the 1.5B model's written questions took the zero-label gap at corpus recall@5 from -7.2
 # to -2.0 and -5.2 (two runs) and at sp_recall 8k from -4.5 to -1.2 and -2.4; the 0.5B's moved it within the noise
 WRITER_PARAMS = 1_000_000_000
+# sizes of the calibration per device kind: a CPU reads about a hundred times fewer tokens per second
 SIZES = {"cpu": {"tasks": 40, "passkeys": 4, "questions": 40, "context_tokens": [1024]},
          "cuda": {"tasks": 128, "passkeys": 8, "questions": 200, "context_tokens": [4096]}}
 
