@@ -8,7 +8,7 @@
 #
 #   bash tools/device-real-models.sh PHASE NAME...
 # PHASE: convert | calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | s3probe |
-#        s3corpus | decode | attnlatency | reattention | reattentionqa | ilre128k | ilreevidence | passkeyilre | papers |
+#        s3corpus | fewer | decode | attnlatency | reattention | reattentionqa | ilre128k | ilreevidence | passkeyilre | papers |
 #        collect
 # NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
 #
@@ -97,12 +97,14 @@ refit_bench() {  # the refitted profile installed, then the dev300 corpus beside
 zero_label() {  # finish the zero-label profile if its pipeline fit was stopped, then its dev300 benches
   # QUESTIONS_BY=model: the model writes the tasks' questions (files named zero_label_written_*); ZL_GRID=labelled:
   # the pipeline grid the labelled fit chose from, depths 20 and 30 in both orders (files zero_label_grid_*)
-  local m=$1 tag=${QUESTIONS_BY:+_written}; tag=${ZL_GRID:+_grid}${tag}; local zl=/root/res/calibrate/zl${tag}_$1.json
+  # ZL_TAG=name: files zero_label_name_*; SEED: the tasks' seed (another draw of tasks from the same documents)
+  local m=$1 tag=${QUESTIONS_BY:+_written}; tag=${ZL_GRID:+_grid}${tag}${ZL_TAG:+_$ZL_TAG}
+  local zl=/root/res/calibrate/zl${tag}_$1.json
   local grid="--depths 20 --read-tokens 128,256"
   [ -n "${ZL_GRID:-}" ] && grid="--depths 20,30 --read-tokens 128 --orders best-last first-stage"
   grep -q '"pipeline"' "$zl" 2>/dev/null || endo prepare --model "$(model "$m")" --documents /root/docs_fit300 \
     --profile "$zl" --tasks 100 --passkeys 4 --context-tokens 4096,8192 --questions 300 $grid \
-    ${QUESTIONS_BY:+--questions-by $QUESTIONS_BY} || return 1
+    ${QUESTIONS_BY:+--questions-by $QUESTIONS_BY} ${SEED:+--seed $SEED} || return 1
   cp "$zl" "$res/zero_label${tag}_profile_$m.json"; cp "${zl%.json}.prepare/tasks.json" "$res/zero_label${tag}_tasks_$m.json"
   [ -f "$res/zero_label${tag}_corpus_dev300_$m.json" ] || ENDO_HEADS_PROFILE=$zl endo bench corpus \
     --model "$(model "$m")" --data "$hot/dev300.json" --systems endo --out "$res/zero_label${tag}_corpus_dev300_$m.json" &
@@ -318,6 +320,18 @@ ilreevidence)  # ILRe's layer chosen on evidence (calib100 haystacks), installed
       --no-generate --no-reference --methods ilre,bm25-sent --out "$res/ilre_evidence_dev300_32768_$m.json"
   }
   bg "ilreevidence_$m" ilre_evidence ;;
+fewer)  # the pipeline reading fewer candidates (a CPU's time follows depth): each DEPTHS' weights fitted on fit300
+  # into a copy of the model's profile, then dev300 with that profile
+  m=${1:-default}
+  fewer_one() {
+    local d=$1 p=$res/heads_depth$1_$m.json
+    cp "$assets/heads/$(slug "$m").json" "$p"
+    endo calibrate-pipeline $(margs "$m") --data "$hot/fit300.json" --depths "$d" --read-tokens 128 \
+      --orders best-last --out "$p" || return 1
+    ENDO_HEADS_PROFILE=$p endo bench corpus $(margs "$m") --data "$hot/dev300.json" --systems endo \
+      --out "$res/depth${d}_corpus_dev300_$m.json"
+  }
+  for d in ${DEPTHS:-12 14 16}; do bg "fewer_${d}_$m" fewer_one "$d"; done ;;
 s3corpus)  # S3-Hybrid over the dev300 corpus (the model's SAEs trained first), beside LlamaIndex's BM25 and endo
   m=${1:-q15}
   s3_corpus() {

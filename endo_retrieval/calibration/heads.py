@@ -204,13 +204,15 @@ def cached_arrays(cache: Path | None, key: str, make) -> dict[str, np.ndarray]:
 
 
 def calibrate(bb, cells, *, top: int = 10, n_heads: int | None = None, progress=None, cache: Path | None = None,
-              fit_fusion=None) -> tuple[dict, list]:
+              fit_fusion=None, choose_count=None) -> tuple[dict, list]:
     """The heads profile (without the fields that describe the data) and the fusion's fit items, from `cells` =
     [(budget, examples)]: labelled examples (HotpotQA, passkeys, or the zero-label tasks of zero_label.py) whose
     `supporting` sentences are the gold. Pass 1 scores every head on every example; the best heads are kept; pass
     2 computes the fusion's signals with them and fits the weights. `cache`: a folder where each example's
     result is kept, so a rerun skips the examples it has. `fit_fusion`: the fusion's fit on the items (default
-    `fit_weights`; zero-label haystacks use zero_label.fit_fusion, since every signal saturates on them)."""
+    `fit_weights`; zero-label haystacks use zero_label.fit_fusion, since every signal saturates on them).
+    `choose_count(counts, recall per count x item)`: how many of the best heads to keep (default: the best mean
+    recall, the fewer on a tie; zero-label uses zero_label.most_heads)."""
     cells_items = []  # pass 1 labels every head
     for budget, examples in cells:
         items = []
@@ -225,10 +227,11 @@ def calibrate(bb, cells, *, top: int = 10, n_heads: int | None = None, progress=
     ranked = rank_heads(labelled, top)
     order = np.argsort(-ranked, kind="stable")
     counts = [n_heads] if n_heads else [4, 8, 12, 16]
-    recall_by_count = {n: float(np.mean([recall_in_budget(it.table[order[:n]].sum(0), it.gold, it.lengths, b)
-                                         for b, _, items in cells_items for it in items if it.gold.any()]))
-                       for n in counts}
-    n_best = max(counts, key=lambda n: (recall_by_count[n], -n))
+    per_item = np.array([[recall_in_budget(it.table[order[:n]].sum(0), it.gold, it.lengths, b)
+                          for b, _, items in cells_items for it in items if it.gold.any()] for n in counts])
+    recall_by_count = {n: float(r.mean()) for n, r in zip(counts, per_item)}
+    n_best = (choose_count(counts, per_item) if choose_count else
+              max(counts, key=lambda n: (recall_by_count[n], -n)))
     chosen = [divmod(int(i), bb.n_heads) for i in order[:n_best]]
     ilre = ilre_profile(bb)
     ilre_layer = int(ilre["layer"]) if ilre else None

@@ -41,22 +41,33 @@ def recall_at(ranked_docs: list[str], gold: set[str], k: int) -> float:
     return len(gold & set(seen)) / max(1, len(gold))
 
 
-def objective(items: list[tuple[dict, list[str], set[str]]], weights: dict) -> dict[int, float]:
-    """Mean paragraph recall@k over the items [(stage scores, candidate documents, gold documents)]."""
+def per_item(items: list[tuple[dict, list[str], set[str]]], weights: dict) -> dict[int, np.ndarray]:
+    """Paragraph recall@k of each item [(stage scores, candidate documents, gold documents)]."""
     out = {k: [] for k in KS}
     for signals, docs, gold in items:
         fused = fuse(signals, weights)
         ranked = [docs[i] for i in np.lexsort((np.arange(len(docs)), -fused))]
         for k in KS:
             out[k].append(recall_at(ranked, gold, k))
-    return {k: float(np.mean(v)) for k, v in out.items()}
+    return {k: np.array(v) for k, v in out.items()}
 
 
-def fit(items, step: float = 0.1, stages: tuple[str, ...] = STAGES) -> tuple[dict, dict]:
+def objective(items: list[tuple[dict, list[str], set[str]]], weights: dict) -> dict[int, float]:
+    """Mean paragraph recall@k over the items."""
+    return {k: float(v.mean()) if len(v) else 0.0 for k, v in per_item(items, weights).items()}
+
+
+def fit(items, step: float = 0.1, stages: tuple[str, ...] = STAGES, choose=None) -> tuple[dict, dict]:
     """(weights, recall@k) maximising the mean of recall@2 and recall@5; the corners come first (`stages[0]`, the
-    first stage, before the others), so a tie keeps the simpler fusion."""
+    first stage, before the others), so a tie keeps the simpler fusion. `choose(grid, per weight x item)`: picks
+    among the weights by their per-item mean of recall@2 and @5 instead (zero-label: zero_label.flattest)."""
+    grid = sorted(simplex(list(stages), step), key=lambda w: (-max(w.values()), -w[stages[0]]))
+    if choose is not None:
+        scores = [per_item(items, w) for w in grid]
+        best = choose(grid, np.stack([(r[2] + r[5]) / 2 for r in scores]))
+        return grid[best], {k: float(v.mean()) for k, v in scores[best].items()}
     best_w, best, best_r = None, -1.0, None
-    for w in sorted(simplex(list(stages), step), key=lambda w: (-max(w.values()), -w[stages[0]])):
+    for w in grid:
         r = objective(items, w)
         if (r[2] + r[5]) / 2 > best + 1e-9:
             best_w, best, best_r = w, (r[2] + r[5]) / 2, r
@@ -80,15 +91,18 @@ def run(args) -> dict:
 
 
 def fit_settings(bb, titles: list[str], paragraphs: list[str], questions: list[dict], depths, read_tokens, orders,
-                 *, heads=None, progress=None, cache: Path | None = None) -> tuple[dict, list[dict], dict]:
+                 *, heads=None, progress=None, cache: Path | None = None, choose_weights=None,
+                 choose_setting=None) -> tuple[dict, list[dict], dict]:
     """(best row, every row, the stage scores) over a corpus of `paragraphs` (one document per title) and
     `questions` ({"question", "supporting_facts": [[title, i], ...]}: HotpotQA's, or zero_label.py's). `heads`: the
-    retrieval heads to read with (None: the model's profile); `progress`, `cache`: as heads_calibrate.calibrate."""
+    retrieval heads to read with (None: the model's profile); `progress`, `cache`: as heads_calibrate.calibrate.
+    `choose_weights`: as `fit`'s `choose`; `choose_setting(rows, per row x question)`: picks the row by its
+    per-question mean of recall@2, @5 and @10 (default `choose`; zero-label: zero_label.cheapest_setting)."""
     index = EndoIndex(bb, method="endo")
     index.add_documents([Document(t, p) for t, p in zip(titles, paragraphs)])
     corpus, passages = index.corpus, index.passages()
     doc_of = {int(p): corpus.span_text(int(p), int(p) + 1)[0] for p in passages.starts}
-    table, dump = [], {}
+    table, dump, scored = [], {}, []
     for depth in sorted(depths):
         for n_read in sorted(read_tokens):
             for order in orders:
@@ -104,13 +118,15 @@ def fit_settings(bb, titles: list[str], paragraphs: list[str], questions: list[d
                     key = f"{depth}/{n_read}/{order}/{q_i}"
                     dump |= {f"{key}/{name}": s for name, s in signals.items()}
                     dump |= {f"{key}/docs": np.array(docs), f"{key}/gold": np.array(sorted(items[-1][2]))}
-                weights, recall = fit(items)
+                weights, recall = fit(items, choose=choose_weights)
+                scored.append(np.mean([v for v in per_item(items, weights).values()], axis=0))
                 table.append({"depth": depth, "read_tokens": n_read, "order": order, "weights": weights,
                               "recall": {f"@{k}": round(r, 4) for k, r in recall.items()},
                               "stage1": {f"@{k}": round(r, 4) for k, r in objective(items, {"bm25": 1.0}).items()}})
                 if progress is None:
                     print(json.dumps(table[-1]))
-    return choose(table), table, dump
+    best = table[choose_setting(table, np.stack(scored))] if choose_setting else choose(table)
+    return best, table, dump
 
 
 def choose(table: list[dict]) -> dict:

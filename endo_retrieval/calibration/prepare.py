@@ -190,14 +190,15 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
         if need["heads"]:
             t = time.perf_counter()
             profile, _ = heads_calibrate.calibrate(bb, cells, progress=bar, cache=items,
-                                                   fit_fusion=zero_label.fit_fusion)
+                                                   fit_fusion=zero_label.fit_fusion, choose_count=zero_label.most_heads)
             scale = profile["fusion"]["budget_scale"]
             profile |= {"data": ["zero-label"], "distractors": "zero-label", "context_tokens": lengths,
                         "budgets": [int(b * scale) for b, _ in cells], "seed": args.seed,
                         "zero_label": {"documents": len(documents), "chunks": len(chunks),
                                        "tasks": len(heads_tasks), "passkeys": n_passkeys * len(lengths),
                                        "forms": zero_label.forms(heads_tasks), "two_hop_share": round(share, 4),
-                                       "questions_by": questions_by},
+                                       "questions_by": questions_by,
+                                       "head_count": "the most heads near the best"},
                         "wall_s": round(time.perf_counter() - t, 1)}
             heads_calibrate.write_profile(profile, out)
             _phase_done(state, state_path, "heads", time.perf_counter() - t, timings)
@@ -207,10 +208,13 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
             titles, texts, questions = zero_label.corpus_questions(pipeline_tasks, chunks)
             best, table, _ = pipeline_calibrate.fit_settings(
                 bb, titles, texts, questions, args.depths, args.read_tokens, args.orders, heads=profile["heads"],
-                progress=bar, cache=items)
+                progress=bar, cache=items, choose_weights=zero_label.flattest,
+                choose_setting=zero_label.cheapest_setting)
             profile["pipeline"] = pipeline_calibrate.section(best, table, "zero-label", len(questions),
                                                              time.perf_counter() - t)
-            profile["pipeline"]["fit"]["forms"] = zero_label.forms(pipeline_tasks)
+            profile["pipeline"]["fit"] |= {"forms": zero_label.forms(pipeline_tasks),
+                                           "rule": "zero-label: the flattest near-best weights, the cheapest "
+                                                   "near-best setting"}
             pipeline_calibrate.write_json(profile, out)
             _phase_done(state, state_path, "pipeline", time.perf_counter() - t, timings)
     shutil.rmtree(items, ignore_errors=True)  # every phase is written; the items are not needed again

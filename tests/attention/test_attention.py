@@ -139,6 +139,31 @@ def test_triton_topk_scores_agree_with_the_twin(heads, kv_heads, dim, queries, k
     assert torch.all(values[..., :-1] >= values[..., 1:])  # largest first
 
 
+def _causal_attention_twin(q, k, v, scaling):
+    """Every score written out: query i of T sees keys 0 .. N-T+i."""
+    T, N = q.shape[1], k.shape[1]
+    k, v = (x.float().repeat_interleave(q.shape[0] // x.shape[0], 0) for x in (k, v))
+    scores = (q.float() @ k.transpose(1, 2)) * scaling
+    seen = torch.arange(N, device=q.device)[None, :] <= torch.arange(N - T, N, device=q.device)[:, None]
+    return scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.device, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused CUDA path needs a GPU (run on the device tool)")])])
+@pytest.mark.parametrize("heads,kv_heads,queries,keys,dtype", [(9, 3, 512, 2048, torch.bfloat16),
+                                                               (12, 2, 7, 300, torch.float32),
+                                                               (4, 4, 1, 50, torch.float32)])
+def test_causal_attention_against_its_twin(device, heads, kv_heads, queries, keys, dtype):
+    from endo_retrieval.attention.base import causal_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(heads, queries, 64, device=device, dtype=dtype)
+    k, v = (torch.randn(kv_heads, keys, 64, device=device, dtype=dtype) for _ in range(2))
+    got = causal_attention(q, k, v, 0.125).float()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert torch.allclose(got, _causal_attention_twin(q, k, v, 0.125), atol=tol, rtol=tol)
+
+
 def test_bench_attention_writes_the_contract(tmp_path):
     import json
 

@@ -158,3 +158,45 @@ def test_written_questions_replace_the_made_ones_and_bad_replies_drop_their_task
         assert not kept or bad.startswith("Who is Merrow")  # the single-hop task may ask about Merrow
     copy = zero_label.written_tasks([one], lambda p: ["The engineer Aldous Merrow drew the new quay walls?"])
     assert copy == []  # the evidence itself, turned into a question
+
+
+def test_near_best_keeps_what_the_noise_cannot_separate_from_the_best():
+    rng = np.random.default_rng(0)
+    base = rng.random(200)
+    noise = 0.05 * rng.standard_normal(200)
+    table = np.stack([base, base + noise - noise.mean() - 1e-4, base - 0.3])  # as good in the mean; clearly worse
+    assert zero_label.near_best(table) == [0, 1]
+
+
+def test_zero_label_keeps_the_most_heads_near_the_best():
+    rng = np.random.default_rng(1)
+    per_item = rng.random(300)
+    table = np.stack([per_item, per_item, per_item, per_item - 0.4])  # 4, 8, 12 as good; 16 clearly not
+    jitter = 0.05 * rng.standard_normal((4, 300))
+    assert zero_label.most_heads([4, 8, 12, 16], table + jitter) == 12
+
+
+def test_zero_label_takes_the_cheapest_near_best_setting_unless_one_is_clearly_better():
+    rows = [{"depth": 30, "read_tokens": 128}, {"depth": 20, "read_tokens": 256}, {"depth": 20, "read_tokens": 128}]
+    rng = np.random.default_rng(2)
+    noise = rng.standard_normal((3, 300))
+    assert zero_label.cheapest_setting(rows, 0.7 + 0.3 * noise) == 2
+    clear = 0.7 + 0.3 * noise
+    clear[0] += 0.2  # depth 30 finds a fifth more of the gold on every task
+    assert zero_label.cheapest_setting(rows, clear) == 0
+
+
+def test_the_pipeline_fit_with_the_flattest_rule_hedges_between_equal_stages():
+    from endo_retrieval.calibration.pipeline import fit
+
+    rng = np.random.default_rng(3)
+    items = []
+    for _ in range(60):  # both stages rank the one gold first: every weight ties
+        s = rng.random(10)
+        s[0] = 2.0
+        items.append(({"bm25": s.copy(), "heads": s.copy(), "hop2": s.copy()}, [f"d{i}" for i in range(10)],
+                      {"d0"}))
+    plain, _ = fit(items)
+    hedged, recall = fit(items, choose=zero_label.flattest)
+    assert max(plain.values()) == 1.0  # the argmax keeps the first corner it meets
+    assert max(hedged.values()) < 0.5 and recall[2] == 1.0
