@@ -8,7 +8,7 @@
 #
 #   bash tools/device-real-models.sh PHASE NAME...
 # PHASE: convert | calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | s3probe |
-#        s3corpus | fewer | decode | attnlatency | reattention | reattentionqa | ilre128k | ilreevidence | passkeyilre | papers |
+#        s3corpus | settings | decode | attnlatency | reattention | reattentionqa | ilre128k | ilreevidence | passkeyilre | papers |
 #        collect
 # NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
 #
@@ -320,18 +320,18 @@ ilreevidence)  # ILRe's layer chosen on evidence (calib100 haystacks), installed
       --no-generate --no-reference --methods ilre,bm25-sent --out "$res/ilre_evidence_dev300_32768_$m.json"
   }
   bg "ilreevidence_$m" ilre_evidence ;;
-fewer)  # the pipeline reading fewer candidates (a CPU's time follows depth): each DEPTHS' weights fitted on fit300
-  # into a copy of the model's profile, then dev300 with that profile
-  m=${1:-default}
-  fewer_one() {
-    local d=$1 p=$res/heads_depth$1_$m.json
+settings)  # the pipeline at other settings: per depth in DEPTHS, READ tokens (default 128) in the ORDERS given
+  # (default best-last), its weights fitted on fit300 into a copy of the model's profile, then dev300 with that copy
+  m=${1:-default} r=${READ:-128}
+  setting_one() {
+    local d=$1 p=$res/heads_d$1_r${r}_$m.json
     cp "$assets/heads/$(slug "$m").json" "$p"
-    endo calibrate-pipeline $(margs "$m") --data "$hot/fit300.json" --depths "$d" --read-tokens 128 \
-      --orders best-last --out "$p" || return 1
+    endo calibrate-pipeline $(margs "$m") --data "$hot/fit300.json" --depths "$d" --read-tokens "$r" \
+      --orders ${ORDERS:-best-last} --out "$p" || return 1
     ENDO_HEADS_PROFILE=$p endo bench corpus $(margs "$m") --data "$hot/dev300.json" --systems endo \
-      --out "$res/depth${d}_corpus_dev300_$m.json"
+      --out "$res/d${d}_r${r}_corpus_dev300_$m.json"
   }
-  for d in ${DEPTHS:-12 14 16}; do bg "fewer_${d}_$m" fewer_one "$d"; done ;;
+  for d in ${DEPTHS:-12 14 16}; do bg "setting_${d}_${r}_$m" setting_one "$d"; done ;;
 s3corpus)  # S3-Hybrid over the dev300 corpus (the model's SAEs trained first), beside LlamaIndex's BM25 and endo
   m=${1:-q15}
   s3_corpus() {
