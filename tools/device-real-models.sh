@@ -144,7 +144,7 @@ for i, it in enumerate(json.load(open('$hot/fit300.json'))):
 case $phase in
 zero)  # zero-label: endo prepare from the fit300 documents, then its dev300 benches
   fit300_documents; mkdir -p /root/res/calibrate
-  for m in "$@"; do bg "zero_$m" zero_label "$m"; done ;;
+  for m in "$@"; do bg "zero${ZL_TAG:+_$ZL_TAG}_$m" zero_label "$m"; done ;;
 convert)  # each GGUF file converted once, before phases whose processes would race to convert it
   convert_models "$@" ;;
 collect) ;;  # only pack what an earlier phase left (e.g. one stopped at the call's limit)
