@@ -49,7 +49,8 @@ def info_run(args) -> int:
     heads = heads_profile(bb)
     if heads:  # the chosen heads, the fused weights and the corpus pipeline's settings; the per-head scores and the
         # pipeline's fit table stay in the profile (and its plot)
-        pipeline = {k: v for k, v in (heads.get("pipeline") or {}).items() if k != "fit"} or None
+        pipeline = {k: ({kk: vv for kk, vv in v.items() if kk != "fit"} if k == "cpu" else v)
+                    for k, v in (heads.get("pipeline") or {}).items() if k != "fit"} or None
         heads = {k: heads[k] for k in ("heads", "fusion", "recall_by_count", "context_tokens", "budgets") if k in heads}
         heads["pipeline"] = pipeline
     data = {**bb.info(), "families": list(SUPPORTED_FAMILIES), "sae": sae_card(bb), "ilre": ilre_profile(bb),

@@ -45,6 +45,24 @@ TWO_HOP_DEFAULTS = {"anchors": 2, "terms": 3, "refs": 2, "depth2": 4, "bridge": 
 BATCHED_READS = True
 
 
+def fitted_setting(pipeline: dict, device_type: str) -> dict:
+    """The profile's `pipeline` section as this device reads by default: on a CPU, where the read's time follows
+    the candidates read, its `cpu` entry (fewer candidates, fitted the same way) sets depth, tokens and order."""
+    cpu = {k: v for k, v in (pipeline.get("cpu") or {}).items() if k in ("depth", "read_tokens", "best_last")}
+    return pipeline | cpu if device_type == "cpu" else pipeline
+
+
+def fitted_weights(pipeline: dict, depth: int, read_tokens: int, best_last: bool) -> dict | None:
+    """The weights `endo calibrate-pipeline` fitted for this setting (its `fit` table's row), None where it was
+    not tried: a caller who reads 10 candidates gets the weights fitted for 10, not those of the profile's 20."""
+    order = "best-last" if best_last else "first-stage"
+    tables = [(section.get("fit") or {}).get("table", []) for section in (pipeline, pipeline.get("cpu") or {})]
+    for row in (row for table in tables for row in table):
+        if (row.get("depth"), row.get("read_tokens"), row.get("order")) == (depth, read_tokens, order):
+            return dict(row["weights"])
+    return None
+
+
 def bridge_reach(bm25: OkapiPostings):
     """word -> how far it can lead as a bridge: its BM25 idf where at least two passages hold it, else 0. A word
     only one passage holds leads nowhere past that passage (the anchor it was read in), and one that most passages
@@ -83,10 +101,13 @@ class EndoPipeline:
     def __post_init__(self):
         self.heads = [tuple(map(int, h)) for h in (self.heads or profile_heads(self.backbone))]
         self.batched_reads = BATCHED_READS if self.batched_reads is None else self.batched_reads
-        fitted = (heads_profile(self.backbone) or {}).get("pipeline") or {}
-        for name, default in DEFAULTS.items():
+        fitted = fitted_setting((heads_profile(self.backbone) or {}).get("pipeline") or {}, self.backbone.device.type)
+        for name in ("depth", "read_tokens", "best_last"):
             if getattr(self, name) is None:
-                setattr(self, name, fitted.get(name, default))
+                setattr(self, name, fitted.get(name, DEFAULTS[name]))
+        if self.weights is None:  # the weights fitted for the setting read, where the fit tried it
+            self.weights = (fitted_weights(fitted, self.depth, self.read_tokens, self.best_last)
+                            or fitted.get("weights", DEFAULTS["weights"]))
         if self.int8 and self.backbone.device.type != "cpu":
             raise ValueError("int8 reads run on a CPU backbone only; on a GPU the bf16 read is faster")
         if not (isinstance(self.depth, int) and self.depth >= 1):

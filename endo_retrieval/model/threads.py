@@ -15,6 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 WINDOW_S = 0.05  # how long the other processes' use is sampled: 5 scheduler ticks at 100 Hz, 1% of a CPU read
+# a read's own measure of the others' use (over its length) stands for the next read that starts within this long
+# after it; back-to-back questions then skip the WINDOW_S sample (3% of a 1.5 s question)
+FRESH_S = 2.0
+_last: dict = {}  # "ended": when the last read ended (monotonic s), "busy": the others' cores during it
 TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
@@ -31,15 +35,31 @@ def _own_busy_s(stat: str) -> float:
     return (int(fields[11]) + int(fields[12])) * TICK_S
 
 
-def busy_elsewhere(window: float = WINDOW_S, proc: Path = Path("/proc")) -> float | None:
-    """Cores' worth of CPU that other processes used over the next `window` seconds (None where /proc is absent)."""
+def _cpu_times(proc: Path) -> tuple[float, float, float] | None:
+    """(monotonic s, the machine's busy CPU s, this process's CPU s), None where /proc is absent."""
     try:
-        machine0, own0 = _machine_busy_s((proc / "stat").read_text()), _own_busy_s((proc / "self/stat").read_text())
-        time.sleep(window)
-        machine1, own1 = _machine_busy_s((proc / "stat").read_text()), _own_busy_s((proc / "self/stat").read_text())
+        return (time.monotonic(), _machine_busy_s((proc / "stat").read_text()),
+                _own_busy_s((proc / "self/stat").read_text()))
     except (OSError, ValueError, IndexError):
         return None
-    return max(0.0, (machine1 - machine0) - (own1 - own0)) / window
+
+
+def _others(before, after, seconds: float | None = None) -> float | None:
+    """Cores' worth of CPU that other processes used between two `_cpu_times` (over `seconds`, default the time
+    between them)."""
+    seconds = seconds or (after[0] - before[0] if before and after else 0.0)
+    if before is None or after is None or seconds <= 0:
+        return None
+    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / seconds
+
+
+def busy_elsewhere(window: float = WINDOW_S, proc: Path = Path("/proc")) -> float | None:
+    """Cores' worth of CPU that other processes used over the next `window` seconds (None where /proc is absent)."""
+    before = _cpu_times(proc)
+    if before is None:
+        return None
+    time.sleep(window)
+    return _others(before, _cpu_times(proc), window)
 
 
 def fitted_threads(configured: int, cores: int, busy: float | None) -> int:
@@ -67,12 +87,17 @@ def threads_for_cpu_work(device):
         threads = int(fixed)
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = fitted_threads(configured, cores, busy_elsewhere())
+        fresh = _last and time.monotonic() - _last["ended"] < FRESH_S and _last["busy"] is not None
+        threads = fitted_threads(configured, cores, _last["busy"] if fresh else busy_elsewhere())
     torch.set_num_threads(threads)
+    start = _cpu_times(Path("/proc"))
     try:
         yield
     finally:
         torch.set_num_threads(configured)
+        end = _cpu_times(Path("/proc"))
+        if end is not None and start is not None and end[0] - start[0] >= WINDOW_S:  # long enough to count ticks
+            _last.update(ended=end[0], busy=_others(start, end))
 
 
 # CPU flags of units that multiply bf16 natively (x86: AVX-512 BF16, AMX); elsewhere torch emulates bf16 in fp32

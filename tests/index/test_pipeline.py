@@ -419,3 +419,32 @@ def test_traces_record_the_retrieval_and_its_stage_timings_in_both_frameworks():
     handler = Callbacks()
     LCRetriever(texts=texts, k=1).invoke(question, config={"callbacks": [handler]})
     assert len(handler.documents) == 1 and handler.documents[0].metadata["endo_stage_ms"]["heads"] > 0
+
+
+def test_a_setting_reads_with_the_weights_fitted_for_it_and_a_cpu_with_its_own_setting():
+    from endo_retrieval.methods.pipeline import fitted_setting, fitted_weights
+
+    row = lambda d, order, w: {"depth": d, "read_tokens": 128, "order": order, "weights": w}  # noqa: E731
+    section = {"depth": 20, "read_tokens": 128, "best_last": True, "weights": {"bm25": 0.4, "heads": 0.6},
+               "cpu": {"depth": 14, "fit": {"table": [row(14, "best-last", {"bm25": 0.1, "heads": 0.9})]}},
+               "fit": {"table": [row(20, "best-last", {"bm25": 0.4, "heads": 0.6}),
+                                 row(14, "first-stage", {"bm25": 1.0, "heads": 0.0})]}}
+    assert fitted_setting(section, "cuda")["depth"] == 20
+    assert fitted_setting(section, "cpu")["depth"] == 14
+    assert fitted_weights(section, 14, 128, True) == {"bm25": 0.1, "heads": 0.9}
+    assert fitted_weights(section, 14, 128, False) == {"bm25": 1.0, "heads": 0.0}
+    assert fitted_weights(section, 14, 256, True) is None  # not tried: the caller falls back to the profile's
+
+
+def test_the_shipped_cpu_setting_was_fitted_and_its_weights_are_found(backbone):
+    from endo_retrieval.methods.pipeline import EndoPipeline
+    from endo_retrieval.model.profiles import heads_profile
+
+    section = heads_profile(backbone)["pipeline"]
+    pipe = EndoPipeline(backbone)  # the default model on this CPU
+    cpu = section["cpu"]
+    rows = [r for r in cpu["fit"]["table"] if (r["depth"], r["read_tokens"], r["order"]) ==
+            (cpu["depth"], pipe.read_tokens, "best-last" if pipe.best_last else "first-stage")]
+    assert pipe.depth == cpu["depth"] < section["depth"]
+    assert len(rows) == 1 and pipe.weights == rows[0]["weights"]
+    assert EndoPipeline(backbone, depth=section["depth"]).weights == section["weights"]

@@ -1,6 +1,8 @@
 """CPU reads take the cores other processes leave idle: the rule, the /proc accounting, and the context manager."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -38,6 +40,7 @@ def test_busy_elsewhere_subtracts_this_process(tmp_path, monkeypatch):
 
 def test_a_cpu_read_runs_with_the_fitted_count_and_restores_torchs(monkeypatch):
     configured = torch.get_num_threads()
+    monkeypatch.setattr(threads, "_last", {})  # no earlier read's measure
     monkeypatch.setattr(threads, "busy_elsewhere", lambda: 64.0)  # every core taken elsewhere
     with threads.threads_for_cpu_work(torch.device("cpu")):
         assert torch.get_num_threads() == 1
@@ -51,3 +54,24 @@ def test_a_cpu_read_runs_with_the_fitted_count_and_restores_torchs(monkeypatch):
         with threads.threads_for_cpu_work(torch.device("cpu")):
             pass
     assert torch.get_num_threads() == configured
+
+
+def test_a_read_measures_the_others_for_the_next_one_back_to_back(monkeypatch):
+    monkeypatch.setattr(threads, "_last", {})
+    calls = []
+    monkeypatch.setattr(threads, "busy_elsewhere", lambda: calls.append(1) or 0.0)
+    times = iter([(0.0, 10.0, 5.0), (1.0, 12.0, 6.0)])  # over the read's second: 2 busy cores, 1 of them its own
+    monkeypatch.setattr(threads, "_cpu_times", lambda proc: next(times))
+    monkeypatch.setattr(threads.time, "monotonic", lambda: 1.5)
+    with threads.threads_for_cpu_work(torch.device("cpu")):
+        pass
+    assert calls == [1] and threads._last == {"ended": 1.0, "busy": 1.0}
+    monkeypatch.setattr(threads, "_cpu_times", lambda proc: None)
+    configured, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    with threads.threads_for_cpu_work(torch.device("cpu")):  # half a second later: the read's measure stands
+        assert torch.get_num_threads() == threads.fitted_threads(configured, cores, 1.0)
+    assert calls == [1]
+    monkeypatch.setattr(threads.time, "monotonic", lambda: 1.0 + threads.FRESH_S + 1)
+    with threads.threads_for_cpu_work(torch.device("cpu")):  # stale: measured again
+        pass
+    assert calls == [1, 1]
