@@ -448,3 +448,20 @@ def test_the_shipped_cpu_setting_was_fitted_and_its_weights_are_found(backbone):
     assert pipe.depth == cpu["depth"] < section["depth"]
     assert len(rows) == 1 and pipe.weights == rows[0]["weights"]
     assert EndoPipeline(backbone, depth=section["depth"]).weights == section["weights"]
+
+
+def test_an_index_that_reads_no_features_never_loads_the_saes(backbone, monkeypatch):
+    """bm25, endo and endo-2hop index no SAE features, so they must not pay for reading the SAEs from disk (every
+    `compress()` builds an index); s3 does read them."""
+    from endo_retrieval import EndoIndex
+    from endo_retrieval.model.sae import SAEBank
+
+    loads = []
+    real = SAEBank.for_backbone.__func__
+    monkeypatch.setattr(SAEBank, "for_backbone", classmethod(lambda cls, bb, device=None: loads.append(1) or
+                                                             real(cls, bb, device)))
+    for method in ("bm25", "endo", "endo-2hop"):
+        EndoIndex(backbone=backbone, method=method)
+    assert loads == []
+    EndoIndex(backbone=backbone, method="s3")
+    assert loads == [1]
