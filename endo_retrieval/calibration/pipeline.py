@@ -119,7 +119,8 @@ def fit_settings(bb, titles: list[str], paragraphs: list[str], questions: list[d
                     dump |= {f"{key}/{name}": s for name, s in signals.items()}
                     dump |= {f"{key}/docs": np.array(docs), f"{key}/gold": np.array(sorted(items[-1][2]))}
                 weights, recall = fit(items, choose=choose_weights)
-                scored.append(np.mean([v for v in per_item(items, weights).values()], axis=0))
+                if choose_setting:  # per question, for a choice among the settings
+                    scored.append(np.mean(list(per_item(items, weights).values()), axis=0))
                 table.append({"depth": depth, "read_tokens": n_read, "order": order, "weights": weights,
                               "recall": {f"@{k}": round(r, 4) for k, r in recall.items()},
                               "stage1": {f"@{k}": round(r, 4) for k, r in objective(items, {"bm25": 1.0}).items()}})

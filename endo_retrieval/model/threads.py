@@ -47,8 +47,10 @@ def _cpu_times(proc: Path) -> tuple[float, float, float] | None:
 def _others(before, after, seconds: float | None = None) -> float | None:
     """Cores' worth of CPU that other processes used between two `_cpu_times` (over `seconds`, default the time
     between them)."""
-    seconds = seconds or (after[0] - before[0] if before and after else 0.0)
-    if before is None or after is None or seconds <= 0:
+    if before is None or after is None:
+        return None
+    seconds = seconds or after[0] - before[0]
+    if seconds <= 0:
         return None
     return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / seconds
 
@@ -87,7 +89,7 @@ def threads_for_cpu_work(device):
         threads = int(fixed)
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        fresh = _last and time.monotonic() - _last["ended"] < FRESH_S and _last["busy"] is not None
+        fresh = _last and time.monotonic() - _last["ended"] < FRESH_S
         threads = fitted_threads(configured, cores, _last["busy"] if fresh else busy_elsewhere())
     torch.set_num_threads(threads)
     start = _cpu_times(Path("/proc"))
