@@ -8,7 +8,7 @@
 #
 #   bash tools/device-real-models.sh PHASE NAME...
 # PHASE: convert | calibrate | refit | zlswap | bench | latency | rerank | rerankers | stems | llmrerank | zero | twohop | s3 | s3probe |
-#        s3corpus | settings | decode | attnlatency | reattention | reattentionqa | ilre128k | ilreevidence | passkeyilre | papers |
+#        s3corpus | settings | decode | attnlatency | reattention | reattentionqa | attnprofile | ilre128k | ilreevidence | passkeyilre | papers |
 #        collect
 # NAME: q15, q05 (the Qwen2.5-Coder 1.5B and 0.5B files), default (SmolLM2-135M, its package carried as smollm)
 #
@@ -308,6 +308,11 @@ reattentionqa)  # dev300 haystacks inside (32k) and past (64k, 128k) the window,
     bg "qa_${att}_${c}_$m" endo bench attention $(margs "$m") --data "$hot/dev300.json" --limit $n --measure accuracy \
       --attention $att --context-tokens $c --out "$res/qa_${att}_${c}_$m.json"
   done ;;
+attnprofile)  # one dev300 haystack's generation with BACKEND (default reattention) at TOKENS (default 65536),
+  # timed and profiled alone (tools/attention_profile.py, from the carried tree)
+  m=${1:-q15} b=${BACKEND:-reattention} n=${TOKENS:-65536}
+  bg "attnprofile_${b}_${n}_$m" python3 tools/attention_profile.py "$(model "$m")" "$hot/dev300.json" "$b" "$n" \
+    "$res/attnprofile_${b}_${n}_$m.json" ;;
 ilreevidence)  # ILRe's layer chosen on evidence (calib100 haystacks), installed, then dev300 beside BM25
   m=${1:-q15}
   ilre_evidence() {

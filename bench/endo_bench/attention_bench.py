@@ -133,10 +133,11 @@ def budget_settings(label: str, fraction: float | None, n_context: int, phi, phi
 
 def accuracy_rows(backbone, data: str, lengths: list[int], depths: int, limit: int,
                   runs: list[tuple[str, str, dict]], seed: int, max_new_tokens: int, dense_max: int | None,
-                  fraction: float | None = None, phi=None, progress: bool = True, phi_tolerance: float = 2.0
-                  ) -> tuple[list[dict], dict]:
+                  fraction: float | None = None, phi=None, progress: bool = True, phi_tolerance: float = 2.0,
+                  store=None) -> tuple[list[dict], dict]:
     """Passkey (`passkey:DIR`, `depths` needles per length, accuracy = key found) or HotpotQA / JSONL (the first
-    `limit` questions, accuracy = SQuAD F1, plus em)."""
+    `limit` questions, accuracy = SQuAD F1, plus em). `store` (a `runner.RecordStore`) keeps each finished example,
+    so that a run stopped midway and started again with the same settings computes only what is missing."""
     from tqdm import tqdm
 
     from endo_retrieval.attention import AttentionError, get_backend
@@ -161,30 +162,41 @@ def accuracy_rows(backbone, data: str, lengths: list[int], depths: int, limit: i
     for n in lengths:
         examples = load_examples(data, count_tokens=backbone.count_tokens, context_tokens=n, limit=count, seed=seed)
         for label, name, settings in [r for l, r in jobs if l == n]:
-            scores, ems, seconds, peak, note = [], [], 0.0, 0.0, None
+            scores, ems, seconds, peak, note, scope = [], [], 0.0, 0.0, None, None
             settings = {**settings, **budget_settings(label, fraction, n, phi, phi_tolerance)}
             for ex in examples:
-                backend = get_backend(name, **settings)
-                if backbone.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                t = time.perf_counter()
-                try:
-                    answer = backend.generate(backbone, prompt(ex), max_new_tokens)
-                except AttentionError as err:  # budget below the anchors, phi maps absent or for another model
-                    note = str(err)
-                    bar.update()
-                    continue
-                seconds += time.perf_counter() - t
-                peak = max(peak, _peak_mb(backbone.device))
-                scores.append(float(ex.answers[0] in answer) if passkey else f1_score(answer, ex.answers))
-                ems.append(None if passkey else exact_match(answer, ex.answers))
+                key = (f"{task}:{ex.id}", label, fraction, n)
+                record = store.records.get(key) if store is not None else None
+                if record is None:
+                    backend = get_backend(name, **settings)
+                    if backbone.device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    t = time.perf_counter()
+                    try:
+                        answer = backend.generate(backbone, prompt(ex), max_new_tokens)
+                    except AttentionError as err:  # budget below the anchors, phi maps absent or for another model
+                        note = str(err)
+                        bar.update()
+                        continue
+                    record = {"example": key[0], "method": label, "budget": fraction, "context_tokens": n,
+                              "seconds": time.perf_counter() - t, "peak_mb": _peak_mb(backbone.device),
+                              "answer": answer, "scope": backend.scope,
+                              "score": float(ex.answers[0] in answer) if passkey else f1_score(answer, ex.answers),
+                              "em": None if passkey else exact_match(answer, ex.answers)}
+                    if store is not None:
+                        store.add(record)
+                seconds += record["seconds"]
+                peak = max(peak, record["peak_mb"])
+                scope = record["scope"]
+                scores.append(record["score"])
+                ems.append(record["em"])
                 if passkey:
                     grid.setdefault(label, {}).setdefault(str(n), {})[f"{ex.meta['depth']:.2f}"] = bool(scores[-1])
                 bar.update()
             done = len(scores)
             _, lo, hi = bootstrap_ci(scores, seed)
             rows.append({"attention": name, "variant": label, "task": task, "context_tokens": n,
-                         "budget": backend.scope if done else None, "budget_fraction": fraction
+                         "budget": scope, "budget_fraction": fraction
                          if label in ("topk", "topk+phi", "completion", "prhs") else None, "n": done,
                          "accuracy": sum(scores) / done if done else None, "attn_rel_l1": None,
                          "f1": None if passkey or not done else sum(scores) / done,
@@ -529,10 +541,17 @@ def run(args) -> int:
     if "accuracy" in measures and args.data:
         errors = {(r["variant"], r["context_tokens"], r["budget_fraction"]): r["attn_rel_l1"]
                   for r in result["rows"] if r["task"] == "attn_error"}
+        from endo_bench.runner import RecordStore
+
+        # every finished example, one JSON line each: a run stopped midway and started again with the same --out
+        # and settings computes only what is missing
+        store = RecordStore(out.with_suffix(".records.jsonl"), {
+            "model_hash": backbone.model_hash, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+            "phi": args.phi, "phi_tolerance": args.phi_tolerance})
         for data in args.data:
             rows, grid = accuracy_rows(backbone, data, args.context_tokens, args.depths, args.limit, runs, args.seed,
                                        args.max_new_tokens, args.dense_max, args.accuracy_budget, args.phi,
-                                       phi_tolerance=args.phi_tolerance)
+                                       phi_tolerance=args.phi_tolerance, store=store)
             for row in rows:  # the error measured at the same method, length and budget
                 row["attn_rel_l1"] = errors.get((row["variant"], row["context_tokens"], row["budget_fraction"]))
             result["rows"] += rows

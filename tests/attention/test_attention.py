@@ -190,3 +190,18 @@ def test_bench_attention_writes_the_contract(tmp_path):
     assert set(result["grid"]["reattention"]["600"]) == {"0.00", "1.00"}
     assert out.with_suffix(".png").stat().st_size > 0 and "| reattention | 4096 |" in out.with_suffix(".md").read_text()
     assert main(["bench", "attention", "--attention", "sparse", "--out", str(out)]) == 2  # unknown backend: listed
+
+    # every finished example is a record; started again with the same settings, the bench reads them back instead of
+    # generating again (a record edited here shows up in the row), and computes only a length it has not seen
+    records = out.with_suffix(".records.jsonl")
+    lines = records.read_text().splitlines()
+    assert len(lines) == 1 + 8
+    edited = json.loads(lines[1])
+    edited["score"] = 0.25
+    records.write_text("\n".join([lines[0], json.dumps(edited), *lines[2:]]) + "\n")
+    assert main(["bench", "attention", "--data", f"passkey:{filler}", "--context-tokens", "300,600,400",
+                 "--depths", "2", "--max-new-tokens", "3", "--model", str(model), "--out", str(out)]) == 0
+    rows = {(r["attention"], r["context_tokens"]): r for r in json.loads(out.read_text())["rows"]}
+    edited_row = rows[(edited["method"], edited["context_tokens"])]
+    assert 0.25 in edited_row["scores"] and len(rows) == 6
+    assert len(records.read_text().splitlines()) == 1 + 12
