@@ -113,6 +113,10 @@ def pipeline_add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="profile to update (default: the model's heads profile)")
     p.add_argument("--dump", default=None, help="also write every question's stage scores here (.npz)")
+    p.add_argument("--cpu", action="store_true",
+                   help="fit the profile's CPU entry (`pipeline.cpu`, what a CPU backbone reads by default) instead "
+                        "of its main setting: the fusion near the best that skips the second hop where the fit "
+                        "cannot tell that it pays (on a CPU its forward costs about a fifth of a question)")
     model_argument(p)
 
 

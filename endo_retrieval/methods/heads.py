@@ -49,11 +49,17 @@ def head_attention(reading: Reading, queries: list[dict[int, torch.Tensor]], hea
     """Per head (layer, h): softmax over a segment's keys of q K^T / sqrt(d) ([ILRe Eq. 4]'s softmax_C, `logits`),
     averaged over the query part's `rows`, segment after segment: (len(heads), L); each segment's part of a row is
     a distribution over that segment."""
+    layers = sorted({layer for layer, _ in heads})
+    row_of = {layer: i for i, layer in enumerate(layers)}
+    pick = (torch.tensor([row_of[layer] for layer, _ in heads]), torch.tensor([h for _, h in heads]))
     out = []
     for segment, q_by_layer in zip(reading.segments, queries):
-        by_layer = {layer: logits(q_by_layer[layer][:, rows], segment.keys[layer]).softmax(-1).mean(1)
-                    for layer in {layer for layer, _ in heads}}
-        out.append(torch.stack([by_layer[layer][h] for layer, h in heads]))
+        # every layer's heads in one batched `logits` (layers as the batch), not one per layer: a question on a
+        # GPU is bound by its launches
+        q = torch.stack([q_by_layer[layer][:, rows] for layer in layers])  # (layers, n_heads, Lq, d)
+        k = torch.stack([segment.keys[layer] for layer in layers])  # (layers, n_kv, L, d)
+        probs = logits(q, k).softmax(-1).mean(2)  # (layers, n_heads, L)
+        out.append(probs[tuple(i.to(probs.device) for i in pick)])
     return torch.cat(out, dim=1)
 
 

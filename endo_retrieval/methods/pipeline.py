@@ -47,9 +47,17 @@ BATCHED_READS = True
 
 def fitted_setting(pipeline: dict, device_type: str) -> dict:
     """The profile's `pipeline` section as this device reads by default: on a CPU, where the read's time follows
-    the candidates read, its `cpu` entry (fewer candidates, fitted the same way) sets depth, tokens and order."""
-    cpu = {k: v for k, v in (pipeline.get("cpu") or {}).items() if k in ("depth", "read_tokens", "best_last")}
-    return pipeline | cpu if device_type == "cpu" else pipeline
+    the arithmetic, its `cpu` entry (`endo calibrate-pipeline --cpu`: fewer candidates, the second hop only where
+    it pays) sets depth, tokens, order and weights."""
+    keys = ("depth", "read_tokens", "best_last", "weights")
+    cpu = {k: v for k, v in (pipeline.get("cpu") or {}).items() if k in keys}
+    if device_type != "cpu" or not cpu:
+        return pipeline
+    setting = pipeline | cpu
+    if "weights" not in cpu:  # an entry written without its own: those fitted for its setting, where tried
+        setting["weights"] = fitted_weights(pipeline, setting.get("depth"), setting.get("read_tokens"),
+                                            setting.get("best_last", True)) or pipeline.get("weights")
+    return setting
 
 
 def fitted_weights(pipeline: dict, depth: int, read_tokens: int, best_last: bool) -> dict | None:
@@ -105,8 +113,10 @@ class EndoPipeline:
         for name in ("depth", "read_tokens", "best_last"):
             if getattr(self, name) is None:
                 setattr(self, name, fitted.get(name, DEFAULTS[name]))
-        if self.weights is None:  # the weights fitted for the setting read, where the fit tried it
-            self.weights = (fitted_weights(fitted, self.depth, self.read_tokens, self.best_last)
+        if self.weights is None:  # the fitted setting's weights, else those fitted for the setting read, where tried
+            same = all(getattr(self, k) == fitted.get(k) for k in ("depth", "read_tokens", "best_last"))
+            self.weights = ((fitted.get("weights") if same else None)
+                            or fitted_weights(fitted, self.depth, self.read_tokens, self.best_last)
                             or fitted.get("weights", DEFAULTS["weights"]))
         if self.int8 and self.backbone.device.type != "cpu":
             raise ValueError("int8 reads run on a CPU backbone only; on a GPU the bf16 read is faster")

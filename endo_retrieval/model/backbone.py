@@ -422,7 +422,8 @@ class Backbone:
     def apply_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate x (..., T, head_dim) by the model's own rotary embedding at `positions` (T,)."""
         pos = torch.as_tensor(positions, device=x.device).view(1, -1)
-        cos, sin = self.model.model.rotary_emb(x.to(self.dtype), pos)
+        # the rotary module reads only its input's dtype and device: an empty tensor says both without a copy of x
+        cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=self.dtype, device=x.device), pos)
         cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -169,7 +169,8 @@ def _read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[in
                 backbone.model.model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
                                      use_cache=True)
         positions = torch.arange(n, device=backbone.device)
-        keys = {l: backbone.apply_rope(store["k"][l][0][:, :n], positions).to(backbone.dtype) for l in layers}
+        keys = by_layer(layers, backbone.apply_rope(torch.stack([store["k"][l][0][:, :n] for l in layers]),
+                                                    positions).to(backbone.dtype))
         if on_host:
             _move_cache(cache, "cpu")
             keys = {l: _to(k, "cpu") for l, k in keys.items()}
@@ -253,14 +254,19 @@ def _part_queries(backbone, store, layers, parts, first_row: int, start: int) ->
     over `_behind`'s rows from `first_row` on: the shared lead's rows, then its tail's."""
     lead = shared_lead(parts)
     positions = torch.arange(start, start + max(len(p) for p in parts), device=backbone.device)
+    states = torch.stack([store["q"][l][0] for l in layers])  # every layer rotated at once: one launch, not one each
     out, row = [], first_row + lead
     for p in parts:
         tail = len(p) - lead
-        out.append({l: backbone.apply_rope(torch.cat([store["q"][l][0][:, first_row:first_row + lead],
-                                                      store["q"][l][0][:, row:row + tail]], 1), positions[:len(p)])
-                    for l in layers})
+        mine = torch.cat([states[:, :, first_row:first_row + lead], states[:, :, row:row + tail]], 2)
+        out.append(by_layer(layers, backbone.apply_rope(mine, positions[:len(p)])))
         row += tail
     return out
+
+
+def by_layer(layers: Sequence[int], stacked: torch.Tensor) -> dict[int, torch.Tensor]:
+    """layer -> its slice of `stacked` (one row per layer of `layers`): views, no copies."""
+    return dict(zip(layers, stacked.unbind(0)))
 
 
 def _key(part: np.ndarray, layers: Sequence[int]) -> tuple:
@@ -312,7 +318,9 @@ def _forward_parts(backbone, cache, lead: np.ndarray, parts: list[np.ndarray], n
                 for l, (k, v) in sorted(kv.items()):
                     cache.update(k[:, :, :n], v[:, :, :n], l)
             # copies of the real rows' states: the next replay (another thread's, maybe) rewrites the outputs
-            return {kind: {l: t[:, :, :len(ids)].clone() for l, t in states.items()} for kind, states in store.items()}
+            # (one stacked copy per kind, not one per layer)
+            return {kind: by_layer(sorted(states), torch.stack([states[l][:, :, :len(ids)] for l in sorted(states)]))
+                    if states else {} for kind, states in store.items()}
     x, pos = (torch.as_tensor(t, device=backbone.device)[None] for t in (ids, pos))
     mask = parts_mask(n, parts, backbone.device)
     with backbone.lock, torch.inference_mode(), threads, \

@@ -14,13 +14,14 @@ import torch
 
 
 def logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q K^T / sqrt(d) [ILRe Eq. 4] in float32: queries (n_heads, Lq, d), keys (n_kv, L, d) -> (n_heads, Lq, L).
-    GQA: query head h reads kv head h // (n_heads / n_kv), one matmul per kv group (its heads' queries side by
-    side). Keys move to the queries' device."""
-    n_heads, n_q, d = queries.shape
-    n_kv = keys.shape[0]
-    q = queries.float().reshape(n_kv, (n_heads // n_kv) * n_q, d) / math.sqrt(d)
-    return (q @ keys.to(q.device, torch.float32).transpose(1, 2)).reshape(n_heads, n_q, -1)
+    """q K^T / sqrt(d) [ILRe Eq. 4] in float32: queries (..., n_heads, Lq, d), keys (..., n_kv, L, d) ->
+    (..., n_heads, Lq, L), leading axes batched (several layers at once). GQA: query head h reads kv head
+    h // (n_heads / n_kv), one matmul per kv group (its heads' queries side by side). Keys move to the queries'
+    device."""
+    *batch, n_heads, n_q, d = queries.shape
+    n_kv = keys.shape[-3]
+    q = queries.float().reshape(*batch, n_kv, (n_heads // n_kv) * n_q, d) / math.sqrt(d)
+    return (q @ keys.to(q.device, torch.float32).transpose(-1, -2)).reshape(*batch, n_heads, n_q, -1)
 
 
 MIN_BLOCK = 8192  # keys per block of the softmax over the context, at least,

@@ -434,6 +434,28 @@ def test_a_setting_reads_with_the_weights_fitted_for_it_and_a_cpu_with_its_own_s
     assert fitted_weights(section, 14, 128, True) == {"bm25": 0.1, "heads": 0.9}
     assert fitted_weights(section, 14, 128, False) == {"bm25": 1.0, "heads": 0.0}
     assert fitted_weights(section, 14, 256, True) is None  # not tried: the caller falls back to the profile's
+    assert fitted_setting(section, "cpu")["weights"] == {"bm25": 0.1, "heads": 0.9}  # its setting's row
+    section["cpu"]["weights"] = {"bm25": 0.3, "heads": 0.7}  # `calibrate-pipeline --cpu` writes its own choice
+    assert fitted_setting(section, "cpu")["weights"] == {"bm25": 0.3, "heads": 0.7}
+    assert fitted_setting(section, "cuda")["weights"] == {"bm25": 0.4, "heads": 0.6}
+
+
+def test_the_cpu_fit_skips_the_second_hop_only_where_the_fit_cannot_tell_it_pays():
+    import numpy as np
+
+    from endo_retrieval.calibration.pipeline import cheapest_weights
+
+    grid = [{"bm25": 0.4, "heads": 0.2, "hop2": 0.4}, {"bm25": 0.4, "heads": 0.6, "hop2": 0.0},
+            {"bm25": 1.0, "heads": 0.0, "hop2": 0.0}]
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0, 0.3, 200)
+    # the hop adds 0.01 on average, inside what the questions vary by: the fusion without it is chosen
+    swing = np.tile([0.2, -0.2], 100)  # the fusions trade questions, as near ones do
+    near = np.stack([0.80 + noise + 0.01, 0.80 + noise + swing, 0.5 + noise])
+    assert cheapest_weights(grid, near) == 1
+    # the hop adds 0.2 on every question: it pays, and stays
+    far = np.stack([0.80 + noise + 0.2, 0.80 + noise, 0.5 + noise])
+    assert cheapest_weights(grid, far) == 0
 
 
 def test_the_shipped_cpu_setting_was_fitted_and_its_weights_are_found(backbone):
