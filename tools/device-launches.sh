@@ -11,6 +11,9 @@
 # or /root/parts/q15.file (tools/device-parts.sh smollm|q15 ...), as for tools/device-real-models.sh.
 #
 #   bash tools/device-launches.sh [LIMIT]        (default 100 questions)
+# SITE=DIR TAG=_x: run another build of the core package installed under DIR (e.g. an earlier commit's wheel:
+# pip install --no-deps --target DIR endo_retrieval-*.whl) in front of the carried wheels, its files named *_x,
+# so that two builds are timed on one machine, one after the other.
 # Writes $OUT/launches.md (p50, forwards and launches per question, one row per model and mode) and $OUT/launches.tgz
 # (every run's JSON, Markdown and log). Each run stops after RUN_S seconds (default 240). DEPTH: the candidates read
 # per question (default: each model's profile).
@@ -27,7 +30,7 @@ if [ "$(cat /root/site/.wheels 2>/dev/null)" != "$stamp" ]; then
   mkdir -p "$res"
 fi
 cp -rn /root/parts/smollm/smollm/* /root/site/ 2>/dev/null || true  # the default model's package
-export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+export PYTHONPATH=${SITE:+$SITE:}/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 # LlamaIndex uses its shipped tiktoken encodings only when TIKTOKEN_CACHE_DIR is unset (the image sets it); bm25s
 # imports JAX, which would take 75% of the GPU's memory: JAX stays on the CPU
 export TIKTOKEN_CACHE_DIR=/root/site/llama_index/core/_static/tiktoken_cache JAX_PLATFORMS=cpu
@@ -39,7 +42,7 @@ for m in "${models[@]}"; do
   margs=(); [ "$m" = q15 ] && margs=(--model "$q15")
   for mode in ${MODES:-eager graphs}; do
     case $mode in plain) flag=(--plain-reads --eager) ;; eager) flag=(--eager) ;; *) flag=() ;; esac
-    name=corpus_${m}_${mode}${DEPTH:+_d$DEPTH}
+    name=corpus_${m}_${mode}${DEPTH:+_d$DEPTH}${TAG:-}
     [ -f "$res/$name.json" ] && continue  # a finished run is not run again
     timeout "${RUN_S:-240}" endo bench corpus "${margs[@]}" "${flag[@]}" --data "$data/hotpotqa/dev300.json" \
       --limit "$limit" --systems endo,llamaindex-bm25 ${DEPTH:+--depth $DEPTH} --out "$res/$name.json" > "$res/$name.log" 2>&1 \
@@ -51,9 +54,9 @@ done
 for m in "${models[@]}"; do
   [ "${COMPRESS_LIMIT:-50}" = 0 ] && break
   margs=(); [ "$m" = q15 ] && margs=(--model "$q15")
-  for mode in eager graphs; do
+  for mode in ${COMPRESS_MODES:-eager graphs}; do
     flag=(); [ "$mode" = eager ] && flag=(--eager)
-    name=compress_${m}_${mode}
+    name=compress_${m}_${mode}${TAG:-}
     [ -f "$res/$name.json" ] && continue
     timeout "${RUN_S:-240}" endo bench quality "${margs[@]}" "${flag[@]}" --data "$data/hotpotqa/dev300.json" \
       --context-tokens 8192 --budget 1024 --limit "${COMPRESS_LIMIT:-50}" --no-generate --no-reference \
