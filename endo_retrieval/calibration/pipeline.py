@@ -23,6 +23,7 @@ from endo_retrieval.calibration.datasets import hotpotqa_corpus
 from endo_retrieval.model.profiles import heads_profile_path
 from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.calibration.heads import cached_arrays, steps
+from endo_retrieval.calibration.zero_label import near_best
 from endo_retrieval.methods.pipeline import EndoPipeline
 
 STAGES = ("bm25", "heads", "hop2")
@@ -145,8 +146,6 @@ def cheapest_weights(grid: list[dict], table: np.ndarray) -> int:
     (`zero_label.near_best`) that gives the second hop no weight, where there is one; the better mean among equals.
     A weight of 0 skips the hop's forward, which on a CPU costs about a fifth of a question: on fit300 at depth 12
     the 135M model's best fusion without it lost 0.3 [-1.3, +0.5] points of the mean of recall@2 and @5."""
-    from endo_retrieval.calibration.zero_label import near_best
-
     means = table.mean(1)
     return min(near_best(table), key=lambda i: (grid[i].get("hop2", 0.0) > 0, -means[i], i))
 

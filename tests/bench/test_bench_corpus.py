@@ -260,7 +260,8 @@ def test_a_rows_forwards_are_counted_per_question_and_cuda_counts_only_on_cuda()
 @pytest.mark.slow
 def test_the_endo_rows_forwards_are_the_pipelines_calls_batched_and_plain(tmp_path, backbone, monkeypatch):
     """`endo bench corpus` reports the forwards each question made, counted apart from the bench by wrapping the
-    decoder's forward: 2 a question with batched reads, 5 with --plain-reads; the model's stages in the table."""
+    decoder's forward: at the GPU's setting (depth 20, whose fusion weighs the second hop) 2 a question with
+    batched reads, 5 with --plain-reads; at a CPU's own setting (no second hop) 1; the model's stages in the table."""
     from endo_retrieval.cli import main
     from endo_retrieval.methods.pipeline import EndoPipeline
 
@@ -268,7 +269,8 @@ def test_the_endo_rows_forwards_are_the_pipelines_calls_batched_and_plain(tmp_pa
     forward = backbone.model.model.forward
     monkeypatch.setattr(backbone.model.model, "forward", lambda *a, **k: made.append(1) or forward(*a, **k))
     data = made_up_hotpotqa(tmp_path / "toy.json")
-    for flags, per_question in (([], 2), (["--plain-reads"], 5)):
+    gpu = ["--depth", "20"]
+    for flags, per_question in ((gpu, 2), ([*gpu, "--plain-reads"], 5), ([], 1)):
         out = tmp_path / f"corpus{len(flags)}.json"
         made.clear()
         assert main(["bench", "corpus", "--data", str(data), "--out", str(out), "--systems", "endo", *flags]) == 0
@@ -276,10 +278,10 @@ def test_the_endo_rows_forwards_are_the_pipelines_calls_batched_and_plain(tmp_pa
         (row,) = result["rows"]
         assert row["per_question"]["forwards"] == [per_question] * 4 and row["forwards_per_question"] == per_question
         assert len(made) == 5 * per_question  # the warm-up question and the four asked
-        assert result["config"]["reads"] == ("plain" if flags else "batched")
-        assert {"read", "question", "hop2"} <= set(row["latency_ms"])
+        assert result["config"]["reads"] == ("plain" if "--plain-reads" in flags else "batched")
+        assert {"read", "question"} <= set(row["latency_ms"]) and ("hop2" in row["latency_ms"]) == (flags != [])
         assert f"| endo | {per_question} | – | – | – |" in out.with_suffix(".md").read_text()
-        assert result["config"]["pipeline"]["depth"] == EndoPipeline(backbone).depth  # the profile's
+        assert result["config"]["pipeline"]["depth"] == (20 if flags else EndoPipeline(backbone).depth)
 
 
 def test_the_pipelines_knobs_reach_the_endo_rows_and_the_record(tmp_path, backbone, monkeypatch):

@@ -188,8 +188,9 @@ def test_bad_input_is_refused_with_what_to_do(tiny, pool, tmp_path):
 
 @pytest.mark.slow
 def test_the_default_model_ranks_on_two_readers_as_in_one_process(backbone, pool, tmp_path):
-    """The real default model with its shipped profile (its depth, read length, second-hop weight): two plain
-    indexes committed as the segments of one, two shards, two readers."""
+    """The real default model with its shipped profile at the GPU's setting (depth 20, whose fusion weighs the
+    second hop; a CPU's own leaves the hop out): two plain indexes committed as the segments of one, two shards,
+    two readers."""
     from endo_retrieval import Document
 
     for reader in pool.readers:  # their CPU slots go to the default model's readers
@@ -205,7 +206,7 @@ def test_the_default_model_ranks_on_two_readers_as_in_one_process(backbone, pool
         segments.commit(folder, segments.listed_committed(folder) + [entry])
     one = EndoIndex.load(folder, backbone)
     real = ReaderPool(ShardedIndex(folder, shards=2), readers=2)
-    for q, got in zip(QUESTIONS[:2], real.search_many(QUESTIONS[:2], k=4)):
-        want = one.search(q, k=4)
+    for q, got in zip(QUESTIONS[:2], real.search_many(QUESTIONS[:2], k=4, depth=20)):
+        want = one.search(q, k=4, depth=20)
         assert "hop2" in want[0].stage_scores and len(want) == 4
         _same_hits(got, want)

@@ -138,7 +138,8 @@ def test_the_pipeline_ranks_passages_with_fused_scores_and_refuses_what_the_inde
         "Quartz is a hard mineral made of silicon and oxygen.",
         "The town hall of Varna has a clock tower. Its bell was cast in Vienna.",
     ])]
-    retriever = EndoRetriever.from_defaults(nodes=nodes, similarity_top_k=3)
+    # the GPU's setting (20 candidates), whose fusion weighs the second hop (a CPU's own leaves it out)
+    retriever = EndoRetriever.from_defaults(nodes=nodes, similarity_top_k=3, depth=20)
     hits = retriever.retrieve("Which mineral was found under the Varna bridge?")
     assert len(hits) == 3 and len({h.node.metadata["doc_id"] for h in hits}) == 3
     assert hits[0].node.metadata["doc_id"] == "n0"
@@ -215,10 +216,14 @@ def test_the_command_line_indexes_for_the_pipeline_and_answers_with_its_stage_sc
     assert main(["index", str(notes), "--out", str(tmp_path / "ix")]) == 0
     summary = capsys.readouterr().out
     assert "(method endo)" in summary and "postings" not in summary  # the default pipeline's index only tokenises
-    assert main(["query", str(tmp_path / "ix"), "Which mineral was found under the bridge?", "--k", "2", "--json"]) == 0
+    question = "Which mineral was found under the bridge?"
+    assert main(["query", str(tmp_path / "ix"), question, "--k", "2", "--json", "--depth", "20"]) == 0
     hits = json.loads(capsys.readouterr().out)
     assert Path(hits[0]["doc_id"]).name == "bridge.txt" and hits[0]["score"] >= hits[1]["score"]
-    assert set(hits[0]["stage_scores"]) == {"bm25", "heads", "hop2", "fused"}
+    assert set(hits[0]["stage_scores"]) == {"bm25", "heads", "hop2", "fused"}  # the GPU's setting weighs the hop
+    assert main(["query", str(tmp_path / "ix"), question, "--k", "2", "--json"]) == 0
+    # this CPU's own setting leaves it out
+    assert set(json.loads(capsys.readouterr().out)[0]["stage_scores"]) == {"bm25", "heads", "fused"}
     assert main(["query", str(tmp_path / "ix"), "bridge", "--method", "s3"]) == 2
     assert "cannot search with 's3'" in capsys.readouterr().err
 
