@@ -81,7 +81,7 @@ def run(args) -> dict:
     titles, paragraphs, questions = hotpotqa_corpus(args.data, args.limit)
     out = Path(args.out) if args.out else heads_profile_path(bb)
     profile = json.loads(out.read_text()) if out.exists() else {}
-    cpu = getattr(args, "cpu", False)
+    cpu = args.cpu
     best, table, dump = fit_settings(bb, titles, paragraphs, questions, args.depths, args.read_tokens, args.orders,
                                      heads=profile.get("heads"), choose_weights=cheapest_weights if cpu else None)
     fitted = section(best, table, Path(args.data).name, len(questions), time.perf_counter() - start)

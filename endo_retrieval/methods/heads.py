@@ -51,7 +51,9 @@ def head_attention(reading: Reading, queries: list[dict[int, torch.Tensor]], hea
     a distribution over that segment."""
     layers = sorted({layer for layer, _ in heads})
     row_of = {layer: i for i, layer in enumerate(layers)}
-    pick = (torch.tensor([row_of[layer] for layer, _ in heads]), torch.tensor([h for _, h in heads]))
+    device = queries[0][layers[0]].device  # where `logits` leaves its result
+    pick = (torch.tensor([row_of[layer] for layer, _ in heads], device=device),
+            torch.tensor([h for _, h in heads], device=device))
     out = []
     for segment, q_by_layer in zip(reading.segments, queries):
         # every layer's heads in one batched `logits` (layers as the batch), not one per layer: a question on a
@@ -59,7 +61,7 @@ def head_attention(reading: Reading, queries: list[dict[int, torch.Tensor]], hea
         q = torch.stack([q_by_layer[layer][:, rows] for layer in layers])  # (layers, n_heads, Lq, d)
         k = torch.stack([segment.keys[layer] for layer in layers])  # (layers, n_kv, L, d)
         probs = logits(q, k).softmax(-1).mean(2)  # (layers, n_heads, L)
-        out.append(probs[tuple(i.to(probs.device) for i in pick)])
+        out.append(probs[pick])
     return torch.cat(out, dim=1)
 
 
