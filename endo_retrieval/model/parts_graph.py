@@ -7,8 +7,10 @@ Captured once per shape and replayed, a forward is one launch. Shapes differ per
 padded up to a multiple of BUCKET and the cache it reads behind is copied into a buffer of a bucketed length; which
 keys a row sees is computed inside the graph from one group label per key (`group_mask`: the context's causal
 mask and the parts' rule, which the eager reads' `parts_mask` takes from it too), so nothing that differs between
-questions is a host value. Padded rows see
-what comes before them and themselves; no real row sees a padded key.
+questions is a host value. Padded rows see what comes before them and themselves; no real row sees a padded key.
+A forward that reads the context too pads the context's rows and the parts' rows each to its own bucket, so the
+context's rows attend through SDPA's causal kernel as an eager read's do (`context_then_parts_attention`): one
+mask over every row takes the memory-efficient kernel, several times slower over a few thousand rows.
 
 The same padded forward run eagerly (a `PartsGraph` on a CPU runs it so) is the twin the tests hold against the
 plain batched read, and the replay against it on the device. Every output of a replay is consumed (copied or
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
+from contextlib import contextmanager, nullcontext
 from typing import Sequence
 
 import numpy as np
@@ -29,14 +32,19 @@ log = logging.getLogger(__name__)
 
 PAD, CONTEXT, LEAD = -2, -1, 0  # key groups; part i's own rows are group i + 1
 BUCKET = 256  # rows and cached keys are padded up to a multiple of this: a handful of shapes per workload
+PARTS_BUCKET = 64  # ... the query parts' rows behind a context read in the same forward (a question: tens of rows)
 MAX_KEYS = 16384  # cached keys + rows above this run eagerly (such a forward is bound by arithmetic, not launches)
 MIN_REPLAYS = 2  # a shape seen fewer times runs eagerly: a capture costs about three forwards
-KEEP = 8  # captured shapes kept per backbone, least recently used dropped; each keeps its outputs' memory
+# captured shapes kept per backbone, least recently used dropped; each keeps its outputs' memory. A question's
+# read (context bucket x parts bucket) and second hop (cache bucket x rows bucket) meet a dozen or more shapes
+# over a corpus: fewer kept would drop and capture them again in turn
+KEEP = 32
 MEMORY_SHARE = 8  # ... and at most this share of the GPU's memory (1/8) in their buffers and outputs
 
 
-def bucket(n: int) -> int:
-    return -(-n // BUCKET) * BUCKET
+def bucket(n: int, size: int | None = None) -> int:
+    size = size or BUCKET
+    return -(-n // size) * size
 
 
 def group_mask(groups: torch.Tensor, cached: int) -> torch.Tensor:
@@ -48,6 +56,39 @@ def group_mask(groups: torch.Tensor, cached: int) -> torch.Tensor:
     own = groups[cached:, None]
     sees = (groups == CONTEXT) | (groups == LEAD) | (groups == own)
     return ((sees & (groups != PAD) & (col <= at)) | (col == at))[None, None]
+
+
+PARTS_ATTENTION = "endo_context_then_parts"
+
+
+def context_then_parts_attention(module, query, key, value, attention_mask, **kwargs):
+    """Hugging Face's attention-interface contract, for a forward over a context and the query parts behind it.
+    `attention_mask` (`group_mask` from the parts' first row) holds the parts' rows only; the rows in front of them
+    are the context's, read without a cache in front, causally, through SDPA's causal kernel as a plain read is
+    (one mask over every row takes a slower kernel: on a CPU, 1.8x the attention time of a 2,560-token read)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    context = query.shape[2] - attention_mask.shape[-2]
+    parts, _ = sdpa_attention_forward(module, query[:, :, context:], key, value, attention_mask, **kwargs)
+    if not context:
+        return parts, None
+    read, _ = sdpa_attention_forward(module, query[:, :, :context], key[:, :, :context], value[:, :, :context],
+                                     None, **kwargs)
+    return torch.cat([read, parts], dim=1), None
+
+
+@contextmanager
+def context_then_parts(backbone):
+    """The model's forwards in here attend through `context_then_parts_attention`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PARTS_ATTENTION, context_then_parts_attention)
+    config = backbone.model.config
+    before, config._attn_implementation = config._attn_implementation, PARTS_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 class GraphKV:
@@ -70,11 +111,15 @@ class GraphKV:
 
 class PartsGraph:
     """One forward of `rows` rows behind `cached` cached keys (both bucketed) up to max(layers): ids, positions and
-    key groups in, the hooked pre-RoPE states and each cached layer's keys and values out. On CUDA captured at
-    construction and replayed per call; elsewhere run eagerly per call (the twin)."""
+    key groups in, the hooked pre-RoPE states and each cached layer's keys and values out. `context` (no cache
+    behind): the first `context` rows are the context's, padded at its end, read causally; the parts' rows follow.
+    On CUDA captured at construction and replayed per call; elsewhere run eagerly per call (the twin)."""
 
-    def __init__(self, backbone, cached: int, rows: int, layers: Sequence[int], capture: Sequence[str], pool=None):
-        self.backbone, self.cached, self.rows = backbone, cached, rows
+    def __init__(self, backbone, cached: int, rows: int, layers: Sequence[int], capture: Sequence[str], pool=None,
+                 context: int = 0):
+        if context and cached:
+            raise ValueError("a forward reads its context or continues a cache, not both")
+        self.backbone, self.cached, self.rows, self.context = backbone, cached, rows, context
         self.layers, self.capture = list(layers), tuple(capture)
         device, n_kv, d = backbone.device, backbone.n_kv_heads, backbone.head_dim
         self.ids = torch.zeros(1, rows, dtype=torch.long, device=device)
@@ -98,24 +143,39 @@ class PartsGraph:
 
     def _forward(self):
         bb, kv = self.backbone, GraphKV(self.prefix, self.cached)
-        with torch.inference_mode(), bb.run_to(self.layers[-1], self.layers, self.capture,
-                                               projections_only=True) as store:
-            bb.model.model(input_ids=self.ids, position_ids=self.pos, attention_mask=group_mask(self.groups,
-                           self.cached), past_key_values=kv, use_cache=True)
+        # the parts' rows (all rows without a context in front) by their groups; the context's rows causally
+        mask = group_mask(self.groups, self.cached + self.context)
+        with torch.inference_mode(), context_then_parts(bb) if self.context else nullcontext(), \
+                bb.run_to(self.layers[-1], self.layers, self.capture, projections_only=True) as store:
+            bb.model.model(input_ids=self.ids, position_ids=self.pos, attention_mask=mask, past_key_values=kv,
+                           use_cache=True)
         # a forward behind a cache keeps no cache of its own (the keys it made are temporaries the pool reuses)
         return {kind: dict(states) for kind, states in store.items()}, {} if self.cached else kv.kv
 
-    def __call__(self, ids: np.ndarray, pos: np.ndarray, groups: np.ndarray, cache=None, n_cached: int = 0):
+    def runs(self, T: int, context: int = 0) -> list[tuple[int, int]]:
+        """(first row, rows) of the graph where a call's T rows lie, the first `context` of them the context's."""
+        if not self.context:
+            return [(0, T)]
+        return [(0, context), (self.context, T - context)]
+
+    def _laid_out(self, values: np.ndarray, fill: int, context: int) -> np.ndarray:
+        """`values` of a call's rows at the graph's rows (`runs`), `fill` elsewhere."""
+        out = np.full(self.rows, fill, np.int64)
+        out[:context] = values[:context]
+        out[self.context:self.context + len(values) - context] = values[context:]
+        return out
+
+    def __call__(self, ids: np.ndarray, pos: np.ndarray, groups: np.ndarray, cache=None, n_cached: int = 0,
+                 context: int = 0):
         """(store, kv) of the rows `ids` at positions `pos`, labelled `groups`, behind the first `n_cached` tokens
-        of `cache` (a Hugging Face cache; none for a forward of the context itself). Views of the graph's outputs:
-        use them before the next call."""
-        T = len(ids)
+        of `cache` (a Hugging Face cache; none for a forward of the context itself), the first `context` rows the
+        context's. Views of the graph's outputs, the rows laid out as `runs` says: use them before the next call."""
         with torch.no_grad():
-            self.ids.copy_(torch.from_numpy(np.pad(ids, (0, self.rows - T)))[None])
-            self.pos.copy_(torch.from_numpy(np.pad(pos, (0, self.rows - T)))[None])
+            self.ids.copy_(torch.from_numpy(self._laid_out(ids, 0, context))[None])
+            self.pos.copy_(torch.from_numpy(self._laid_out(pos, 0, context))[None])
             labels = np.full(self.cached + self.rows, PAD, np.int64)
             labels[:n_cached] = CONTEXT
-            labels[self.cached:self.cached + T] = groups
+            labels[self.cached:] = self._laid_out(groups, PAD, context)
             self.groups.copy_(torch.from_numpy(labels))
             if n_cached:  # the cache read behind, into the static buffers (what lies past it is never seen)
                 dst = [b[:, :, :n_cached] for l in sorted(self.prefix) for b in self.prefix[l]]
@@ -139,11 +199,14 @@ class PartsGraphs:
         self.pool = None
         self.max_bytes: int | None = None  # None: the GPU's memory / MEMORY_SHARE (no bound off CUDA)
 
-    def get(self, backbone, cached: int, rows: int, layers: Sequence[int], capture: Sequence[str]
-            ) -> PartsGraph | None:
+    def get(self, backbone, cached: int, rows: int, layers: Sequence[int], capture: Sequence[str],
+            context: int = 0) -> PartsGraph | None:
+        """The graph for `rows` rows behind `cached` cached keys, the first `context` rows the context's."""
         if not self.enabled or not (backbone.device.type == "cuda" or self.twin):
             return None
-        key = (bucket(cached) if cached else 0, bucket(rows), tuple(layers), tuple(sorted(capture)))
+        padded = bucket(context) + bucket(rows - context, PARTS_BUCKET) if context else bucket(rows)
+        key = (bucket(cached) if cached else 0, padded, tuple(layers), tuple(sorted(capture)),
+               bucket(context) if context else 0)
         if key[0] + key[1] > MAX_KEYS:
             return None
         self.seen[key] += 1
@@ -155,7 +218,7 @@ class PartsGraphs:
                 self.max_bytes = self.max_bytes or \
                     torch.cuda.get_device_properties(backbone.device).total_memory // MEMORY_SHARE
             try:
-                self.graphs[key] = PartsGraph(backbone, key[0], key[1], key[2], key[3], pool=self.pool)
+                self.graphs[key] = PartsGraph(backbone, *key[:4], pool=self.pool, context=key[4])
             except Exception as err:  # noqa: BLE001 - a speed-up that cannot be had must not fail the read
                 self.enabled = False
                 log.warning("CUDA graphs of the batched reads are off for this model (a capture failed: %s: %s); "

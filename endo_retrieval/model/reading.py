@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from endo_retrieval.model.backbone import BackboneError
-from endo_retrieval.model.parts_graph import CONTEXT, LEAD, group_mask
+from endo_retrieval.model.parts_graph import CONTEXT, LEAD, context_then_parts, group_mask
 from endo_retrieval.model.threads import threads_for_cpu_work
 
 HOST_CACHES_FROM = 32768  # contexts at least this long keep their segments' caches in host memory between questions
@@ -182,9 +182,6 @@ def _read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[in
 
 # ---------------------------------------------------------------- query parts together
 
-PARTS_ATTENTION = "endo_context_then_parts"
-
-
 def shared_lead(parts: Sequence[np.ndarray]) -> int:
     """How many leading ids every part shares (at most all but the last of the shortest): read once, as its rows
     are the same in each (a second hop's evidence, "Question:")."""
@@ -203,36 +200,6 @@ def parts_mask(before: int, parts: Sequence[np.ndarray], device) -> torch.Tensor
     groups `_behind` gives the rows."""
     _, _, groups = _behind(np.empty(0, np.int64), parts, before)
     return group_mask(torch.as_tensor(np.concatenate([np.full(before, CONTEXT), groups]), device=device), before)
-
-
-def context_then_parts_attention(module, query, key, value, attention_mask, **kwargs):
-    """Hugging Face's attention-interface contract, for a forward over a context and the query parts behind it.
-    `attention_mask` (`parts_mask`) holds the parts' rows only; the rows in front of them are the context's, read
-    without a cache in front, causally, through SDPA's causal kernel as a plain read is (one mask over every row
-    takes a slower kernel: on a CPU, 1.8x the attention time of a 2,560-token read)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    context = query.shape[2] - attention_mask.shape[-2]
-    parts, _ = sdpa_attention_forward(module, query[:, :, context:], key, value, attention_mask, **kwargs)
-    if not context:
-        return parts, None
-    read, _ = sdpa_attention_forward(module, query[:, :, :context], key[:, :, :context], value[:, :, :context],
-                                     None, **kwargs)
-    return torch.cat([read, parts], dim=1), None
-
-
-@contextmanager
-def _attention(backbone, name: str):
-    """The model's forwards in here attend with implementation `name` (registered with Hugging Face)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(name, context_then_parts_attention)
-    config = backbone.model.config
-    before, config._attn_implementation = config._attn_implementation, name
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
 
 
 def _behind(context: np.ndarray, parts: Sequence[np.ndarray], start: int
@@ -311,21 +278,22 @@ def _forward_parts(backbone, cache, lead: np.ndarray, parts: list[np.ndarray], n
     ids, pos, groups = _behind(lead, parts, n)
     with backbone.lock:  # a capture, a replay and the copies of its outputs, one thread at a time
         graph = None if int8 or back_to_host else \
-            backbone.parts_graphs.get(backbone, n - len(lead), len(ids), layers, capture)
+            backbone.parts_graphs.get(backbone, n - len(lead), len(ids), layers, capture, context=len(lead))
         if graph is not None:
-            store, kv = graph(ids, pos, groups, cache if not len(lead) else None, n - len(lead))
+            store, kv = graph(ids, pos, groups, cache if not len(lead) else None, n - len(lead), context=len(lead))
             if len(lead):  # the segment's cache, copied out of the graph's buffers
                 for l, (k, v) in sorted(kv.items()):
                     cache.update(k[:, :, :n], v[:, :, :n], l)
             # copies of the real rows' states: the next replay (another thread's, maybe) rewrites the outputs
-            # (one stacked copy per kind, not one per layer)
-            return {kind: by_layer(sorted(states), torch.stack([states[l][:, :, :len(ids)] for l in sorted(states)]))
-                    if states else {} for kind, states in store.items()}
+            # (one stacked copy per kind and run of rows, not one per layer)
+            runs = graph.runs(len(ids), len(lead))
+            return {kind: by_layer(sorted(states), _stacked_rows(states, runs)) if states else {}
+                    for kind, states in store.items()}
     x, pos = (torch.as_tensor(t, device=backbone.device)[None] for t in (ids, pos))
     mask = parts_mask(n, parts, backbone.device)
     with backbone.lock, torch.inference_mode(), threads, \
             backbone.run_to(layers[-1], layers, capture, int8, projections_only=True) as store, \
-            _attention(backbone, PARTS_ATTENTION):
+            context_then_parts(backbone):
         try:
             backbone.model.model(input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=cache,
                                  use_cache=True)
@@ -334,6 +302,12 @@ def _forward_parts(backbone, cache, lead: np.ndarray, parts: list[np.ndarray], n
             if back_to_host:
                 _move_cache(cache, "cpu")
     return store
+
+
+def _stacked_rows(states: dict[int, torch.Tensor], runs: list[tuple[int, int]]) -> torch.Tensor:
+    """The layers' states (1, heads, rows, d) stacked, their rows `runs` [(first, count)] joined in order."""
+    stacked = [torch.stack([states[l][:, :, a:a + r] for l in sorted(states)]) for a, r in runs]
+    return stacked[0] if len(stacked) == 1 else torch.cat(stacked, dim=-2)
 
 
 def _move_cache(cache, device) -> None:

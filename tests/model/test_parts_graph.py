@@ -65,6 +65,7 @@ def test_padded_forwards_give_the_plain_batched_states(tiny_backbone, monkeypatc
     shapes = sorted(k[:2] for k in bb.parts_graphs.graphs)
     assert shapes and all(c % 64 == 0 and r % 64 == 0 for c, r in shapes)  # every forward went through a graph
     assert any(c for c, _ in shapes)  # ... the second hop's behind its cache, bucketed
+    assert any(k[4] for k in bb.parts_graphs.graphs)  # ... the read's with its context's rows apart (causal)
     for g, e in zip(got, expected):
         for mine, theirs in zip(g, e):
             for layer in LAYERS:
