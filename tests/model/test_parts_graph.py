@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from endo_retrieval.model import parts_graph
-from endo_retrieval.model.parts_graph import PAD, group_mask
+from endo_retrieval.model.parts_graph import PAD, group_mask, parts_attention
 from endo_retrieval.model.reading import _behind, ask_parts, parts_mask, read
 
 CONTEXT = "The river bends twice before the old mill. Farmers sell apples on Sundays. " * 8
@@ -35,6 +35,25 @@ def test_group_mask_is_the_causal_context_then_parts_mask():
     mask = group_mask(labels, 8)[0, 0]
     assert torch.equal(torch.cat([mask[:, :n], mask[:, 8:]], 1), parts_mask(n, [a, b], "cpu")[0, 0])
     assert not mask[:, n:8].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parts_attention_is_sdpa_over_the_mask(dtype):
+    """The parts' attention (two matmuls, query heads grouped over their key/value head) against SDPA with the keys
+    and values repeated per head, as Hugging Face's attention calls it; a bool mask and the same as an additive one."""
+    torch.manual_seed(0)
+    B, H, kv, R, K, d = 1, 12, 2, 7, 50, 16
+    q, k, v = torch.randn(B, H, R, d), torch.randn(B, kv, K, d), torch.randn(B, kv, K, d)
+    mask = torch.rand(1, 1, R, K) > 0.3
+    mask[..., 0] = True  # every row sees a key
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(H // kv, 1), v.repeat_interleave(H // kv, 1), attn_mask=mask).transpose(1, 2)
+    got = parts_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, d ** -0.5)
+    assert got.shape == (B, R, H, d) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(parts_attention(q, k, v, additive, d ** -0.5), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cuts", [None, "segments"])
