@@ -1,11 +1,14 @@
 """Where a GPU question's time goes: dev300's paragraphs as one index and the default pipeline asked (`corpus`), or
 `compress()` of 8k-token contexts made of dev300's paragraphs to 1024 tokens (`compress`); 30 questions first (CUDA
 graphs captured, shapes seen), then 10 more under torch.profiler: the ops with the most host time and the most
-device time per question, beside the stages' own times.
+device time per question, beside the stages' own times; then the same 10 under cProfile: the Python functions with
+the most host time of their own (what the host does between launches).
 
     python tools/gpu_question_profile.py ../shared/data/hotpotqa/dev300.json [MODEL] [OUT.json] [corpus|compress]
 """
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -63,6 +66,9 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         stages.append(ask(i))
     synced()
 unprofiled = [ask(i) for i in range(30, 40)]  # the same questions again, without the profiler's cost
+python = cProfile.Profile()
+python.runcall(lambda: [ask(i) for i in range(30, 40)])
+python_stats = pstats.Stats(python).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, ...)
 n = 10
 events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "cuda", "Memcpy", "Memset")) or
           e.device_type.name == "CUDA"]
@@ -84,6 +90,12 @@ report = {"model": backbone.model_id, "mode": mode, "questions": n,
           "device_ms_per_question": round(sum(getattr(e, "self_device_time_total", 0) for e in events
                                               if e.device_type.name == "CUDA") / 1000 / n, 2),
           "by_host_time": top(lambda e: e.self_cpu_time_total),
+          "python_by_own_time": [{"function": f"{name} ({file.rsplit('/', 2)[-1]}:{line})",
+                                  "calls_per_question": round(calls / n, 1),
+                                  "own_ms_per_question": round(own * 1e3 / n, 2),
+                                  "cumulative_ms_per_question": round(cum * 1e3 / n, 2)}
+                                 for (file, line, name), (_, calls, own, cum, _) in
+                                 sorted(python_stats.items(), key=lambda kv: -kv[1][2])[:30]],
           "by_device_time": top(lambda e: getattr(e, "self_device_time_total", 0))}
 print(json.dumps(report, indent=1))
 if len(sys.argv) > 3:
