@@ -10,7 +10,8 @@ mask and the parts' rule, which the eager reads' `parts_mask` takes from it too)
 questions is a host value. Padded rows see what comes before them and themselves; no real row sees a padded key.
 A forward that reads the context too pads the context's rows and the parts' rows each to its own bucket, so the
 context's rows attend through SDPA's causal kernel as an eager read's do (`context_then_parts_attention`): one
-mask over every row takes the memory-efficient kernel, several times slower over a few thousand rows.
+mask over every row takes the memory-efficient kernel, several times slower over a few thousand rows. The parts'
+rows, replayed or eager, attend on a GPU through two matmuls (`parts_attention`), not that kernel.
 
 The same padded forward run eagerly (a `PartsGraph` on a CPU runs it so) is the twin the tests hold against the
 plain batched read, and the replay against it on the device. Every output of a replay is consumed (copied or
@@ -57,8 +58,6 @@ def group_mask(groups: torch.Tensor, cached: int) -> torch.Tensor:
 
 
 PARTS_ATTENTION = "endo_context_then_parts"
-
-
 # a masked attention bigger than this (query heads x rows x keys) goes to SDPA's kernel instead of materialising its
 # logits (`parts_attention`): 1 GiB of float32
 MATERIALISED_LOGITS = 2 ** 28
