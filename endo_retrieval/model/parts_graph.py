@@ -194,9 +194,10 @@ class PartsGraph:
 
     def _laid_out(self, values: np.ndarray, fill: int, context: int) -> np.ndarray:
         """`values` of a call's rows at the graph's rows (`runs`), `fill` elsewhere."""
-        out = np.full(self.rows, fill, np.int64)
-        out[:context] = values[:context]
-        out[self.context:self.context + len(values) - context] = values[context:]
+        out, taken = np.full(self.rows, fill, np.int64), 0
+        for first, n in self.runs(len(values), context):
+            out[first:first + n] = values[taken:taken + n]
+            taken += n
         return out
 
     def __call__(self, ids: np.ndarray, pos: np.ndarray, groups: np.ndarray, cache=None, n_cached: int = 0,
