@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import threading
@@ -35,6 +36,9 @@ from endo_retrieval.model.locate import (DEFAULT_MODEL, SUPPORTED_FAMILIES, Back
 _SAFE_CUT = re.compile(r"\S\n(?=\S)")
 PIECE_CHARS = 1 << 14  # longer texts are tokenised in pieces of about this many characters,
 PIECES_PER_BATCH = 8  # this many at a time, on as many cores (docs/papers.md, indexing throughput)
+# texts up to this many characters keep their encoding (the last KEPT_ENCODINGS of them): a question is tokenised
+# for its read, its calibration and its second hop, the content-free question for every context
+SHORT_TEXT, KEPT_ENCODINGS = 2048, 256
 
 
 @dataclass
@@ -170,6 +174,7 @@ class Backbone:
         # on CUDA, the batched reads' forwards replay from CUDA graphs over bucketed shapes (parts_graph.py);
         # `parts_graphs.enabled = False` runs them eagerly
         self.parts_graphs = PartsGraphs()
+        self._encode_short = functools.lru_cache(maxsize=KEPT_ENCODINGS)(self._encode_whole)
 
     @classmethod
     def default(cls, device: str | None = None) -> "Backbone":
@@ -191,8 +196,18 @@ class Backbone:
     # ---- text -------------------------------------------------------------------------------------------
     def encode(self, text: str | bytes, piece_chars: int | None = None) -> Encoding:
         """Token ids and character offsets of `text` (no special tokens): the pieces of `encode_pieces`, joined,
-        all tokenised in one batch (nothing waits for the first ones)."""
-        return Encoding.join([enc for *_, enc in self.encode_pieces(text, piece_chars, batch=max(1, len(text)))])
+        all tokenised in one batch (nothing waits for the first ones). A short text's encoding is kept and shared
+        (`_encode_short`): its arrays are read-only."""
+        text = as_text(text)
+        if len(text) > SHORT_TEXT or piece_chars:
+            return self._encode_whole(text, piece_chars)
+        return self._encode_short(text)
+
+    def _encode_whole(self, text: str, piece_chars: int | None = None) -> Encoding:
+        enc = Encoding.join([enc for *_, enc in self.encode_pieces(text, piece_chars, batch=max(1, len(text)))])
+        enc.ids.setflags(write=False)  # shared where kept (`_encode_short`); no caller writes into an encoding
+        enc.offsets.setflags(write=False)
+        return enc
 
     def encode_pieces(self, text: str | bytes, piece_chars: int | None = None, batch: int | None = None
                       ) -> Iterator[tuple[int, int, Encoding]]:

@@ -81,3 +81,16 @@ def test_int8_question_forward_stays_close_to_fp32(backbone):
         cos = torch.nn.functional.cosine_similarity(exact[layer].flatten(1), fast[layer].flatten(1), dim=1)
         assert not torch.equal(exact[layer], fast[layer])  # the quantized maps really ran
         assert cos.min() > 0.9, (layer, cos)  # every head's queries still point the same way
+
+def test_short_texts_keep_their_encoding_read_only(backbone):
+    """A question is tokenised for its read, its calibration and its second hop: the second time costs nothing,
+    gives the one-pass encoding, and nobody can write into the shared arrays."""
+    question = "\n\nQuestion: Which harbour logged the most ships in 1887?\nAnswer:"
+    first = backbone.encode(question)
+    assert backbone.encode(question) is first
+    whole = backbone._encode_batch([question])[0]
+    assert np.array_equal(first.ids, whole.ids) and np.array_equal(first.offsets, whole.offsets)
+    with pytest.raises(ValueError):
+        first.ids[0] = 0
+    long_text = "harbour " * 400  # past SHORT_TEXT: tokenised afresh each time
+    assert backbone.encode(long_text) is not backbone.encode(long_text)
