@@ -5,7 +5,13 @@ device time per question, beside the stages' own times; then the same 10 under c
 the most host time of their own (what the host does between launches).
 
     python tools/gpu_question_profile.py ../shared/data/hotpotqa/dev300.json [MODEL] [OUT.json] [corpus|compress]
+
+DEPTH=N: the candidates read per question (default: the model's profile). WARM=N asks N questions first (default 30; a shape first seen after them is captured inside the profiled window,
+which `graph_captures_in_window` counts); TRACE=FILE.json.gz also writes the profiled window's timeline (three
+questions of it: Chrome trace format, for where the host keeps the device waiting).
 """
+import gzip
+import os
 import cProfile
 import json
 import pstats
@@ -36,7 +42,7 @@ if mode == "corpus":
     index.add_documents([t + ": " + " ".join(s) for it in items for t, s in it["context"]])
 
     def ask(i: int) -> dict:
-        hits = index.search(questions[i], 5)
+        hits = index.search(questions[i], 5, depth=int(os.environ["DEPTH"]) if os.environ.get("DEPTH") else None)
         return hits[0].stage_ms if hits else {}
 else:  # each question's own paragraphs, then others', to 8192 tokens: a context that holds its evidence
     method = get_method("endo", backbone=backbone)
@@ -49,7 +55,7 @@ else:  # each question's own paragraphs, then others', to 8192 tokens: a context
             j += 1
         return text
 
-    contexts = [context(i) for i in range(40)]
+    contexts = [context(i) for i in range(int(os.environ.get("WARM", 30)) + 10)]
 
     def ask(i: int) -> dict:
         t0 = synced()
@@ -59,15 +65,27 @@ else:  # each question's own paragraphs, then others', to 8192 tokens: a context
         t2 = synced()
         return {"index": 1000 * (t1 - t0), "select": 1000 * (t2 - t1)}
 
-warm = [ask(i) for i in range(30)]  # graphs captured and replayed, buckets seen
+warm_n = int(os.environ.get("WARM", 30))
+window = range(warm_n, warm_n + 10)
+warm = [ask(i) for i in range(warm_n)]  # graphs captured and replayed, buckets seen
 stages = []
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    for i in range(30, 40):
+    for i in window:
         stages.append(ask(i))
     synced()
-unprofiled = [ask(i) for i in range(30, 40)]  # the same questions again, without the profiler's cost
+if os.environ.get("TRACE"):
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as timeline:
+        for i in list(window)[:3]:
+            ask(i)
+        synced()
+    raw = os.environ["TRACE"].removesuffix(".gz")
+    timeline.export_chrome_trace(raw)
+    with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
+        g.write(f.read())
+    os.remove(raw)
+unprofiled = [ask(i) for i in window]  # the same questions again, without the profiler's cost
 python = cProfile.Profile()
-python.runcall(lambda: [ask(i) for i in range(30, 40)])
+python.runcall(lambda: [ask(i) for i in window])
 python_stats = pstats.Stats(python).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, ...)
 n = 10
 events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "cuda", "Memcpy", "Memset")) or
@@ -85,7 +103,9 @@ def p50(runs: list[dict]) -> dict:
     return {s: round(statistics.median(x.get(s, 0.0) for x in runs), 2) for s in sorted({s for x in runs for s in x})}
 
 
-report = {"model": backbone.model_id, "mode": mode, "questions": n,
+report = {"model": backbone.model_id, "mode": mode, "questions": n, "warm_questions": warm_n,
+          "graph_captures_in_window": sum(e.count for e in prof.key_averages()
+                                          if e.key == "cudaGraphInstantiateWithFlags"),
           "stage_ms_p50": p50(stages), "stage_ms_p50_unprofiled": p50(unprofiled),
           "device_ms_per_question": round(sum(getattr(e, "self_device_time_total", 0) for e in events
                                               if e.device_type.name == "CUDA") / 1000 / n, 2),
