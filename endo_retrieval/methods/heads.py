@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import ClassVar, Sequence
 
 import numpy as np
@@ -50,10 +50,7 @@ def head_attention(reading: Reading, queries: list[dict[int, torch.Tensor]], hea
     averaged over the query part's `rows`, segment after segment: (len(heads), L); each segment's part of a row is
     a distribution over that segment."""
     layers = sorted({layer for layer, _ in heads})
-    row_of = {layer: i for i, layer in enumerate(layers)}
-    device = queries[0][layers[0]].device  # where `logits` leaves its result
-    pick = (torch.tensor([row_of[layer] for layer, _ in heads], device=device),
-            torch.tensor([h for _, h in heads], device=device))
+    pick = _head_index(tuple(map(tuple, heads)), queries[0][layers[0]].device)  # where `logits` leaves its result
     out = []
     for segment, q_by_layer in zip(reading.segments, queries):
         # every layer's heads in one batched `logits` (layers as the batch), not one per layer: a question on a
@@ -63,6 +60,14 @@ def head_attention(reading: Reading, queries: list[dict[int, torch.Tensor]], hea
         probs = logits(q, k).softmax(-1).mean(2)  # (layers, n_heads, L)
         out.append(probs[pick])
     return torch.cat(out, dim=1)
+
+
+@lru_cache(maxsize=64)
+def _head_index(heads: tuple[tuple[int, int], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row of the heads' layers, head) per head, on `device`, made once: each made anew cost a host-to-device wait."""
+    row_of = {layer: i for i, layer in enumerate(sorted({layer for layer, _ in heads}))}
+    return (torch.tensor([row_of[layer] for layer, _ in heads], device=device),
+            torch.tensor([h for _, h in heads], device=device))
 
 
 def sentence_max(token_scores: np.ndarray, sentence_starts: np.ndarray) -> np.ndarray:
@@ -107,12 +112,13 @@ class Prepared:
         return self.corpus.span_text(int(starts[i]), int(starts[i + 1]))[3]
 
 
-def prepare_context(backbone, context: str, layers: Sequence[int], segment: int | None = None, **read_options
-                    ) -> Prepared:
+def prepare_context(backbone, context: str, layers: Sequence[int], segment: int | None = None,
+                    cuts: Sequence[int] = (), **read_options) -> Prepared:
     """The context's sentences and the model's reading in segments of at most `segment` tokens
-    (default: the model's trained window) cut at sentence starts."""
+    (default: the model's trained window) cut at sentence starts. `cuts`: where its text may be tokenised in
+    pieces (`Backbone.encode`)."""
     segment = segment or backbone.max_position or 8192
-    enc = backbone.encode(context)
+    enc = backbone.encode(context, cuts=cuts)
     corpus = CorpusMap()
     corpus.add_document("context", context, enc.offsets)
     cuts = segment_cuts(corpus.sentence_starts(), len(enc), segment)
@@ -276,7 +282,10 @@ def read_passages(backbone, passages: Sequence[str], question: str, heads: Seque
     # batched: the question and the content-free question ride in the read's own forward (int8 reads ask one part
     # per forward: `model.reading.read`)
     parts = [query_part(backbone, q)[0] for q in (question, NULL_QUESTION)] if batched and not int8 else ()
-    prepared = prepare_context(backbone, text, sorted({l for l, _ in heads}), int8=int8, parts=parts)
+    # the passages' texts tokenised side by side, each on a core of its own where the tokenizer allows
+    at = backbone.joined_cut(PASSAGE_SEPARATOR)
+    cuts = [a - len(PASSAGE_SEPARATOR) + at for a in starts[1:]] if at is not None else ()
+    prepared = prepare_context(backbone, text, sorted({l for l, _ in heads}), cuts=cuts, int8=int8, parts=parts)
     clock.lap("read")
     offsets = prepared.corpus.doc("context").offsets  # the tokens the model read: each passage's first one
     token_of = np.minimum(np.searchsorted(np.maximum.accumulate(offsets[:, 1]), np.asarray(starts), side="right"),

@@ -156,9 +156,13 @@ class PartsGraph:
         self.backbone, self.cached, self.rows, self.context = backbone, cached, rows, context
         self.layers, self.capture = list(layers), tuple(capture)
         device, n_kv, d = backbone.device, backbone.n_kv_heads, backbone.head_dim
-        self.ids = torch.zeros(1, rows, dtype=torch.long, device=device)
-        self.pos = torch.zeros(1, rows, dtype=torch.long, device=device)
-        self.groups = torch.full((cached + rows,), PAD, dtype=torch.long, device=device)
+        # ids, positions and key groups in one buffer, so a call's inputs cross to the device in one copy from
+        # pinned memory, without the host waiting for it (three copies from pageable memory waited three times)
+        self.inputs = torch.zeros(3 * rows + cached, dtype=torch.long, device=device)
+        self.ids, self.pos = self.inputs[:rows].view(1, rows), self.inputs[rows:2 * rows].view(1, rows)
+        self.groups = self.inputs[2 * rows:]
+        self.staged = torch.zeros(len(self.inputs), dtype=torch.long, pin_memory=device.type == "cuda")
+        self.copied = None  # on CUDA, the event after the last copy out of `staged`
         # the last layer runs its projections only (`run_to`), so layers 0..max(layers) - 1 hold a cache
         self.prefix = {l: tuple(torch.zeros(1, n_kv, cached, d, dtype=backbone.dtype, device=device)
                                 for _ in range(2)) for l in range(self.layers[-1])} if cached else {}
@@ -169,7 +173,7 @@ class PartsGraph:
     @property
     def nbytes(self) -> int:
         """Memory this graph keeps for itself: its input buffers and (captured) its outputs."""
-        kept = [self.ids, self.pos, self.groups, *(t for pair in self.prefix.values() for t in pair)]
+        kept = [self.inputs, *(t for pair in self.prefix.values() for t in pair)]
         if self.graph is not None:
             store, kv = self.out
             kept += [t for states in store.values() for t in states.values()] + [t for kv_ in kv.values() for t in kv_]
@@ -206,12 +210,17 @@ class PartsGraph:
         of `cache` (a Hugging Face cache; none for a forward of the context itself), the first `context` rows the
         context's. Views of the graph's outputs, the rows laid out as `runs` says: use them before the next call."""
         with torch.no_grad():
-            self.ids.copy_(torch.from_numpy(self._laid_out(ids, 0, context))[None])
-            self.pos.copy_(torch.from_numpy(self._laid_out(pos, 0, context))[None])
             labels = np.full(self.cached + self.rows, PAD, np.int64)
             labels[:n_cached] = CONTEXT
             labels[self.cached:] = self._laid_out(groups, PAD, context)
-            self.groups.copy_(torch.from_numpy(labels))
+            if self.copied is not None:
+                self.copied.synchronize()  # long done: the host waited on the last call's outputs
+            self.staged.numpy()[:] = np.concatenate([self._laid_out(ids, 0, context), self._laid_out(pos, 0, context),
+                                                     labels])
+            self.inputs.copy_(self.staged, non_blocking=True)
+            if self.inputs.is_cuda:
+                self.copied = torch.cuda.Event()
+                self.copied.record()
             if n_cached:  # the cache read behind, into the static buffers (what lies past it is never seen)
                 dst = [b[:, :, :n_cached] for l in sorted(self.prefix) for b in self.prefix[l]]
                 src = [t for l in sorted(self.prefix) for t in (cache.layers[l].keys, cache.layers[l].values)]
