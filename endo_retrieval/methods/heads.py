@@ -112,13 +112,12 @@ class Prepared:
         return self.corpus.span_text(int(starts[i]), int(starts[i + 1]))[3]
 
 
-def prepare_context(backbone, context: str, layers: Sequence[int], segment: int | None = None,
-                    cuts: Sequence[int] = (), **read_options) -> Prepared:
+def prepare_context(backbone, context: str, layers: Sequence[int], segment: int | None = None, **read_options
+                    ) -> Prepared:
     """The context's sentences and the model's reading in segments of at most `segment` tokens
-    (default: the model's trained window) cut at sentence starts. `cuts`: where its text may be tokenised in
-    pieces (`Backbone.encode`)."""
+    (default: the model's trained window) cut at sentence starts."""
     segment = segment or backbone.max_position or 8192
-    enc = backbone.encode(context, cuts=cuts)
+    enc = backbone.encode(context)
     corpus = CorpusMap()
     corpus.add_document("context", context, enc.offsets)
     cuts = segment_cuts(corpus.sentence_starts(), len(enc), segment)
@@ -282,10 +281,7 @@ def read_passages(backbone, passages: Sequence[str], question: str, heads: Seque
     # batched: the question and the content-free question ride in the read's own forward (int8 reads ask one part
     # per forward: `model.reading.read`)
     parts = [query_part(backbone, q)[0] for q in (question, NULL_QUESTION)] if batched and not int8 else ()
-    # the passages' texts tokenised side by side, each on a core of its own where the tokenizer allows
-    at = backbone.joined_cut(PASSAGE_SEPARATOR)
-    cuts = [a - len(PASSAGE_SEPARATOR) + at for a in starts[1:]] if at is not None else ()
-    prepared = prepare_context(backbone, text, sorted({l for l, _ in heads}), cuts=cuts, int8=int8, parts=parts)
+    prepared = prepare_context(backbone, text, sorted({l for l, _ in heads}), int8=int8, parts=parts)
     clock.lap("read")
     offsets = prepared.corpus.doc("context").offsets  # the tokens the model read: each passage's first one
     token_of = np.minimum(np.searchsorted(np.maximum.accumulate(offsets[:, 1]), np.asarray(starts), side="right"),

@@ -39,9 +39,6 @@ PIECES_PER_BATCH = 8  # this many at a time, on as many cores (docs/papers.md, i
 # texts up to this many characters keep their encoding (the last KEPT_ENCODINGS of them): a question is tokenised
 # for its read, its calibration and its second hop, the content-free question for every context
 SHORT_TEXT, KEPT_ENCODINGS = 2048, 256
-# characters either side of a cut tokenised across it to check the cut: the pieces' own cuts (CUT_MARGIN), and the
-# joins of passages a caller names (JOIN_MARGIN, short: a read cuts at every passage, 20 checks a question)
-CUT_MARGIN, JOIN_MARGIN = 256, 64
 
 
 @dataclass
@@ -62,11 +59,11 @@ class Encoding:
         return Encoding(np.concatenate([p.ids for p in pieces]), np.concatenate([p.offsets for p in pieces]))
 
 
-def _agree_near(lo: int, hi: int, window: Encoding, left: Encoding, right: Encoding) -> bool:
-    """Whether the tokens inside characters [lo, hi) (around a cut, within the two pieces on its sides) are the
-    same in `window` (tokenised across the cut) and in the two pieces."""
+def _agree_near(cut: int, window: Encoding, left: Encoding, right: Encoding, reach: int) -> bool:
+    """Whether the tokens within `reach` characters of `cut` are the same in `window` (tokenised across the cut)
+    and in the two pieces on its sides."""
     ids, offsets = np.concatenate([left.ids, right.ids]), np.concatenate([left.offsets, right.offsets])
-    near = lambda off: (off[:, 0] >= lo) & (off[:, 1] <= hi)
+    near = lambda off: (off[:, 0] >= cut - reach) & (off[:, 1] <= cut + reach)
     w, p = near(window.offsets), near(offsets)
     return np.array_equal(window.ids[w], ids[p]) and np.array_equal(window.offsets[w], offsets[p])
 
@@ -178,7 +175,6 @@ class Backbone:
         # `parts_graphs.enabled = False` runs them eagerly
         self.parts_graphs = PartsGraphs()
         self._encode_short = functools.lru_cache(maxsize=KEPT_ENCODINGS)(self._encode_whole)
-        self._joined_cuts: dict[str, int | None] = {}  # separator -> `joined_cut`
 
     @classmethod
     def default(cls, device: str | None = None) -> "Backbone":
@@ -198,25 +194,23 @@ class Backbone:
             return cls._shared[name, device]
 
     # ---- text -------------------------------------------------------------------------------------------
-    def encode(self, text: str | bytes, piece_chars: int | None = None, cuts: Sequence[int] = ()) -> Encoding:
+    def encode(self, text: str | bytes, piece_chars: int | None = None) -> Encoding:
         """Token ids and character offsets of `text` (no special tokens): the pieces of `encode_pieces`, joined,
-        all tokenised in one batch (nothing waits for the first ones). `cuts`: where the caller would cut the text
-        (between the passages of a read: `joined_cut`), checked as `encode_pieces` checks its own. A short text's
-        encoding is kept and shared (`_encode_short`): its arrays are read-only."""
+        all tokenised in one batch (nothing waits for the first ones). A short text's encoding is kept and shared
+        (`_encode_short`): its arrays are read-only."""
         text = as_text(text)
-        if len(text) > SHORT_TEXT or piece_chars or len(cuts):
-            return self._encode_whole(text, piece_chars, tuple(cuts))
+        if len(text) > SHORT_TEXT or piece_chars:
+            return self._encode_whole(text, piece_chars)
         return self._encode_short(text)
 
-    def _encode_whole(self, text: str, piece_chars: int | None = None, cuts: tuple[int, ...] = ()) -> Encoding:
-        pieces = self.encode_pieces(text, piece_chars, batch=max(1, len(text)), cuts=cuts)
-        enc = Encoding.join([enc for *_, enc in pieces])
+    def _encode_whole(self, text: str, piece_chars: int | None = None) -> Encoding:
+        enc = Encoding.join([enc for *_, enc in self.encode_pieces(text, piece_chars, batch=max(1, len(text)))])
         enc.ids.setflags(write=False)  # shared where kept (`_encode_short`); no caller writes into an encoding
         enc.offsets.setflags(write=False)
         return enc
 
-    def encode_pieces(self, text: str | bytes, piece_chars: int | None = None, batch: int | None = None,
-                      cuts: Sequence[int] = ()) -> Iterator[tuple[int, int, Encoding]]:
+    def encode_pieces(self, text: str | bytes, piece_chars: int | None = None, batch: int | None = None
+                      ) -> Iterator[tuple[int, int, Encoding]]:
         """(first char, end char, encoding) of consecutive pieces of `text`, offsets into the whole text, each
         yielded once final, so a consumer can start on the first pieces while the rest wait to be tokenised
         (the indexer streams each batch to the accelerator before tokenising the next).
@@ -226,12 +220,9 @@ class Backbone:
         would tokenise on one core while the accelerator waits). By default (batch None) the
         batches grow 2, 4, 8, 8 ... pieces (PIECES_PER_BATCH), since a consumer waits for the first one. A cut
         stands only where a window tokenised across it agrees with the pieces on both sides; where it does not, the
-        two pieces are tokenised again as one. So the pieces joined are always the one-pass encoding. `cuts`: the
-        caller's (increasing character positions), checked the same way across a narrower window (JOIN_MARGIN)."""
+        two pieces are tokenised again as one. So the pieces joined are always the one-pass encoding."""
         text = as_text(text)
-        given = [c for c in cuts if 0 < c < len(text)]
-        bounds = [0, *(given or self._safe_cuts(text, piece_chars or PIECE_CHARS)), len(text)]
-        margin = JOIN_MARGIN if given else CUT_MARGIN
+        bounds = [0, *self._safe_cuts(text, piece_chars or PIECE_CHARS), len(text)]
         n, done, ramp, n_batches = len(bounds) - 1, 0, batch is None, 0
         batch = batch or PIECES_PER_BATCH
         held: list[tuple[int, int, Encoding]] = []  # tokenised; the cut after the last one is not checked yet
@@ -241,7 +232,7 @@ class Backbone:
             n_batches += 1
             pieces = self._encode_batch([text[bounds[i]:bounds[i + 1]] for i in take], [bounds[i] for i in take])
             held = self._join_at_disagreeing_cuts(text, held + [(bounds[i], bounds[i + 1], e)
-                                                               for i, e in zip(take, pieces)], margin)
+                                                               for i, e in zip(take, pieces)])
             done = take.stop
             final = held if done == n else held[:-1]
             yield from final
@@ -263,31 +254,14 @@ class Backbone:
                 cuts.append(m.end())
         return cuts
 
-    def joined_cut(self, separator: str) -> int | None:
-        """Where inside `separator` (0..len) texts joined by it can be cut for tokenising in pieces: the first
-        offset at which, on a few probe joins, the pieces' tokens are the one-pass tokens (BPE pre-tokenisers
-        differ: Qwen's keeps ".\n\n" whole, GPT-2's splits a newline run before a word); None where none is.
-        Each cut is still checked where it is made (`encode_pieces`); this only picks where to offer them."""
-        if separator not in self._joined_cuts:
-            probes = [("Alpha beta gamma.", "Delta epsilon"), ("alpha 1987", "\"Beta\" gamma"), ("alpha ...", "beta")]
-            self._joined_cuts[separator] = next(
-                (at for at in range(len(separator), -1, -1)
-                 if all(self._encode_batch([a + separator + b])[0].ids.tolist() ==
-                        [i for e in self._encode_batch([a + separator[:at], separator[at:] + b]) for i in e.ids]
-                        for a, b in probes)), None)
-        return self._joined_cuts[separator]
-
-    def _join_at_disagreeing_cuts(self, text: str, held: list[tuple[int, int, Encoding]],
-                                  margin: int = CUT_MARGIN) -> list[tuple[int, int, Encoding]]:
+    def _join_at_disagreeing_cuts(self, text: str, held: list[tuple[int, int, Encoding]], margin: int = 256
+                                  ) -> list[tuple[int, int, Encoding]]:
         while len(held) > 1:
             cuts = [b for _, b, _ in held[:-1]]
             starts = [max(p - margin, 0) for p in cuts]
             windows = self._encode_batch([text[a: p + margin] for a, p in zip(starts, cuts)], starts)
-            # compared: the tokens within margin // 2 of the cut, not past the two pieces (a short piece's
-            # neighbour is not in the comparison, but is in the window)
             bad = next((j for j, (p, w) in enumerate(zip(cuts, windows))
-                        if not _agree_near(max(p - margin // 2, held[j][0]), min(p + margin // 2, held[j + 1][1]),
-                                           w, held[j][2], held[j + 1][2])), None)
+                        if not _agree_near(p, w, held[j][2], held[j + 1][2], margin // 2)), None)
             if bad is None:
                 return held
             (a, _, _), (_, c, _) = held[bad], held[bad + 1]

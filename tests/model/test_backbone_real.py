@@ -94,24 +94,3 @@ def test_short_texts_keep_their_encoding_read_only(backbone):
         first.ids[0] = 0
     long_text = "harbour " * 400  # past SHORT_TEXT: tokenised afresh each time
     assert backbone.encode(long_text) is not backbone.encode(long_text)
-
-
-def test_passages_joined_tokenise_side_by_side_exactly(backbone):
-    """A read's passages are tokenised in pieces cut where the tokenizer cannot merge across the separator
-    (`joined_cut`); every cut is checked, so a cut offered inside a word is joined over and the result is still
-    the one-pass encoding."""
-    at = backbone.joined_cut("\n\n")
-    assert at is not None
-    bodies = [f"Passage {i}: the harbour logged {i * 7} ships in 18{i % 10}0, “{i % 13}” late — é." for i in range(30)]
-    bodies[3] = "A passage without a full stop"
-    text, starts = "", []
-    for body in bodies:
-        starts.append(len(text))
-        text += body + "\n\n"
-    whole = backbone._encode_batch([text])[0]
-    cuts = [a - 2 + at for a in starts[1:]]
-    pieces = list(backbone.encode_pieces(text, batch=64, cuts=cuts))
-    assert len(pieces) == len(bodies)  # every cut stood
-    for given in (cuts, [c + 5 for c in cuts]):  # the second: cuts inside words, joined over
-        enc = backbone.encode(text, cuts=given)
-        assert np.array_equal(enc.ids, whole.ids) and np.array_equal(enc.offsets, whole.offsets)
