@@ -6,9 +6,10 @@ the most host time of their own (what the host does between launches).
 
     python tools/gpu_question_profile.py ../shared/data/hotpotqa/dev300.json [MODEL] [OUT.json] [corpus|compress]
 
-DEPTH=N: the candidates read per question (default: the model's profile). WARM=N asks N questions first (default 30; a shape first seen after them is captured inside the profiled window,
-which `graph_captures_in_window` counts); TRACE=FILE.json.gz also writes the profiled window's timeline (three
-questions of it: Chrome trace format, for where the host keeps the device waiting).
+DEPTH=N: the candidates read per question (default: the model's profile). WARM=N asks N questions first (default
+30; a shape first seen after them is captured inside the profiled window, which `graph_captures_in_window`
+counts); TRACE=FILE.json.gz also writes the profiled window's timeline (three questions of it: Chrome trace
+format, for where the host keeps the device waiting).
 """
 import gzip
 import os

@@ -118,6 +118,14 @@ class Endo(RetrievalHeads):
     def layers(self) -> list[int]:
         return sorted({l for l, _ in self.heads} | ({self.ilre_layer} if self.ilre_layer is not None else set()))
 
+    def prepare(self, context: str) -> Prepared:
+        """The reading, and BM25 over the context's sentences where it has weight: it needs no question, and built
+        here the host builds it while a GPU still runs the read's kernels (in `select` it came after them)."""
+        prepared = super().prepare(context)
+        if self.weights.get("bm25"):
+            prepared.bm25  # noqa: B018 - built and kept (a cached property)
+        return prepared
+
     def signals(self, prepared: Prepared, question: str) -> dict[str, np.ndarray]:
         return signals(self.backbone, prepared, question, self.heads, self.ilre_layer, self.second_hop)
 

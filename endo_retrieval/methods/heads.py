@@ -115,13 +115,18 @@ class Prepared:
 def prepare_context(backbone, context: str, layers: Sequence[int], segment: int | None = None, **read_options
                     ) -> Prepared:
     """The context's sentences and the model's reading in segments of at most `segment` tokens
-    (default: the model's trained window) cut at sentence starts."""
+    (default: the model's trained window) cut at sentence starts. A context of one segment is split into
+    sentences after its read is launched: on a GPU the host does it while the read's kernels run."""
     segment = segment or backbone.max_position or 8192
     enc = backbone.encode(context)
     corpus = CorpusMap()
-    corpus.add_document("context", context, enc.offsets)
-    cuts = segment_cuts(corpus.sentence_starts(), len(enc), segment)
-    return Prepared(context, corpus, read(backbone, enc.ids, layers, cuts=cuts, **read_options))
+    if len(enc) > segment:  # the segments are cut at sentence starts
+        corpus.add_document("context", context, enc.offsets)
+    cuts = segment_cuts(corpus.sentence_starts(), len(enc), segment) if len(corpus) else [0, len(enc)]
+    reading = read(backbone, enc.ids, layers, cuts=cuts, **read_options)
+    if not len(corpus):
+        corpus.add_document("context", context, enc.offsets)
+    return Prepared(context, corpus, reading)
 
 
 def calibrated_attention(backbone, prepared: Prepared, heads: Sequence[tuple[int, int]], question: str,
