@@ -134,6 +134,19 @@ def test_methods_fit_the_budget_and_name_their_signals(tiny):
     assert rank_passages(tiny, HAYSTACK.split(". "), "Who discovered radium?", tiny_heads(tiny)).shape == (8,)
 
 
+def test_endo_builds_its_sentence_bm25_while_preparing(tiny):
+    """BM25 over the context's sentences needs no question: `endo` builds it in prepare() (on a GPU, while the
+    read's kernels run), only when BM25 has weight, and select() then uses that one."""
+    fused = Endo(backbone=tiny, heads=tiny_heads(tiny), weights={"bm25": 0.5, "heads": 0.5})
+    prepared = fused.prepare(HAYSTACK)
+    assert "bm25" in prepared.__dict__  # the cached property, built
+    built = prepared.bm25
+    fused.select(prepared, "Who discovered radium?", 30)
+    assert prepared.bm25 is built
+    heads_only = Endo(backbone=tiny, heads=tiny_heads(tiny), weights={"heads": 1.0}).prepare(HAYSTACK)
+    assert "bm25" not in heads_only.__dict__
+
+
 def test_the_fusions_ilre_signal_is_ilres_attention_per_segment(tiny):
     """[ILRe Eq. 4-5] at l_R, per segment: the max over heads and question positions of the softmax over the
     segment's keys (GQA: query head h reads kv head h // group), then each sentence's max; held against a plain
