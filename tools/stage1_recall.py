@@ -14,6 +14,14 @@ and stage 1's recall on the same tasks under each kind of question (on a CPU the
 
     .venv/bin/python tools/stage1_recall.py ../shared/data/hotpotqa/fit300.json \
         --written qwen2.5-coder-1.5b-instruct.gguf 96
+
+--tasks TASKS.json MODEL: how hard the tasks an `endo prepare` run kept are for stage 1 (its `tasks.json`, made
+from the file's paragraphs with MODEL's tokenizer): the share whose gold BM25 ranks first, 2nd to 5th, 6th to
+10th, 11th to 20th and past 20th, for all tasks, for the pipeline's (all but the first 100, the heads') and for the
+file's real questions (their weakest gold among its pooled paragraphs).
+
+    .venv/bin/python tools/stage1_recall.py ../shared/data/hotpotqa/fit300.json \
+        --tasks docs/quality/sizes/zero_label_written_tasks_qwen1.5b.json qwen2.5-coder-1.5b-instruct.gguf
 """
 import json
 import os
@@ -107,8 +115,38 @@ def made_tasks(path: str, written: tuple[str, int] | None = None) -> None:
         print(f"made tasks judged by BM25 over {judged_by}, hard share {share}:", stage1_recall(tasks))
 
 
+def kept_tasks(path: str, tasks_path: str, model: str) -> None:
+    from endo_retrieval import Backbone
+    from endo_retrieval.calibration import zero_label
+
+    documents = [(f"q{i:03d}.txt", "\n\n".join(t + ": " + " ".join(s) for t, s in it["context"]))
+                 for i, it in enumerate(json.load(open(path)))]
+    chunks = zero_label.chunk_documents(documents, Backbone(model, device="cpu").count_tokens)
+    tasks = [zero_label.Task(**t) for t in json.load(open(tasks_path))]
+    ranks = np.array(zero_label.bm25_ranks(tasks, chunks))  # other chunks above the weakest gold
+    # the real questions of the file, the same way over its pooled paragraphs, for scale
+    from endo_retrieval.scoring.bm25 import OkapiPostings, words
+
+    titles, texts, items = hotpotqa_corpus(path, None)
+    bm25, row = OkapiPostings.build([words(t) for t in texts], True), {t: i for i, t in enumerate(titles)}
+    real = []
+    for it in items:
+        golds = sorted({row[t] for t, _ in it["supporting_facts"] if t in row})
+        if golds:
+            scores = bm25.get_scores(words(it["question"]))
+            real.append(int(np.sum(np.delete(scores, golds) > scores[golds].min())))
+    bands = {"1st": (0, 0), "2nd-5th": (1, 4), "6th-10th": (5, 9), "11th-20th": (10, 19), "past 20th": (20, 10 ** 9)}
+    for name, r in (("all tasks", ranks), ("the pipeline's", ranks[100:]), ("the file's real questions", real)):
+        r = np.asarray(r)
+        print(f"{name} ({len(r)}):", ", ".join(f"{band} {100 * np.mean((r >= a) & (r <= b)):.1f}%"
+                                                for band, (a, b) in bands.items()))
+
+
 if __name__ == "__main__":
-    if "--written" in sys.argv[2:]:
+    if "--tasks" in sys.argv[2:]:
+        at = sys.argv.index("--tasks")
+        kept_tasks(sys.argv[1], sys.argv[at + 1], sys.argv[at + 2])
+    elif "--written" in sys.argv[2:]:
         at = sys.argv.index("--written")
         made_tasks(sys.argv[1], (sys.argv[at + 1], int(sys.argv[at + 2])))
     else:
