@@ -120,12 +120,13 @@ def prepare_context(backbone, context: str, layers: Sequence[int], segment: int 
     segment = segment or backbone.max_position or 8192
     enc = backbone.encode(context)
     corpus = CorpusMap()
-    if len(enc) > segment:  # the segments are cut at sentence starts
+    if len(enc) <= segment:
+        reading = read(backbone, enc.ids, layers, cuts=[0, len(enc)], **read_options)
         corpus.add_document("context", context, enc.offsets)
-    cuts = segment_cuts(corpus.sentence_starts(), len(enc), segment) if len(corpus) else [0, len(enc)]
-    reading = read(backbone, enc.ids, layers, cuts=cuts, **read_options)
-    if not len(corpus):
+    else:  # the segments are cut at sentence starts
         corpus.add_document("context", context, enc.offsets)
+        cuts = segment_cuts(corpus.sentence_starts(), len(enc), segment)
+        reading = read(backbone, enc.ids, layers, cuts=cuts, **read_options)
     return Prepared(context, corpus, reading)
 
 
