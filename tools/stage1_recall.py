@@ -76,13 +76,18 @@ def main(path: str) -> None:
         print(name, " ".join(f"recall@{k} {100 * v:.1f}" for k, v in recall(ranked, items).items()))
 
 
+def question_documents(path: str) -> list[tuple[str, str]]:
+    """The file's paragraphs as `endo prepare` gets them: one plain document per question's ten, nothing else."""
+    return [(f"q{i:03d}.txt", "\n\n".join(t + ": " + " ".join(s) for t, s in it["context"]))
+            for i, it in enumerate(json.load(open(path)))]
+
+
 def made_tasks(path: str, written: tuple[str, int] | None = None) -> None:
     from endo_retrieval import Backbone
     from endo_retrieval.calibration import zero_label
     from endo_retrieval.scoring.bm25 import OkapiPostings, words
 
-    documents = [(f"q{i:03d}.txt", "\n\n".join(t + ": " + " ".join(s) for t, s in it["context"]))
-                 for i, it in enumerate(json.load(open(path)))]
+    documents = question_documents(path)
     chunks = zero_label.chunk_documents(documents, Backbone().count_tokens)
     made = zero_label.make_tasks(chunks, 8 * 400, 0)
     linked = zero_label.two_hop_tasks(chunks, 8 * round(zero_label.TWO_HOP_SHARE * 400), 0)
@@ -119,22 +124,21 @@ def kept_tasks(path: str, tasks_path: str, model: str) -> None:
     from endo_retrieval import Backbone
     from endo_retrieval.calibration import zero_label
 
-    documents = [(f"q{i:03d}.txt", "\n\n".join(t + ": " + " ".join(s) for t, s in it["context"]))
-                 for i, it in enumerate(json.load(open(path)))]
+    documents = question_documents(path)
     chunks = zero_label.chunk_documents(documents, Backbone(model, device="cpu").count_tokens)
     tasks = [zero_label.Task(**t) for t in json.load(open(tasks_path))]
     ranks = np.array(zero_label.bm25_ranks(tasks, chunks))  # other chunks above the weakest gold
-    # the real questions of the file, the same way over its pooled paragraphs, for scale
-    from endo_retrieval.scoring.bm25 import OkapiPostings, words
-
+    # the real questions of the file, the same way over its pooled paragraphs (as chunks), for scale
     titles, texts, items = hotpotqa_corpus(path, None)
-    bm25, row = OkapiPostings.build([words(t) for t in texts], True), {t: i for i, t in enumerate(titles)}
-    real = []
+    row = {t: i for i, t in enumerate(titles)}
+    paragraphs = [zero_label.Chunk(t, t, text) for t, text in zip(titles, texts)]
+    questions = []
     for it in items:
         golds = sorted({row[t] for t, _ in it["supporting_facts"] if t in row})
         if golds:
-            scores = bm25.get_scores(words(it["question"]))
-            real.append(int(np.sum(np.delete(scores, golds) > scores[golds].min())))
+            questions.append(zero_label.Task(it["_id"], it["question"], "", golds[0], "real",
+                                             chunk2=golds[1] if len(golds) > 1 else -1))
+    real = zero_label.bm25_ranks(questions, paragraphs)
     bands = {"1st": (0, 0), "2nd-5th": (1, 4), "6th-10th": (5, 9), "11th-20th": (10, 19), "past 20th": (20, 10 ** 9)}
     for name, r in (("all tasks", ranks), ("the pipeline's", ranks[100:]), ("the file's real questions", real)):
         r = np.asarray(r)

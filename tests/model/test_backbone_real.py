@@ -82,6 +82,7 @@ def test_int8_question_forward_stays_close_to_fp32(backbone):
         assert not torch.equal(exact[layer], fast[layer])  # the quantized maps really ran
         assert cos.min() > 0.9, (layer, cos)  # every head's queries still point the same way
 
+
 def test_short_texts_keep_their_encoding_read_only(backbone):
     """A question is tokenised for its read, its calibration and its second hop: the second time costs nothing,
     gives the one-pass encoding, and nobody can write into the shared arrays."""
