@@ -134,7 +134,7 @@ convert_models() {  # each GGUF file converted once (the cache), before processe
 }
 
 fit300_documents() {  # fit300's paragraphs as plain files, one per question's ten: no question, answer or label
-  mkdir -p /root/docs_fit300
+  mkdir /root/docs_fit300 2>/dev/null || return 0  # written once: another run may be reading them
   python3 -c "
 import json
 for i, it in enumerate(json.load(open('$hot/fit300.json'))):
