@@ -6,7 +6,7 @@ pooled paragraphs, over stems (as shipped) and over words, beside LlamaIndex's B
 
 --made: the same recall on the tasks `endo prepare` makes from the file's paragraphs (one document per question's
 ten, as plain text: no question or label read; 100 heads tasks and 300 pipeline tasks, the pipeline's counted),
-kept in the shares of stage 1's ranks real questions have (`zero_label.RANK_BANDS`) within depths 20 and 30.
+judged hard by BM25 over words or over stems, at two shares of hard tasks (`zero_label.HARD_SHARE`).
 
 --written MODEL N: the first N single-hop and N/2 two-hop tasks made as above, asked as made and as MODEL writes
 them (`endo prepare --questions-by model`; zero_label.written_tasks), none balanced: how many replies are usable,
@@ -113,9 +113,11 @@ def made_tasks(path: str, written: tuple[str, int] | None = None) -> None:
         for t in wrote[:: max(1, len(wrote) // 12)]:
             print(f"  {t.form}: {t.question}")
         return
-    for depth in (20, 30):
-        tasks = zero_label.mixed(made, linked, chunks, 400, depth=depth)[100:]
-        print(f"made tasks kept in zero_label.RANK_BANDS's shares within depth {depth}:", stage1_recall(tasks))
+    for judged_by, share in (("words", 0.5), ("stems", 0.5), ("stems", zero_label.HARD_SHARE)):
+        stage1.STEMS = judged_by == "stems"  # what `bm25_ranks` judges a task's difficulty with
+        tasks = zero_label.mixed(made, linked, chunks, 400, depth=20, hard_share=share)[100:]
+        stage1.STEMS = True
+        print(f"made tasks judged by BM25 over {judged_by}, hard share {share}:", stage1_recall(tasks))
 
 
 def kept_tasks(path: str, tasks_path: str, model: str) -> None:

@@ -36,10 +36,6 @@ METHODS = tuple(REGISTRY)  # prepare makes every one-context method ready
 # to -2.0 and -5.2 (two runs) and at sp_recall 8k from -4.5 to -1.2 and -2.4; the 0.5B's moved it within the noise
 WRITER_PARAMS = 1_000_000_000
 # sizes of the calibration per device kind: a CPU reads about a hundred times fewer tokens per second
-# `--questions-by model` writes this many tasks' questions for each it keeps: the models write most questions in
-# their evidence's words, and `zero_label.balanced` needs enough that stage 1 ranks 6th to 20th (the 1.5B model's
-# written tasks, three per kept: 2.5% ranked 6th to 10th, 1.7% 11th to 20th; real questions 18.9% and 7.8%)
-WRITTEN_PER_KEPT = 6
 SIZES = {"cpu": {"tasks": 40, "passkeys": 4, "questions": 40, "context_tokens": [1024]},
          "cuda": {"tasks": 128, "passkeys": 8, "questions": 200, "context_tokens": [4096]}}
 
@@ -132,11 +128,11 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
     t = time.perf_counter()
     documents = zero_label.read_documents(args.documents)
     share = zero_label.TWO_HOP_SHARE
-    settings = [n_tasks, n_passkeys, n_questions, lengths, args.seed, round(share, 4), zero_label.RANK_BANDS]
+    settings = [n_tasks, n_passkeys, n_questions, lengths, args.seed, round(share, 4), zero_label.HARD_SHARE]
     questions_by = args.questions_by
     if questions_by == "auto":
         questions_by = "model" if sum(p.numel() for p in bb.model.parameters()) >= WRITER_PARAMS else "rules"
-    settings += [questions_by, WRITTEN_PER_KEPT] if questions_by != "rules" else []
+    settings += [questions_by] if questions_by != "rules" else []  # earlier rules runs' states still apply
     fingerprint = f"{zero_label.fingerprint(documents)}/{settings}"
     state = {} if args.force else _state(state_path, bb.model_hash)
     if state.get("fingerprint") != fingerprint:  # other documents or sizes: nothing of an earlier run applies
@@ -149,9 +145,9 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
     else:
         made = zero_label.make_tasks(chunks, 8 * (n_tasks + n_questions), args.seed)
         linked = zero_label.two_hop_tasks(chunks, 8 * round(share * (n_tasks + n_questions)), args.seed)
-        if questions_by == "model":  # more tasks written than needed, for `mixed` to balance
-            made = made[: WRITTEN_PER_KEPT * round((1 - share) * (n_tasks + n_questions))]
-            linked = linked[: WRITTEN_PER_KEPT * round(share * (n_tasks + n_questions))]
+        if questions_by == "model":  # three times the tasks needed written, for `mixed` to balance
+            made = made[: 3 * round((1 - share) * (n_tasks + n_questions))]
+            linked = linked[: 3 * round(share * (n_tasks + n_questions))]
             asked = len(made) + len(linked)
             with tqdm(total=asked, desc="writing questions", unit="task", disable=None) as bar:
                 made = zero_label.written_tasks(made, bb.generate_many, bar)

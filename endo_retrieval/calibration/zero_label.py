@@ -20,8 +20,8 @@ second passage is reached through an entity the question does not name; single-h
 second hop (`hop2`) weight. `mixed` puts them among the others at `TWO_HOP_SHARE`.
 
 Made questions are easier for BM25 than real ones (their words come from the evidence), and weights fitted on easy
-tasks give BM25 everything; `balanced` keeps tasks in the shares of stage 1's ranks that real questions have
-(`RANK_BANDS`), within the pipeline's candidates.
+tasks give BM25 everything; `balanced` keeps as many tasks BM25 ranks below first (within the pipeline's
+candidates) as tasks it ranks first.
 
 The distractors are the chunk's other sentences, the chunks BM25 ranks highest for the question (the same
 document's other chunks among them) and random chunks, up to the haystack lengths the calibration reads; for the
@@ -433,43 +433,36 @@ def bm25_ranks(tasks: list[Task], chunks: list[Chunk]) -> list[int]:
     return out
 
 
-# Of fit300's real questions, the share whose weakest gold stage 1 ranks in each band [lo, hi) of ranks (other
-# paragraphs above it, its 2,960 paragraphs pooled; `tools/stage1_recall.py --tasks`; 6.4% lie past the 30th). The
-# kept tasks follow these shares: a share of hard tasks alone (70% not ranked first, the earlier rule) was filled
-# with ones ranked 2nd to 5th, the fits' stage 1 found 91-93% of their gold by @5 where it finds 77% of real
-# questions', and the fit could not see what a deeper or otherwise ordered read buys at @5.
-RANK_BANDS = ((0, 1, 0.264), (1, 5, 0.372), (5, 10, 0.189), (10, 20, 0.078), (20, 30, 0.034))
+# of fit300's real questions whose weakest gold BM25 finds in its first 20 (its 2,960 paragraphs pooled), the
+# share it does not rank first: 0.71. Made tasks balanced so have a stage-1 recall@2 / @5 / @10 of 58.0 / 79.5 /
+# 90.0 on the same paragraphs, against the real questions' 57.8 / 77.4 / 90.0 (at a share of 0.5: 72.2 / 87.8 /
+# 94.2; `tools/stage1_recall.py --made`)
+HARD_SHARE = 0.7
 
 
-def balanced(tasks: list[Task], chunks: list[Chunk], n: int, depth: int = 20) -> list[Task]:
-    """`n` of the tasks, in the shares `RANK_BANDS` gives each band of stage 1's rank of their weakest gold; bands
-    past `depth` (the pipeline's candidates) are left out and their tasks dropped (no stage after it could recover
-    them). Made and written questions are easier for BM25 than real ones (their words come from the evidence), and
-    weights fitted on easy tasks give BM25 everything; a band with too few tasks hands its shortfall to the next
-    easier one, and what is still missing comes from any band's surplus, in the made order."""
+def balanced(tasks: list[Task], chunks: list[Chunk], n: int, hard_share: float = HARD_SHARE, depth: int = 20
+             ) -> list[Task]:
+    """`n` of the tasks, `hard_share` of them ones BM25 does not rank first but within `depth` (the pipeline's
+    candidates), the rest ones it ranks first; tasks BM25 cannot find in `depth` are dropped (no stage after it
+    could recover them). Made tasks alone are easy for BM25 (their words come from the evidence), and weights
+    fitted on easy tasks give BM25 everything (`HARD_SHARE`: as hard as real questions)."""
     ranks = bm25_ranks(tasks, chunks)
-    bands = [(lo, min(hi, depth), share) for lo, hi, share in RANK_BANDS if lo < depth]
-    cumulative = np.cumsum([share for *_, share in bands])
-    bounds = [0] + [round(n * c / cumulative[-1]) for c in cumulative]
-    pools = [[t for t, r in zip(tasks, ranks) if lo <= r < hi] for lo, hi, _ in bands]
-    picked, short = [], 0
-    for k in reversed(range(len(bands))):  # the hardest first: their shortfall goes to easier bands
-        take = min(len(pools[k]), bounds[k + 1] - bounds[k] + short)
-        short += bounds[k + 1] - bounds[k] - take
-        picked += pools[k][:take]
-    chosen = {id(t) for t in picked}
-    picked += [t for pool in pools for t in pool if id(t) not in chosen][:short]
+    hard = [t for t, r in zip(tasks, ranks) if 0 < r < depth]
+    easy = [t for t, r in zip(tasks, ranks) if r == 0]
+    n_hard = min(len(hard), round(hard_share * n))
+    picked = hard[:n_hard] + easy[: n - n_hard]
+    picked += hard[n_hard: n_hard + n - len(picked)]  # too few easy ones: more hard ones
     order = {id(t): i for i, t in enumerate(tasks)}
     return sorted(picked, key=lambda t: order[id(t)])
 
 
 def mixed(single: list[Task], two_hop: list[Task], chunks: list[Chunk], n: int, share: float = TWO_HOP_SHARE,
-          depth: int = 20) -> list[Task]:
+          depth: int = 20, hard_share: float = HARD_SHARE) -> list[Task]:
     """`n` tasks, `share` of them two-hop (fewer when fewer were made; single-hop ones fill in), each kind balanced
-    on its own (`balanced`: as hard for stage 1 as real questions), spread evenly through the list so every leading
-    part of it (the heads' tasks, then the pipeline's) holds about the same share."""
-    two = balanced(two_hop, chunks, min(len(two_hop), round(share * n)), depth) if two_hop else []
-    one = balanced(single, chunks, n - len(two), depth)
+    on its own (`balanced`, `hard_share` of each hard), spread evenly through the list so every leading part of it
+    (the heads' tasks, then the pipeline's) holds about the same share."""
+    two = balanced(two_hop, chunks, min(len(two_hop), round(share * n)), hard_share, depth) if two_hop else []
+    one = balanced(single, chunks, n - len(two), hard_share, depth)
     placed = [((i + 0.5) / len(one), 0, t) for i, t in enumerate(one)]
     placed += [((i + 0.5) / len(two), 1, t) for i, t in enumerate(two)]
     return [t for *_, t in sorted(placed, key=lambda x: x[:2])]

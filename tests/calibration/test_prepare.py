@@ -74,7 +74,7 @@ def test_tasks_keep_their_evidence_verbatim(setup):
     assert all(q["supporting_facts"][0][0] in titles for q in questions)
 
 
-def test_balanced_tasks_follow_the_shares_of_stage_ones_ranks(monkeypatch):
+def test_balanced_tasks_are_a_share_of_ones_bm25_does_not_rank_first(monkeypatch):
     from endo_retrieval.calibration import zero_label
     from endo_retrieval.calibration.zero_label import Chunk, Task, balanced, bm25_ranks
     from endo_retrieval.index import passages
@@ -89,25 +89,13 @@ def test_balanced_tasks_follow_the_shares_of_stage_ones_ranks(monkeypatch):
     assert bm25_ranks(inflected, chunks) == [1]
     monkeypatch.setattr(passages, "STEMS", True)
 
-    ranks = [0, 5, 0, 0, 40, 2, 0, 0, 1, 0, 12, 3, 0, 25]  # BM25's rank of each task's own chunk
+    ranks = [0, 5, 0, 0, 40, 2, 0, 0, 1, 0]  # BM25's rank of each task's own chunk
     tasks = [Task(str(i), f"q{i}", "", 0, "keywords") for i in range(len(ranks))]
     monkeypatch.setattr(zero_label, "bm25_ranks", lambda ts, cs: [ranks[int(t.id)] for t in ts])
-    monkeypatch.setattr(zero_label, "RANK_BANDS", ((0, 1, 0.25), (1, 5, 0.25), (5, 20, 0.25), (20, 30, 0.25)))
-
-    def picked(n, depth, among=tasks):
-        return [int(t.id) for t in balanced(among, chunks, n, depth)]
-
-    # a quarter per band, in the made order; the one ranked past 30 never (no stage could recover it)
-    assert picked(4, 30) == [0, 1, 5, 13] and picked(8, 30) == [0, 1, 2, 5, 8, 10, 11, 13]
-    # at depth 20 the band past it is left out: thirds, and the task ranked 25th is dropped
-    assert picked(6, 20) == [0, 1, 2, 5, 8, 10] and 13 not in picked(12, 20) and len(picked(12, 20)) == 12
-    # a band short of tasks (two in 5-20) hands its shortfall to the next easier one (three in 1-5), then to the
-    # first: 2 + 3 + 4 of 9
-    assert picked(9, 20) == [0, 1, 2, 3, 5, 6, 8, 10, 11]
-    # no easy task at all: what is missing comes from the harder bands' surplus
-    assert picked(4, 30, [t for t in tasks if ranks[int(t.id)] > 0]) == [1, 5, 8, 13]
-    # at depth 3 only ranks 0-2 count (5 and 8; 11 is ranked 3rd)
-    assert picked(4, 3) == [0, 2, 5, 8]
+    picked = [int(t.id) for t in balanced(tasks, chunks, 6, hard_share=0.5, depth=20)]
+    assert picked == [0, 1, 2, 3, 5, 8]  # the three hard ones found in 20, three easy ones, in the made order
+    assert [int(t.id) for t in balanced(tasks, chunks, 4, hard_share=0.75, depth=20)] == [0, 1, 5, 8]
+    assert [int(t.id) for t in balanced(tasks, chunks, 6, hard_share=0.5, depth=3)] == [0, 2, 3, 5, 6, 8]  # 5 > 3
 
 
 def test_prepare_makes_skips_resumes_and_the_retriever_answers(setup, monkeypatch, capsys):
