@@ -433,9 +433,11 @@ def interval(value_lo_hi: tuple) -> dict:
     return dict(zip(("value", "lo", "hi"), (None if v is None else round(v, 4) for v in value_lo_hi)))
 
 
-def add_intervals(rows: list[dict], gold_counts: list[int], reference: str | None, seed: int) -> None:
+def add_intervals(rows: list[dict], gold_counts: list[int], reference: str | None, seed: int,
+                  types: list[str] | None = None) -> None:
     """Each measured row's metrics with bootstrap intervals, and its paired difference to the reference row
-    (the same seed, so every row and metric resamples the same questions)."""
+    (the same seed, so every row and metric resamples the same questions); where the questions have more than one
+    `types` (HotpotQA's "bridge" and "comparison"), the recalls of each type apart (`by_type`)."""
     from endo_bench.metrics import bootstrap_ci, paired_diff_ci
 
     values = {r["system"]: question_metrics(r["per_question"], gold_counts) for r in rows if "skipped" not in r}
@@ -446,6 +448,34 @@ def add_intervals(rows: list[dict], gold_counts: list[int], reference: str | Non
         row.update({m: interval(bootstrap_ci(mine[m], seed, RESAMPLES)) for m in METRICS})
         row["diff"] = {} if reference is None else {
             m: interval(paired_diff_ci(mine[m], values[reference][m], seed, RESAMPLES)) for m in METRICS}
+        if types is not None and len(set(types)) > 1:
+            row["by_type"] = by_type(mine, values.get(reference), types, seed)
+
+
+def by_type(mine: dict[str, np.ndarray], reference: dict[str, np.ndarray] | None, types: list[str], seed: int
+            ) -> dict[str, dict]:
+    """{type: n, recall@k with its interval and paired difference to the reference row} over the questions of
+    each type: a pipeline fitted on a mix of question types can gain on one and lose on another, which the
+    whole set's mean hides."""
+    from endo_bench.metrics import bootstrap_ci, paired_diff_ci
+
+    kinds = np.asarray(types)
+    out = {}
+    for kind in sorted(set(types)):
+        m = kinds == kind
+        out[kind] = {"n": int(m.sum())} | {
+            f"recall@{k}": interval(bootstrap_ci(mine[f"recall@{k}"][m], seed, RESAMPLES)) for k in KS}
+        if reference is not None:
+            out[kind]["diff"] = {f"recall@{k}": interval(paired_diff_ci(mine[f"recall@{k}"][m],
+                                                                        reference[f"recall@{k}"][m], seed, RESAMPLES))
+                                 for k in KS}
+    return out
+
+
+def question_types(items: list[dict]) -> list[str] | None:
+    """Each question's `type` field (HotpotQA's "bridge" / "comparison"), None where any question has none."""
+    types = [it.get("type") for it in items]
+    return None if any(not isinstance(t, str) or not t for t in types) else types
 
 
 def pick_reference(asked: str, rows: list[dict]) -> str | None:
@@ -498,7 +528,7 @@ def run(args) -> int:
         pipeline.BATCHED_READS, passages.STEMS = batched, stems
     reference = pick_reference(args.reference, rows)
     gold_counts = [len(gold_titles(it)) for it in items]
-    add_intervals(rows, gold_counts, reference, args.seed)
+    add_intervals(rows, gold_counts, reference, args.seed, question_types(items))
     result = {"schema": SCHEMA, "config": run_config(args, bb, settings, systems, reference, len(nodes), items,
                                                      gold_counts, no_gold, time.perf_counter() - wall),
               "rows": [order_keys(r) for r in rows]}
@@ -544,8 +574,8 @@ def run_config(args, bb, settings, systems, reference, n_paragraphs, items, gold
 
 def order_keys(row: dict) -> dict:
     """The row's keys in reading order, the bulky per-question lists last."""
-    head = ["system", "n", "skipped", *METRICS, "diff", "latency_ms", "forwards_per_question", "cuda_per_question",
-            "index_s", "note", "per_question"]
+    head = ["system", "n", "skipped", *METRICS, "diff", "by_type", "latency_ms", "forwards_per_question",
+            "cuda_per_question", "index_s", "note", "per_question"]
     return {k: row[k] for k in head if k in row}
 
 
@@ -602,6 +632,19 @@ def markdown(result: dict) -> str:
         lines += [f"| {r['system']} | " + (" | ".join(["reference"] * len(METRICS)) if r["system"] == cfg["reference"]
                                            else " | ".join(cell(r["diff"][m], signed=True) for m in METRICS)) + " |"
                   for r in measured]
+    typed = [r for r in measured if r.get("by_type")]
+    if typed:
+        ks = [f"recall@{k}" for k in KS]
+        lines += ["", "Recall by question type" + (f" (Δ: minus `{cfg['reference']}`, paired)" if cfg["reference"]
+                                                   else "") + ":", "",
+                  "| system | type | n | " + " | ".join(ks) + " | " + " | ".join(f"Δ {k}" for k in ks) + " |",
+                  "|" + "---|" * (3 + 2 * len(ks))]
+        for r in typed:
+            for kind, v in r["by_type"].items():
+                diffs = [cell(v["diff"][k], signed=True) if "diff" in v and r["system"] != cfg["reference"] else "–"
+                         for k in ks]
+                lines.append(f"| {r['system']} | {kind} | {v['n']} | " + " | ".join(cell(v[k]) for k in ks) + " | "
+                             + " | ".join(diffs) + " |")
     staged = [(r["system"], s, v) for r in measured for s, v in r["latency_ms"].items() if s != "query"]
     if staged:
         lines += ["", "Latency by stage:", "", "| system | stage | p50 ms | p95 ms |", "|---|---|---|---|"]

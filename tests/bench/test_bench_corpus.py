@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from endo_bench.corpus_bench import METRICS, distinct, paragraph_id, question_metrics, score_ranking
+from endo_bench.corpus_bench import (METRICS, add_intervals, by_type, distinct, paragraph_id, question_metrics,
+                                     question_types, score_ranking)
 from endo_bench.metrics import bootstrap_ci, paired_diff_ci
 
 # ---------------------------------------------------------------- bootstrap intervals
@@ -100,6 +102,24 @@ def test_question_metrics_by_hand():
         np.testing.assert_allclose(got[name], values, err_msg=name)
 
 
+def test_by_type_splits_the_questions_and_pairs_each_type_with_the_reference():
+    mine = {"recall@2": np.array([1.0, 0.0, 1.0, 0.5]), "recall@5": np.ones(4), "recall@10": np.ones(4)}
+    ref = {"recall@2": np.array([0.0, 0.0, 1.0, 1.0]), "recall@5": np.ones(4), "recall@10": np.ones(4)}
+    got = by_type(mine, ref, ["bridge", "bridge", "comparison", "comparison"], seed=0)
+    assert got["bridge"]["n"] == 2 and got["bridge"]["recall@2"]["value"] == 0.5
+    assert got["comparison"]["recall@2"]["value"] == 0.75
+    assert got["bridge"]["diff"]["recall@2"]["value"] == 0.5 and got["comparison"]["diff"]["recall@2"]["value"] == -0.25
+    assert got["bridge"]["diff"]["recall@5"] == {"value": 0.0, "lo": 0.0, "hi": 0.0}
+    assert "diff" not in by_type(mine, None, ["a", "a", "b", "b"], seed=0)["a"]
+    # one type, or a question without one: no split
+    assert question_types([{"type": "bridge"}, {"type": "bridge"}]) == ["bridge", "bridge"]
+    assert question_types([{"type": "bridge"}, {}]) is None
+    rows = [{"system": "s", "per_question": {"hits@2": [1, 0], "hits@5": [1, 1], "hits@10": [1, 1],
+                                             "first_gold_rank": [1, 3]}}]
+    add_intervals(rows, [1, 1], None, 0, ["bridge", "bridge"])
+    assert "by_type" not in rows[0]
+
+
 # ---------------------------------------------------------------- the command end to end
 
 SIGNED_CELL = r"[+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]"
@@ -125,7 +145,8 @@ def made_up_hotpotqa(path, topics=TOPICS):
     for i, (question, gold, distractor) in enumerate(topics):
         filler = [(f"Weather {i}", [f"Report {i} says it rained in the hills all week."])]
         context = [*gold, distractor, *filler]
-        items.append({"_id": f"toy{i}", "question": question, "answer": "x", "type": "bridge", "level": "hard",
+        kind = "comparison" if i == 2 else "bridge"
+        items.append({"_id": f"toy{i}", "question": question, "answer": "x", "type": kind, "level": "hard",
                       "supporting_facts": [[title, 0] for title, _ in gold],
                       "context": [[title, sentences] for title, sentences in context]})
     path.write_text(json.dumps(items))
@@ -153,6 +174,15 @@ def check_report(out, systems, reference):
         assert set(row["diff"]) == set(METRICS)
         assert all(d["lo"] <= d["value"] <= d["hi"] for d in row["diff"].values())
     assert all(d == {"value": 0.0, "lo": 0.0, "hi": 0.0} for d in rows[reference]["diff"].values())
+    types = np.array(["bridge", "bridge", "comparison", "bridge"])
+    for name, row in rows.items():  # each type's recall is the mean over its own questions
+        assert set(row["by_type"]) == {"bridge", "comparison"}
+        for kind, v in row["by_type"].items():
+            assert v["n"] == int((types == kind).sum())
+            for k in (2, 5, 10):
+                hits = np.array(row["per_question"][f"hits@{k}"]) / cfg["gold_per_question"]
+                assert v[f"recall@{k}"]["value"] == pytest.approx(hits[types == kind].mean(), abs=1e-4)
+    assert "Recall by question type" in out.with_suffix(".md").read_text()
     return result
 
 
@@ -173,6 +203,12 @@ def test_llamaindex_bm25_row_end_to_end(tmp_path, capsys):
     assert "| llamaindex-bm25 | 4 | " in table and "1.000 [1.000, 1.000]" in table
     assert "Difference to `llamaindex-bm25`" in table
     assert capsys.readouterr().out.startswith("Corpus retrieval: 15 paragraphs")
+    # an earlier result file split by type afterwards (tools/corpus_by_type.py): the figures the bench wrote
+    tool = Path(__file__).parents[2] / "tools" / "corpus_by_type.py"
+    split = subprocess.run([sys.executable, str(tool), str(tmp_path / "toy.json"), str(out)], capture_output=True,
+                           text=True, check=True).stdout
+    bridge = row["by_type"]["bridge"]["recall@2"]["value"]
+    assert f"| corpus.json | llamaindex-bm25 | {100 * bridge:.1f} (+0.0) |" in split
 
 
 def test_missing_llamaindex_bm25_is_a_skipped_row_not_a_crash(tmp_path, monkeypatch):
@@ -218,9 +254,11 @@ def test_bench_corpus_end_to_end(tmp_path, backbone):
     assert table[2].startswith("| system | n | recall@2 | recall@5 | recall@10 | all@2 |")
     assert any(line.startswith("| bm25 | 4 | ") for line in table)
     diff_table = table[table.index(next(line for line in table if line.startswith("Difference to"))):]
-    (bm25_diff,) = [line for line in diff_table if line.startswith("| bm25 | ")]
+    bm25_diff = next(line for line in diff_table if line.startswith("| bm25 | "))
     cells = bm25_diff.strip("| ").split(" | ")[1:]
     assert len(cells) == len(METRICS) and all(re.fullmatch(SIGNED_CELL, c) for c in cells), bm25_diff
+    typed = [line.strip("| ").split(" | ") for line in table if line.startswith("| bm25 | bridge | ")]
+    assert len(typed) == 1 and typed[0][2] == "3" and all(re.fullmatch(SIGNED_CELL, c) for c in typed[0][6:])
 
 
 def test_a_rows_forwards_are_counted_per_question_and_cuda_counts_only_on_cuda():
