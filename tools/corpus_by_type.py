@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
-from endo_bench.corpus_bench import KS, by_type, question_metrics  # noqa: E402
+from endo_bench.corpus_bench import KS, by_type, question_metrics, question_types  # noqa: E402
 
 
 def rows(path: str):
@@ -33,11 +33,13 @@ def main() -> None:
     ap.add_argument("--reference", help="FILE:SYSTEM (default: the first file's llamaindex-bm25 row)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    kind_of = {it["_id"]: it.get("type") for it in json.load(open(args.data))}
+    item_of = {it["_id"]: it for it in json.load(open(args.data))}
     ref_file, ref_system = (args.reference.rsplit(":", 1) if args.reference
                             else (args.results[0], "llamaindex-bm25"))
     ref_ids, ref = next((ids, m) for s, ids, m in rows(ref_file) if s == ref_system)
-    types = [kind_of[i] for i in ref_ids]
+    types = question_types([item_of[i] for i in ref_ids])  # the bench's rule: every question has a type
+    if types is None:
+        raise SystemExit(f"{args.data}: a question the runs asked has no `type`")
     head = [f"{t} recall@{k} (Δ)" for t in sorted(set(types)) for k in KS]
     print(f"reference: {ref_system} of {os.path.basename(ref_file)}\n")
     print("| file | system | " + " | ".join(head) + " |\n|" + "---|" * (2 + len(head)))
