@@ -2,8 +2,8 @@
 with one reference row, as the bench itself now reports for new runs (`corpus_bench.by_type`).
 
     .venv/bin/python tools/corpus_by_type.py ../shared/data/hotpotqa/dev300.json \
-        docs/quality/sizes/refit_corpus_dev300_qwen1.5b.json \
-        docs/quality/sizes/zero_label_near_corpus_dev300_qwen1.5b.json
+        bench/results/quality/sizes/refit_corpus_dev300_qwen1.5b.json \
+        bench/results/quality/sizes/zero_label_near_corpus_dev300_qwen1.5b.json
 
 The reference is the first file's `llamaindex-bm25` row (`--reference FILE:SYSTEM` names another); every file must
 hold the same questions in the same order as the reference's.

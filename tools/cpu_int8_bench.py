@@ -2,7 +2,7 @@
 time of that read (docs/results.md, "Trading recall for time").
 
     INT8=all python tools/cpu_int8_bench.py bench corpus --data ../shared/data/hotpotqa/dev300.json --limit 100 \
-        --systems endo,llamaindex-bm25 --out docs/perf/cpu_int8_all_dev100.json
+        --systems endo,llamaindex-bm25 --out bench/results/perf/cpu_int8_all_dev100.json
 INT8=all: every linear map of the read in int8 (`EndoPipeline(int8=True)`); INT8=mlp: only the MLP's maps (not a
 product option: the attention's projections stay fp32, to see whether the loss is theirs).
 """

@@ -164,7 +164,7 @@ refit)  # the pipeline's settings and weights fitted again on fit300 (stage 1 in
 refitbench)  # what `refit` left unmeasured when it was stopped: merge the grids' rows, install, bench
   res=/root/res/refit; for m in "$@"; do bg "refitbench_$m" refit_bench "$m"; done ;;
 zlswap)  # zero-label against labelled on the 1.5B, part by part: which of the heads and the weights loses the points
-  # carried: zl-diag/ (untracked) with zl_asis_q15.json (docs/quality/sizes/zero_label_twohop_profile_qwen1.5b.json),
+  # carried: zl-diag/ (untracked) with zl_asis_q15.json (bench/results/quality/sizes/zero_label_twohop_profile_qwen1.5b.json),
   # zl_q15.json (the same without "pipeline"), labelled_heads_q15.json (it with the shipped profile's heads, head_scores,
   # top, recall_by_count) and zl_heads_q15.json (the shipped profile with those four of the zero-label one)
   m=${1:-q15}; mkdir -p /root/docs_fit300; fit300_documents

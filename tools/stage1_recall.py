@@ -21,7 +21,7 @@ from the file's paragraphs with MODEL's tokenizer): the share whose gold BM25 ra
 file's real questions (their weakest gold among its pooled paragraphs).
 
     .venv/bin/python tools/stage1_recall.py ../shared/data/hotpotqa/fit300.json \
-        --tasks docs/quality/sizes/zero_label_written_tasks_qwen1.5b.json qwen2.5-coder-1.5b-instruct.gguf
+        --tasks bench/results/quality/sizes/zero_label_written_tasks_qwen1.5b.json qwen2.5-coder-1.5b-instruct.gguf
 """
 import json
 import os

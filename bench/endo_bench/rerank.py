@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="FILE.json; FILE.md is written beside it")
     p.add_argument("--candidates", type=int_list, action="extend", default=None,
                    help="the vector store's top-k handed to the reranker, one row each (default 20, chosen over "
-                        "10 on calib100: docs/quality/rerank_calib100.md)")
+                        "10 on calib100: bench/results/quality/rerank_calib100.md)")
     p.add_argument("--top", type=int, default=5, help="passages kept (default 5)")
     p.add_argument("--order", action="extend", nargs="+", choices=list(ORDERS), default=None,
                    help=f"the order the model reads the candidates in, one row each (default {default_order}: "

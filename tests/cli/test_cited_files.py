@@ -4,8 +4,9 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# a path under docs/ (globs allowed) or a top-level document such as README.md
-CITED = re.compile(r"\b(docs/[\w./*{},-]*[\w*}]|[A-Z][A-Z_]*\.md)\b")
+# a path under docs/ or the measurement records' tree bench/results/ (globs allowed), or a top-level document such as
+# README.md
+CITED = re.compile(r"\b((?:docs|bench/results)/[\w./*{},-]*[\w*}]|[A-Z][A-Z_]*\.md)\b")
 
 
 def cited_files(text: str) -> list[str]:
@@ -13,7 +14,7 @@ def cited_files(text: str) -> list[str]:
 
 
 def exists(cited: str) -> bool:
-    if "{" in cited:  # docs/perf/perf_{cpu,h100}.md: every alternative
+    if "{" in cited:  # bench/results/perf/perf_{cpu,h100}.json: every alternative
         head, rest = cited.split("{", 1)
         options, tail = rest.split("}", 1)
         return all(exists(head + option + tail) for option in options.split(","))
@@ -21,9 +22,11 @@ def exists(cited: str) -> bool:
 
 
 def test_the_citation_finder_sees_what_it_checks():
-    found = cited_files('help="print JSON (the contract in GUIDE.md)"  # docs/quality/x*.md, .txt/.md files')
-    assert found == ["GUIDE.md", "docs/quality/x*.md"]
-    assert not exists("GUIDE.md") and exists("README.md") and exists("docs/quality/*.md")
+    found = cited_files('help="print JSON (the contract in GUIDE.md)"  # docs/papers.md, bench/results/quality/x*.json, '
+                        '.txt/.md files')
+    assert found == ["GUIDE.md", "docs/papers.md", "bench/results/quality/x*.json"]
+    assert not exists("GUIDE.md") and exists("README.md") and exists("bench/results/quality/*.json")
+    assert not exists("docs/quality/*.json")  # the records live in bench/results/, not in docs/
 
 
 def test_every_cited_file_exists():
