@@ -109,7 +109,7 @@ class ModelWorker:
         return os.getpid()
 
     def index(self, docs: list[Document], settings: dict) -> dict[str, bytes]:
-        part = EndoIndex(self.backbone, saes=self.saes, **settings)
+        part = EndoIndex(self.backbone, saes=self.saes, first_stage="bm25", **settings)  # shards hold BM25 only
         part.add_documents(docs)
         return segments.as_files(part)
 
@@ -321,6 +321,7 @@ class Shard:
         its best `stage1.depth` as (-score, global start, passage here, what the model reads of it), best first.
         `stage1`: the reader's EndoPipeline without its model (stage 1 and `read_texts` read only its settings)."""
         top, scores = stage1.candidates(self.corpus, self.passages, question, where=where)
+        scores = scores["bm25"]
         texts = stage1.read_texts(self.corpus, self.passages, top, question)
         starts = self.passages.starts[top] + self.shift
         return list(zip((-scores).tolist(), starts.tolist(), top.tolist(), texts))

@@ -54,7 +54,8 @@ class Reader:
         """The EndoPipeline `EndoIndex.pipeline("endo", depth, read_tokens)` makes for this model, made once."""
         key = (depth, read_tokens)
         if key not in self.pipelines:
-            self.pipelines[key] = EndoPipeline(self.backbone, depth=depth, read_tokens=read_tokens)
+            # the shards hold BM25 only: the dense stage is not sharded (yet), so the Ray reader reads BM25's candidates
+            self.pipelines[key] = EndoPipeline(self.backbone, depth=depth, read_tokens=read_tokens, first_stage="bm25")
         return self.pipelines[key]
 
     def settings(self, depth: int | None = None, read_tokens: int | None = None):
@@ -78,7 +79,7 @@ class Reader:
         t1 = time.perf_counter()
         _, signals, ms, _ = given_stage_one(pipeline, -np.array([c[0] for c in top]), [c[3] for c in top]
                                             ).first_hop(None, None, question)
-        ms["bm25"] = 1000 * (t1 - t0)  # the shards' round trip
+        ms["first_stage"] = 1000 * (t1 - t0)  # the shards' round trip
         # as `EndoPipeline.search` ranks: fused stage scores, ties in stage 1's order
         fused = fuse(signals, pipeline.weights)
         rank = np.lexsort((np.arange(len(top)), -fused))[:k]
@@ -104,7 +105,7 @@ def given_stage_one(pipeline, bm25: np.ndarray, texts: list[str]):
     """A copy of `pipeline` whose stage 1 is given (the candidates' BM25 scores, best first, and what the model reads
     of each): its `first_hop` then reads and scores them exactly as on one process, whatever its read does."""
     given = copy.copy(pipeline)
-    given.candidates = lambda *_, **__: (np.arange(len(bm25)), bm25)
+    given.candidates = lambda *_, **__: (np.arange(len(bm25)), {"bm25": bm25})
     given.read_texts = lambda corpus, passages, top, question: [texts[i] for i in top]
     return given
 

@@ -30,7 +30,8 @@ from endo_retrieval.corpus import CorpusMap, split_sentences
 from endo_retrieval.files import atomic_write, read_folder, replacing_folder, writer_lock
 from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
                                            IndexVersionError, sorted_postings)
-from endo_retrieval.index.passages import Passages
+from endo_retrieval.index.dense import DEFAULT_EMBEDDER, DenseVectors, EmbedderError
+from endo_retrieval.index.passages import PASSAGE_TOKENS, Passages, passage_cuts
 from endo_retrieval.index.indexing import (HandOff, ahead, index_streams, progress_bar, recorded_event, to_host,
                                            whole_chunks)
 from endo_retrieval.index.rwlock import ReadWriteLock, locked
@@ -74,11 +75,12 @@ class IndexStore:
     # set by the layer above (EndoIndex): the method names an index may be built for, and those that read the SAE
     # feature postings, so only an index built for one of them streams its documents through the SAEs
     method_names: ClassVar[tuple[str, ...]] = ()
+    generation = 0  # the committed generation of the folder this index was loaded from or last saved to (0: none)
     feature_methods: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, backbone: Backbone | None, method: str, saes=None,
                  chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None,
-                 int8_queries: bool | None = None):
+                 int8_queries: bool | None = None, first_stage: str = "bm25", embedder: str | None = None):
         self.backbone = Backbone.of(backbone)  # None: the default model; a folder or GGUF path: that model
         on_cpu = self.backbone.device.type == "cpu"
         if int8_queries and not on_cpu:
@@ -95,6 +97,14 @@ class IndexStore:
         self.index = FeatureIndex(self.saes.layers, self.saes.card["d_latent"], stop_freq=stop_freq,
                                   meta={"model_hash": self.backbone.model_hash})
         self.corpus = CorpusMap()
+        if first_stage not in FIRST_STAGES:
+            raise ValueError(f"Unknown first stage {first_stage!r}; use one of {', '.join(FIRST_STAGES)}.")
+        # the passages' embeddings (dense.py), kept where a first stage reads them
+        self.dense = None if first_stage == "bm25" else DenseVectors(embedder or DEFAULT_EMBEDDER,
+                                                                     _embed_device(self.backbone))
+        if self.dense is not None:
+            from endo_retrieval.index.dense import load_embedder
+            load_embedder(self.dense.embedder, self.dense.device)  # a name that cannot load fails before any work
         self._rw = ReadWriteLock()  # queries share the index, an add or remove has it alone
 
     @property
@@ -104,14 +114,16 @@ class IndexStore:
 
     # ---- phase 1: streaming semantic indexing [S3 Eq. 4-5] ------------------------------------------------------
     @locked("write")
-    def add_documents(self, docs: Iterable[Document | str], progress: bool | None = None) -> list[str]:
+    def add_documents(self, docs: Iterable[Document | str], progress: bool | None = None,
+                      replace: bool = False) -> list[str]:
         """Index documents one after another; returns their ids. A bad document raises before anything is added.
-        `progress`: a progress bar (None: when standard error is a terminal)."""
+        `progress`: a progress bar (None: when standard error is a terminal). `replace`: a document whose id is
+        indexed already replaces that one (the old version goes once the new one is indexed), instead of an error."""
         docs = [d if isinstance(d, Document) else Document(f"doc-{len(self.corpus) + i}", d)
                 for i, d in enumerate(docs)]
         if not docs:
             raise ValueError("No documents given; pass at least one Document or text.")
-        seen = set(self.doc_ids)
+        seen = set() if replace else set(self.doc_ids)
         checked = []
         for d in docs:  # validate all first, so a bad document leaves the index untouched
             if d.doc_id in seen:
@@ -151,16 +163,51 @@ class IndexStore:
                     list(stream)
                 else:
                     self._index_tokens(stream, start)
+                if d.doc_id in self.corpus:  # replace: the new version is indexed, the old one can go
+                    self.remove_document(d.doc_id)
                 self.corpus.add_document(d.doc_id, text, np.concatenate([p.offsets for p in pieces]), d.metadata,
                                          sentence_chars=np.concatenate(sentences))
             except BaseException:  # a document half indexed (NaN keys, out of memory, Ctrl-C) leaves no trace
                 stream.close()  # stops the tokenising thread now, not when the traceback is freed
-                if d.doc_id in self.corpus:
+                if d.doc_id in self.corpus and self.corpus.doc(d.doc_id).start == start:  # not an old version
                     self.corpus.remove_document(d.doc_id)
                 self.index.remove_range(start, start + sum(len(p) for p in pieces))
                 raise
         bar.close()
+        if self.dense is not None:
+            try:
+                self._embed([d.doc_id for d in docs], progress)
+            except BaseException:  # no document without its vectors: the whole add is undone
+                for d in docs:
+                    start, end = self.corpus.remove_document(d.doc_id)
+                    self.index.remove_range(start, end)
+                raise
         return [d.doc_id for d in docs]
+
+    def _embed(self, doc_ids: list[str], progress: bool | None = None) -> None:
+        """The dense stage's vectors of these documents' passages (the runs `Passages.build` cuts)."""
+        texts = []
+        for doc_id in doc_ids:
+            doc = self.corpus.doc(doc_id)
+            cuts = passage_cuts(doc.sentence_starts, doc.end, PASSAGE_TOKENS)
+            texts.append([self.corpus.span_text(a, b)[3] for a, b in zip(cuts[:-1], cuts[1:])])
+        self.dense.add(doc_ids, texts, sys.stderr.isatty() if progress is None else progress)
+
+    @locked("write")
+    def add_embeddings(self, embedder: str | None = None, progress: bool | None = None) -> int:
+        """Give an index without a dense stage (built with first_stage='bm25') its passages' embeddings, or embed
+        the documents that lack them; returns how many documents were embedded. Save the index to keep them."""
+        if self.dense is None:
+            self.dense = DenseVectors(embedder or DEFAULT_EMBEDDER, _embed_device(self.backbone))
+        elif embedder is not None and embedder != self.dense.embedder:
+            raise EmbedderError(f"This index's passages were embedded with {self.dense.embedder!r}, not {embedder!r}; "
+                                "build a new index to change the embedder.")
+        missing = self.dense.missing(self.doc_ids)
+        if missing:
+            self._embed(missing, progress)
+        self._passages = None  # the corpus is the same; its passages now carry vectors
+        self.__dict__.pop("_pipelines", None)  # the default first stage changes with them
+        return len(missing)
 
     def _index_tokens(self, pieces: Iterable[Encoding], start: int) -> None:
         """Stream the document's tokens as its pieces arrive, encode each chunk's keys [S3 Eq. 4] and append postings
@@ -225,6 +272,8 @@ class IndexStore:
     def remove_document(self, doc_id: str) -> None:
         start, end = self.corpus.remove_document(doc_id)
         self.index.remove_range(start, end)
+        if self.dense is not None:
+            self.dense.remove(doc_id)
 
     def __len__(self) -> int:
         return len(self.corpus)
@@ -267,8 +316,19 @@ class IndexStore:
 
     @locked("read")
     def passages(self):
-        """The corpus's candidate passages with BM25 over them (passages.py), built once per corpus state."""
-        return self._of_corpus_state("_passages", Passages.build)
+        """The corpus's candidate passages with BM25 over them (passages.py) and, where the index keeps them, their
+        embeddings for the dense stage; built once per corpus state."""
+        def build(corpus):
+            passages = Passages.build(corpus)
+            if self.dense is not None and not self.dense.missing(self.doc_ids):
+                passages.dense = self.dense
+                passages.vectors = self.dense.matrix(self.doc_ids)
+                if len(passages.vectors) != len(passages):
+                    raise IndexCorruptError(f"The index holds {len(passages.vectors)} passage embeddings for "
+                                            f"{len(passages)} passages; rebuild it.")
+            return passages
+
+        return self._of_corpus_state("_passages", build)
 
     # ---- persistence ---------------------------------------------------------------------------------------
     @locked("read")
@@ -276,39 +336,45 @@ class IndexStore:
         """Write the index atomically: a new folder beside `directory` is filled, then swapped in (files.py), by one
         writer at a time (IndexBusyError for another). A crash leaves the old index or the new one."""
         directory = Path(directory)
-        header = json.dumps({"format": FORMAT, "version": VERSION, "model": self.backbone.model_id,
-                             "model_hash": self.backbone.model_hash, "method": self.method,
-                             "chunk_size": self.chunk_size, "sae_layers": self.saes.layers, "prune": self.prune},
-                            indent=1)
+        header = {"format": FORMAT, "version": VERSION, "model": self.backbone.model_id,
+                  "model_hash": self.backbone.model_hash, "method": self.method,
+                  "chunk_size": self.chunk_size, "sae_layers": self.saes.layers, "prune": self.prune}
         with writer_lock(directory):
             if directory.is_dir() and any(directory.iterdir()) and not (directory / HEADER).exists():
                 raise ValueError(f"{directory} exists and holds no endo index (no {HEADER}); refusing to replace "
                                  "it. Pass a new folder, or delete that one first.")
+            # one more than the folder's own, so a rebuild or another process's index continues its count
+            header["generation"] = max(self.generation, committed_generation(directory)) + 1
             with replacing_folder(directory) as tmp:
                 self.index.save(tmp / "features")
                 self.corpus.save(tmp / "corpus.npz")
-                atomic_write(tmp / HEADER, lambda p: p.write_text(header))
+                if self.dense is not None:
+                    self.dense.save(tmp, self.doc_ids)
+                atomic_write(tmp / HEADER, lambda p: p.write_text(json.dumps(header, indent=1)))
+            self.generation = header["generation"]
         return directory
 
     @classmethod
     def load(cls, directory: str | os.PathLike, backbone: Backbone | None = None, saes=None,
-             int8_queries: bool | None = None) -> "IndexStore":
+             int8_queries: bool | None = None, embedder: str | None = None) -> "IndexStore":
         """The index saved in `directory`, read as one state even while a writer replaces it. Every failure is an
-        IndexCorruptError (a ValueError) whose message says what to do."""
+        IndexCorruptError (a ValueError) whose message says what to do. `embedder`: refuse the index unless its
+        passages were embedded with this one (None: whichever it holds)."""
         directory = Path(directory)
 
         def read(open_file):
             with open_file(HEADER) as f:
                 meta = _check_header(f.read(), directory / HEADER, cls.method_names)
             if "segments" in meta:
-                return meta, None, None
+                return meta, None, None, None
             with open_file(f"features/{INDEX_FILE}") as f:
                 index = FeatureIndex.read(f, directory / "features" / INDEX_FILE)
             with open_file("corpus.npz") as f:
-                return meta, index, CorpusMap.read(f, directory / "corpus.npz")
+                corpus = CorpusMap.read(f, directory / "corpus.npz")
+            return meta, index, corpus, DenseVectors.read(open_file, directory)
 
         try:
-            meta, index, corpus = read_folder(directory, read)
+            meta, index, corpus, dense = read_folder(directory, read)
         except FileNotFoundError as err:
             if err.filename not in (None, HEADER, str(directory)):
                 raise IndexCorruptError(f"the index in {directory} is damaged: {err.filename} is missing; delete "
@@ -337,8 +403,26 @@ class IndexStore:
         if index.positions_span > corpus.n_positions:
             raise IndexCorruptError(f"the index in {directory} is damaged (postings past the corpus map's "
                                     f"{corpus.n_positions} positions); delete the folder and rebuild the index.")
-        self.index, self.corpus = index, corpus
+        if dense is not None:
+            if embedder is not None and embedder != dense.embedder:
+                raise EmbedderError(f"The index in {directory} embedded its passages with {dense.embedder!r}, not "
+                                    f"{embedder!r}; query it with {dense.embedder!r} (or embedder=None), or rebuild "
+                                    f"it with {embedder!r}.")
+            if dense.missing(d.doc_id for d in corpus.documents()):
+                raise IndexCorruptError(f"the index in {directory} is damaged (documents without passage "
+                                        "embeddings); delete the folder and rebuild the index.")
+            dense.device = _embed_device(backbone)
+        self.index, self.corpus, self.dense = index, corpus, dense
+        self.generation = meta.get("generation", 0)  # 0: saved before generations were counted
         return self
+
+
+FIRST_STAGES = ("hybrid", "bm25", "dense")  # the pipeline's candidates: BM25 and dense fused, or either alone
+
+
+def _embed_device(backbone: Backbone) -> str:
+    """Where the dense stage's encoder runs: beside the model."""
+    return str(backbone.device)
 
 
 def _model_saes(backbone: Backbone, needed: bool):
@@ -372,11 +456,26 @@ def _check_header(raw: bytes, path: Path, method_names: tuple[str, ...]) -> dict
     prune = meta.get("prune")
     checks = {"method": meta["method"] in method_names, "chunk_size": 0 < meta["chunk_size"] < 1 << 31,
               "sae_layers": all(type(l) is int and 0 <= l < 1 << 16 for l in meta["sae_layers"]),
-              "prune": prune is None or (type(prune) in (int, float) and 0 < prune <= 1)}
+              "prune": prune is None or (type(prune) in (int, float) and 0 < prune <= 1),
+              "generation": type(meta.get("generation", 0)) is int and 0 <= meta.get("generation", 0) < 1 << 62}
     for key, ok in checks.items():
         if not ok:
             raise IndexCorruptError(damaged.format(f"{key!r} is {meta.get(key)!r}"))
     return meta
+
+
+def committed_generation(directory: str | os.PathLike) -> int:
+    """The generation in the header of the index saved in `directory`: 0 where there is none, or where it cannot be
+    read (a save then replaces what is there)."""
+    def read(open_file):
+        with open_file(HEADER) as f:
+            return json.loads(f.read().decode("utf-8")).get("generation", 0)
+
+    try:
+        generation = read_folder(directory, read)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return generation if type(generation) is int and generation >= 0 else 0
 
 
 def unicode_text(text: str, what: str = "text") -> str:

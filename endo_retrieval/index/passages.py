@@ -25,6 +25,8 @@ class Passages:
     ends: np.ndarray
     sentences: np.ndarray  # sorted global sentence starts (every passage start is one)
     bm25: OkapiPostings
+    vectors: np.ndarray | None = None  # the dense stage's embedding of each passage (IndexStore.passages)
+    dense: object = None  # the DenseVectors that made them, which embeds a question the same way
 
     @classmethod
     def build(cls, corpus: CorpusMap, max_tokens: int = PASSAGE_TOKENS, stem: bool | None = None) -> "Passages":

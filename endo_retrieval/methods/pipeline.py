@@ -1,17 +1,20 @@
-"""`endo`, the default pipeline over a corpus: BM25 finds candidates, the model reads them, its retrieval heads rank
-them.
+"""`endo`, the default pipeline over a corpus: BM25 and a dense embedder find candidates, the model reads them, its
+retrieval heads rank them.
 
-Stage 1, cheap and over everything: BM25 over passages (a document as the user gave it, or a run of whole sentences
-of at most PASSAGE_TOKENS of a longer one) keeps the best `depth`.
+Stage 1, cheap and over everything: passages (a document as the user gave it, or a run of whole sentences of at most
+PASSAGE_TOKENS of a longer one) ranked by BM25 and by the cosine of their embedding with the question's (dense.py),
+the two rankings fused by weighted reciprocal-rank fusion, `dense_share` the dense ranking's weight (`first_stage`
+"hybrid"; "bm25" or "dense" is one ranking alone); the best `depth` go on. BM25 finds the passages that share the
+question's rare words, the embedder those that say it in other words.
 Stage 2: the model reads the candidates as one context, each cut to its best `read_tokens` (its first sentence,
 which names what the passage is about, then the sentences that share the most question words), in the order chosen
 on labelled data (best last: nearest the question), then the question; a candidate scores each calibrated
 retrieval head's attention at its strongest token, summed over the heads (QRHead, calibrated as In-Context
 Re-ranking does: `methods.heads.passage_signals`). A second hop re-reads the best first-hop candidates before the
 question, for bridge questions whose second passage shares no word with the question.
-The final score is the weighted sum of the stage scores, each standardised over the candidates, with weights fitted
-on labelled data (`endo calibrate-pipeline`); the fit's grid holds BM25 alone, so on the data it was fitted on the
-pipeline does not fall below its first stage.
+The final score is the weighted sum of the stage scores (BM25's, the cosine, the heads'), each standardised over the
+candidates, with weights fitted on labelled data (`endo calibrate-pipeline`) per first stage; the fit's grid holds
+the first stage's scores alone, so on the data it was fitted on the pipeline does not fall below them.
 
 `endo-2hop` (opt-in, `two_hop=True`) adds a second hop that retrieves: the hop above only re-ranks what BM25 found,
 so a passage sharing no word with the question stays out of reach however well the model reads. From the tokens
@@ -32,10 +35,18 @@ from endo_retrieval.index.passages import Passages, best_part, part_text
 from endo_retrieval.methods.heads import bridge_terms, profile_heads, read_passages
 from endo_retrieval.model.profiles import heads_profile
 from endo_retrieval.scoring.bm25 import OkapiPostings, words
-from endo_retrieval.scoring.fusion import fuse, rrf, standardise
+from endo_retrieval.scoring.fusion import RRF_K, fuse, rrf, standardise
 
 # the pipeline's settings where the model's profile has none (the shipped profile holds the values fitted on data)
 DEFAULTS = {"depth": 20, "read_tokens": 128, "best_last": True, "weights": {"bm25": 0.5, "heads": 0.5}}
+# a first stage's own settings where the profile's `first_stages` entry has none: the dense ranking's share of the
+# fusion, and the final weights (the profile's BM25 weights split between BM25 and the cosine where not fitted)
+FIRST_STAGES = ("hybrid", "bm25", "dense")
+DENSE_SHARE = {"hybrid": 0.5, "bm25": 0.0, "dense": 1.0}
+STAGE_SCORES = ("bm25", "dense", "heads", "hop2")
+# ranks past this many times `depth` in both rankings cannot reach the fused top `depth` (their reciprocal ranks are
+# below those of the candidates kept): only those are ranked, not the whole corpus
+RRF_POOL = 4
 # `endo-2hop`'s settings where the profile has no `pipeline2hop` section (not fitted yet): first-hop passages the
 # bridge is taken from and read again (`anchors`), bridge terms taken from each (`terms`), the next first-hop
 # passages read again beside them as a reference (`refs`), new passages read (`depth2`), and the weight of "reached
@@ -85,6 +96,30 @@ def bridge_reach(bm25: OkapiPostings):
     return leads
 
 
+def fused_top(bm25: np.ndarray, dense: np.ndarray | None, share: float, n: int, keep: np.ndarray | None = None
+              ) -> np.ndarray:
+    """The `n` best passages by weighted reciprocal-rank fusion, (1 - share) / (RRF_K + BM25 rank) + share /
+    (RRF_K + dense rank), best first (ties: corpus order); share 0 or 1 is one ranking alone. `keep`: a mask of the
+    passages allowed. Only each ranking's best RRF_POOL * n are ranked, which holds the fused top n."""
+    allowed = np.arange(len(bm25)) if keep is None else np.flatnonzero(keep)
+    rankings = [(1.0 - share, bm25), (share, dense)] if dense is not None else [(1.0, bm25)]
+    rankings = [(w, s[allowed]) for w, s in rankings if w > 0]
+    if len(rankings) == 1:
+        return allowed[np.argsort(-rankings[0][1], kind="stable")[:n]]
+    pool = min(len(allowed), RRF_POOL * n)
+    fused = np.zeros(len(allowed))
+    inside = np.zeros(len(allowed), bool)
+    for w, s in rankings:
+        best = np.argpartition(-s, pool - 1)[:pool] if pool < len(s) else np.arange(len(s))
+        best = best[np.lexsort((best, -s[best]))]  # by score, ties by corpus order
+        rank = np.full(len(s), pool, np.float64)  # past the pool: no better than its last
+        rank[best] = np.arange(len(best))
+        fused += w / (RRF_K + rank)
+        inside[best] = True
+    ids = np.flatnonzero(inside)
+    return allowed[ids[np.lexsort((ids, -fused[ids]))][:n]]
+
+
 @dataclass
 class EndoPipeline:
     """The `endo` ranking of a corpus's passages for a question (see the module docstring). Settings left None come
@@ -94,12 +129,18 @@ class EndoPipeline:
     depth: int | None = None  # candidates stage 1 hands to the model
     read_tokens: int | None = None  # tokens the model reads of each candidate
     best_last: bool | None = None  # the model reads the candidates best last (nearest the question)
-    weights: dict[str, float] | None = None  # stage score -> weight: "bm25", "heads", "hop2"
+    weights: dict[str, float] | None = None  # stage score -> weight: "bm25", "dense", "heads", "hop2"
+    # "hybrid": BM25 and the dense embedder fused; "bm25" / "dense": one alone. None: the profile's `first_stage`,
+    # else "bm25" where the profile holds a pipeline fitted before the dense stage, else "hybrid"
+    first_stage: str | None = None
+    dense_share: float | None = None  # the dense ranking's weight in stage 1's fusion (None: the fitted one)
     # the model's linear maps in int8 (CPU only): the read takes about half the time, but on dev300's first 100
     # questions recall@5 fell from 80.5 (fp32, as bf16 on a GPU) to 75.5, so it is off unless asked for
     int8: bool = False
     heads: list | None = None
-    two_hop: bool = False  # `endo-2hop`: a second hop that asks the index again with the bridge (`second_hop`)
+    # a second hop that asks the index again with the bridge (`second_hop`); None: where the first stage's fit
+    # turned it on (`first_stages` entry `two_hop`), `endo-2hop` asks for it always
+    two_hop: bool | None = None
     two_hop_settings: dict | None = None  # TWO_HOP_DEFAULTS' keys; None: the profile's `pipeline2hop`, else those
     # the question parts read together: two forwards per question (the read with the question and the content-free
     # question behind it, then the second hop's two), where one part at a time takes five; the same scores
@@ -109,7 +150,22 @@ class EndoPipeline:
     def __post_init__(self):
         self.heads = [tuple(map(int, h)) for h in (self.heads or profile_heads(self.backbone))]
         self.batched_reads = BATCHED_READS if self.batched_reads is None else self.batched_reads
-        fitted = fitted_setting((heads_profile(self.backbone) or {}).get("pipeline") or {}, self.backbone.device.type)
+        pipeline = (heads_profile(self.backbone) or {}).get("pipeline") or {}
+        self.first_stage = self.first_stage or pipeline.get("first_stage") or ("bm25" if pipeline else "hybrid")
+        if self.first_stage not in FIRST_STAGES:
+            raise ValueError(f"Unknown first stage {self.first_stage!r}; use one of {', '.join(FIRST_STAGES)}.")
+        fitted = fitted_setting(pipeline, self.backbone.device.type)
+        # a first stage fitted on its own (`first_stages`): its weights and share; depth and reading as fitted
+        stage = (pipeline.get("first_stages") or {}).get(self.first_stage) or {}
+        if self.dense_share is None:
+            self.dense_share = float(stage.get("dense_share", DENSE_SHARE[self.first_stage]))
+        if self.two_hop is None:
+            self.two_hop = bool(stage.get("two_hop", False))
+        if self.weights is None and stage.get("weights"):
+            self.weights = dict(stage["weights"])
+        if self.weights is None and self.first_stage != "bm25" and "weights" in fitted:
+            bm25 = fitted["weights"].get("bm25", 0.0)
+            self.weights = dict(fitted["weights"]) | {"bm25": bm25 / 2, "dense": bm25 / 2}
         for name in ("depth", "read_tokens", "best_last"):
             if getattr(self, name) is None:
                 setattr(self, name, fitted.get(name, DEFAULTS[name]))
@@ -124,9 +180,12 @@ class EndoPipeline:
             raise ValueError(f"depth must be a whole number of candidates >= 1, got {self.depth!r}.")
         if not (isinstance(self.read_tokens, int) and self.read_tokens >= 8):
             raise ValueError(f"read_tokens must be a whole number of tokens >= 8, got {self.read_tokens!r}.")
-        unknown = set(self.weights) - {"bm25", "heads", "hop2"}
+        unknown = set(self.weights) - set(STAGE_SCORES)
         if unknown:
-            raise ValueError(f"Unknown stage score(s) {sorted(unknown)}; the pipeline weighs bm25, heads and hop2.")
+            raise ValueError(f"Unknown stage score(s) {sorted(unknown)}; the pipeline weighs "
+                             f"{', '.join(STAGE_SCORES)}.")
+        if not 0.0 <= self.dense_share <= 1.0:
+            raise ValueError(f"dense_share must be a share in [0, 1], got {self.dense_share!r}.")
         given = self.two_hop_settings or (heads_profile(self.backbone) or {}).get("pipeline2hop") or {}
         unknown = set(given) - set(TWO_HOP_DEFAULTS) - {"fit"}
         if unknown:
@@ -134,17 +193,28 @@ class EndoPipeline:
         self.two_hop_settings = {name: given.get(name, default) for name, default in TWO_HOP_DEFAULTS.items()}
 
     def candidates(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None,
-                   where=None) -> tuple[np.ndarray, np.ndarray]:
-        """Stage 1: (passage indices, BM25 scores) of the best `depth` passages, best first (ties: corpus order);
-        `where(metadata)`: only passages of the documents it accepts."""
+                   where=None, first_stage: str | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Stage 1: (passage indices of the best `depth`, best first (ties: corpus order), {"bm25": their BM25
+        scores, "dense": their cosine with the question where the dense stage ran}); `where(metadata)`: only
+        passages of the documents it accepts."""
+        stage = first_stage or self.first_stage
         query = words(question)
-        scores = passages.bm25.get_scores(query) if query else np.zeros(len(passages))
-        order = np.argsort(-scores, kind="stable")
+        scores = {"bm25": passages.bm25.get_scores(query) if query else np.zeros(len(passages))}
+        if stage != "bm25":
+            if getattr(passages, "vectors", None) is None:
+                raise ValueError(f"first_stage={stage!r} needs the passages' embeddings, which this index does not "
+                                 "hold (it was built with first_stage='bm25'): call index.add_embeddings() and save "
+                                 "it, or rebuild it; first_stage='bm25' searches it as it is.")
+            scores["dense"] = np.asarray(passages.vectors @ passages.dense.query(question), np.float64)
+        n = depth or self.depth
         if where is not None:  # a document's passages stay when `where` accepts its metadata (index -1: none)
             accepted = np.array([bool(where(d.metadata)) for d in corpus.documents()] + [False])
-            order = order[accepted[corpus.locate(passages.starts[order])[0]]]
-        top = order[: depth or self.depth]
-        return top, scores[top]
+            keep = accepted[corpus.locate(passages.starts)[0]]
+        else:
+            keep = None
+        share = {"bm25": 0.0, "dense": 1.0}.get(stage, self.dense_share)
+        top = fused_top(scores["bm25"], scores.get("dense"), share, n, keep)
+        return top, {name: s[top] for name, s in scores.items()}
 
     def read_texts(self, corpus: CorpusMap, passages: Passages, top: np.ndarray, question: str) -> list[str]:
         """What the model reads of each candidate (`best_part`), pieces of one passage joined by ' ... '."""
@@ -161,21 +231,21 @@ class EndoPipeline:
     def first_hop(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None, where=None):
         """`stage_scores` and the read it came from: (top, signals, ms, (PassageReading, read order))."""
         t0 = time.perf_counter()
-        top, bm25 = self.candidates(corpus, passages, question, depth, where)
+        top, first = self.candidates(corpus, passages, question, depth, where)
         t1 = time.perf_counter()
         texts = self.read_texts(corpus, passages, top, question)
         order = np.arange(len(top))[::-1] if self.best_last else np.arange(len(top))
-        signals, reading = {"bm25": bm25}, None
-        if len(top):
+        signals, reading = dict(first), None
+        if len(top):  # stage 1's order is what the second read's evidence is chosen by, beside the heads
             reading = read_passages(self.backbone, [texts[i] for i in order], question, self.heads,
                                     second_hop=bool(self.weights.get("hop2")), int8=self.int8,
-                                    first_stage=bm25[order], batched=self.batched_reads)
+                                    first_stage=-order.astype(np.float64), batched=self.batched_reads)
             for name, s in reading.signals.items():
                 signals[name] = np.empty(len(top))
                 signals[name][order] = s
         t2 = time.perf_counter()
         # "heads": the model's whole part; its stages (`PassageReading.ms`) beside it
-        ms = {"bm25": 1000 * (t1 - t0), "heads": 1000 * (t2 - t1)} | (reading.ms if reading else {})
+        ms = {"first_stage": 1000 * (t1 - t0), "heads": 1000 * (t2 - t1)} | (reading.ms if reading else {})
         return top, signals, ms, (reading, order)
 
     def bridge(self, reading, order: np.ndarray, best: np.ndarray, question: str, leads=None
@@ -235,8 +305,9 @@ class EndoPipeline:
         if not terms:
             return none
         asked = " ".join(t for t, _ in terms)
-        alone, alone_scores = self.candidates(corpus, passages, asked, len(passages), where)
-        with_question, _ = self.candidates(corpus, passages, f"{question} {asked}", len(passages), where)
+        alone, alone_scores = self.candidates(corpus, passages, asked, len(passages), where, "bm25")
+        alone_scores = alone_scores["bm25"]
+        with_question, _ = self.candidates(corpus, passages, f"{question} {asked}", len(passages), where, "bm25")
         holds = set(alone[alone_scores > 0].tolist())
         fusion = dict(zip(alone.tolist(), rrf(-np.arange(len(alone), dtype=float))))
         for i, r in zip(with_question.tolist(), rrf(-np.arange(len(with_question), dtype=float))):

@@ -33,9 +33,15 @@ class EndoIndex(IndexStore):
 
     def __init__(self, backbone: Backbone | None = None, method: str = DEFAULT_METHOD, saes=None,
                  chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None,
-                 int8_queries: bool | None = None):
+                 int8_queries: bool | None = None, first_stage: str | None = None, embedder: str | None = None):
+        """`first_stage`: the pipeline's candidates, "hybrid" (BM25 and the dense `embedder` fused), "bm25" or
+        "dense". None: "hybrid" for the `endo` pipelines, whose index then keeps each passage's embedding (computed
+        as documents are added), and "bm25" for the other methods, which read no candidates. `embedder`: a
+        sentence-transformers name or folder (default all-MiniLM-L6-v2, bundled), recorded in the index."""
+        if first_stage is None:
+            first_stage = "hybrid" if METHODS[check_search_method(method)].passages else "bm25"
         super().__init__(backbone, method, saes=saes, chunk_size=chunk_size, stop_freq=stop_freq, prune=prune,
-                         int8_queries=int8_queries)
+                         int8_queries=int8_queries, first_stage=first_stage, embedder=embedder)
 
     # ---- phase 3: selection and fusion [S3 Eq. 8], by the method's own selection (s3.py) ------------------------
     def signal_scores(self, question: str, method: str | None = None) -> dict[str, np.ndarray]:
@@ -83,7 +89,7 @@ class EndoIndex(IndexStore):
     @locked("read")
     def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None,
                where: Callable[[dict], bool] | None = None, depth: int | None = None,
-               read_tokens: int | None = None) -> list[Span]:
+               read_tokens: int | None = None, first_stage: str | None = None) -> list[Span]:
         """The k best evidence spans, best first (by score, higher is better). `endo` returns whole passages
         (under `budget` tokens in all when given, each cut to its best part); the other methods sentence spans
         under `budget` tokens (default 128 per span). `where(metadata)`: only documents it accepts can come back
@@ -91,7 +97,8 @@ class EndoIndex(IndexStore):
         A question longer than MAX_QUESTION_CHARS (methods/base.py) is cut to that length, with a warning.
         `depth` (candidates the model reads) and `read_tokens` (tokens read of each) trade the pipeline's recall for
         its time; None: the model profile's fitted values (docs/results.md, "How the pipeline's settings were
-        chosen", has the recall of each)."""
+        chosen", has the recall of each). `first_stage`: the pipeline's candidates ("hybrid", "bm25", "dense"; None:
+        the model's fitted one where the index holds embeddings, else "bm25")."""
         question = capped_question(question)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
@@ -101,17 +108,21 @@ class EndoIndex(IndexStore):
                 raise ValueError("The index is empty; add documents first.")
             if budget is not None:
                 check_budget(budget)
-            return self.pipeline(method, depth, read_tokens).search(
+            return self.pipeline(method, depth, read_tokens, first_stage).search(
                 self.corpus, self.passages(), unicode_text(as_text(question)), k, budget, where=where)
         spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
         return sorted(spans, key=lambda s: -s.score)[:k]
 
-    def pipeline(self, method: str = "endo", depth: int | None = None, read_tokens: int | None = None):
+    def pipeline(self, method: str = "endo", depth: int | None = None, read_tokens: int | None = None,
+                 first_stage: str | None = None):
         """The `endo` (or `endo-2hop`) pipeline over this index's model (settings left None from the model's
-        profile), made once per method and settings."""
+        profile), made once per method and settings. An index without passage embeddings reads BM25's candidates
+        unless a dense first stage is asked for, which then fails saying how to add them."""
+        if first_stage is None and self.dense is None:
+            first_stage = "bm25"
         pipelines = self.__dict__.setdefault("_pipelines", {})
-        key = (method, depth, read_tokens)
+        key = (method, depth, read_tokens, first_stage)
         if key not in pipelines:
             pipelines[key] = EndoPipeline(self.backbone, depth=depth, read_tokens=read_tokens,
-                                          two_hop=method == "endo-2hop")
+                                          two_hop=True if method == "endo-2hop" else None, first_stage=first_stage)
         return pipelines[key]
