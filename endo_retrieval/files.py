@@ -2,9 +2,10 @@
 damaged or busy one raises.
 
 One file: `atomic_write` (a temp file beside it, fsync, rename). A folder of files (an EndoIndex): `replacing_folder`
-fills a temp folder beside it and swaps it in with two renames, under `writer_lock` (one writer at a time);
-`read_folder` reads one state of such a folder even while a writer swaps it. Every step that changes the disk first
-calls `step()`, where the crash tests stop the process (`crash_hook`), so each step is tested as a crash point.
+fills a temp folder beside it and swaps it in with two renames, under `writer_lock` (one writer at a time, which
+first cleans what a killed writer left); `read_folder` reads one state of such a folder even while a writer swaps
+it. Every step that changes the disk first calls `step()`, where the crash tests stop the process (`crash_hook`), so
+each step is tested as a crash point.
 """
 from __future__ import annotations
 
@@ -118,8 +119,8 @@ def set_aside(directory: Path) -> Path:
 
 def recover_folder(directory: Path) -> None:
     """Finish what a crashed swap left: a folder set aside but never replaced is put back (the old state); one set
-    aside after the new folder was in place is removed; temp folders of unfinished writes are removed. Call it
-    under `writer_lock(directory)`: every temp folder is then a dead writer's."""
+    aside after the new folder was in place is removed; temp folders of unfinished writes are removed. Only under
+    `writer_lock(directory)` (which calls it): every temp folder is then a dead writer's."""
     old = set_aside(directory)
     if old.exists():
         if directory.exists():
@@ -224,7 +225,9 @@ _locks_guard = threading.Lock()
 def writer_lock(directory: str | os.PathLike, wait: float = 0.0) -> Iterator[None]:
     """Hold the one writer's place of an index folder (threads and processes): an flock on `.NAME.lock` beside it,
     since the folder itself is replaced on save. Re-entrant in one thread. IndexBusyError when another writer holds
-    it for more than `wait` seconds; the lock dies with its process, so a crash never leaves it held."""
+    it for more than `wait` seconds; the lock dies with its process, so a crash never leaves it held. Taking it first
+    finishes what a killed writer left (`recover_folder`), so every writer cleans up, even one that then writes
+    nothing; releasing it removes the lock file."""
     directory = Path(os.path.abspath(directory))
     with _locks_guard:
         lock = _locks.setdefault(str(directory), _FolderLock())
@@ -234,11 +237,11 @@ def writer_lock(directory: str | os.PathLike, wait: float = 0.0) -> Iterator[Non
     try:
         if lock.depth == 0:
             directory.parent.mkdir(parents=True, exist_ok=True)
-            lock.file = open(directory.with_name(f".{directory.name}.lock"), "a+b")
+            lock.file = _lock_file(directory.with_name(f".{directory.name}.lock"), time.monotonic() + wait, busy)
             try:
-                _flock(lock.file, time.monotonic() + wait, busy)
+                recover_folder(directory)
             except BaseException:
-                lock.file.close()
+                _unlock(lock.file)
                 raise
         lock.depth += 1
         try:
@@ -246,25 +249,53 @@ def writer_lock(directory: str | os.PathLike, wait: float = 0.0) -> Iterator[Non
         finally:
             lock.depth -= 1
             if lock.depth == 0:
-                lock.file.close()  # closing drops the flock
+                _unlock(lock.file)
                 lock.file = None
     finally:
         lock.thread.release()
 
 
-def _flock(file, deadline: float, busy: Exception) -> None:
+def _lock_file(path: Path, deadline: float, busy: Exception):
+    """The lock file at `path`, open and flocked. A holder removes it before it lets go, so a lock won on a file that
+    no longer bears that name is stale: open the name again (else two writers could each hold a different file)."""
     try:
         import fcntl
     except ImportError:  # no flock here: threads of one process still exclude each other
-        return
+        return open(path, "a+b")
     while True:
+        file = open(path, "a+b")
         try:
-            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise busy from None
-            time.sleep(0.02)
+            while True:
+                try:
+                    fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise busy from None
+                    time.sleep(0.02)
+            if _same_file(path, file):
+                return file
+        except BaseException:
+            file.close()
+            raise
+        file.close()
+
+
+def _same_file(path: Path, file) -> bool:
+    try:
+        now, held = os.stat(path), os.fstat(file.fileno())
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _unlock(file) -> None:
+    """Remove the lock file while still holding it (a writer waiting on it then sees it is stale), then let go."""
+    try:
+        os.unlink(file.name)
+    except OSError:  # gone already, or an open file cannot be removed here (Windows): it stays, harmless
+        pass
+    file.close()  # closing drops the flock
 
 
 def check_json(obj, where: str) -> None:

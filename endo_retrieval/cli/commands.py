@@ -9,7 +9,7 @@ from pathlib import Path
 from endo_retrieval.index.text_files import read_text_file, read_text_files, text_files
 from endo_retrieval.index.passages import PASSAGE_TOKENS, passage_cuts
 from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, S3_METHODS, SEARCH_METHODS, compress
-from endo_retrieval.files import writer_lock
+from endo_retrieval.files import set_aside, writer_lock
 
 
 def _method_help() -> str:
@@ -25,9 +25,13 @@ def model_argument(p) -> None:
 
 # ---- endo index --------------------------------------------------------------------------------------------
 def index_add_arguments(p) -> None:
-    p.add_argument("paths", nargs="+", metavar="PATH", help="text files or folders (.txt, .md, .rst)")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="text files or folders (.txt, .md, .rst); a file's "
+                   "document id is its path relative to the current folder when it lies inside it, else its absolute "
+                   "path, both with symlinks resolved, so the same file typed two ways is one document")
     p.add_argument("--out", required=True, metavar="DIR", help="index folder (written atomically)")
-    p.add_argument("--append", action="store_true", help="add to the index already in DIR instead of replacing it")
+    p.add_argument("--append", action="store_true", help="update the index already in DIR instead of replacing it: "
+                   "new files are added, changed ones re-indexed, unchanged ones skipped, and the documents of files "
+                   "under the given folders that were deleted or can no longer be read are removed")
     p.add_argument("--strict", action="store_true", help="refuse the whole run, writing nothing, when a file cannot "
                    "be read as text (binary, empty, an unknown encoding); without it such files are skipped with a "
                    "warning and listed at the end")
@@ -55,7 +59,7 @@ def index_run(args) -> int:
         raise ValueError(f"none of the {len(skipped)} file(s) can be read as text (listed above); nothing was "
                          "written.")
     out = Path(args.out)
-    docs = [Document(str(f.path), f.text, {"path": str(f.path.resolve())}) for f in files]
+    docs = [Document(document_id(f.path), f.text, {"path": str(f.path.resolve())}) for f in files]
     if args.ray is not None:
         from endo_retrieval import distributed  # torch, and Ray only when asked for
         from endo_retrieval.index import segments  # torch
@@ -71,12 +75,54 @@ def index_run(args) -> int:
         print_read_report(files, skipped)
         return 0
     with writer_lock(out):  # from load to save: a second writer gets IndexBusyError, no append is lost
-        idx = EndoIndex.load(out, args.model) if args.append else EndoIndex(args.model, method=args.method)
-        idx.add_documents(docs)  # a progress bar when standard error is a terminal
-        idx.save(out)
-    print(f"indexed {len(docs)} document(s) -> {out}; it holds {index_summary(idx, out)}")
+        if not args.append:
+            idx = EndoIndex(args.model, method=args.method)
+            idx.add_documents(docs)  # a progress bar when standard error is a terminal
+            idx.save(out)
+        else:
+            idx = EndoIndex.load(out, args.model)
+            gone = stale_documents(idx, args.paths, docs, skipped)
+            done = idx.update_documents(docs)
+            for doc_id in gone:
+                idx.remove_document(doc_id)
+            if done["added"] or done["replaced"] or gone:
+                idx.save(out)
+    if not args.append:
+        print(f"indexed {len(docs)} document(s) -> {out}; it holds {index_summary(idx, out)}")
+    else:
+        changed = done["added"] or done["replaced"] or gone
+        print(f"added {len(done['added'])}, replaced {len(done['replaced'])}, unchanged {len(done['unchanged'])}, "
+              f"removed {len(gone)} -> {out}, generation {idx.generation}"
+              f"{'' if changed else ' (nothing changed, nothing written)'}; it holds {index_summary(idx, out)}")
     print_read_report(files, skipped)
     return 0
+
+
+def document_id(path: Path) -> str:
+    """A file's document id: its path relative to the current folder when it lies inside it, else its absolute
+    path, both resolved (symlinks, `..`), so `notes/a.txt`, `./notes/a.txt` and `/home/me/notes/a.txt` are one."""
+    full, here = path.resolve(), Path.cwd().resolve()
+    return str(full.relative_to(here)) if full.is_relative_to(here) else str(full)
+
+
+def stale_documents(index, paths: list[str], docs, skipped: list[tuple[Path, str]]) -> list[str]:
+    """The indexed documents this run replaces by removing them (by their metadata "path", the resolved file):
+    a file's document under another id (an index made when ids were the path as typed), and a file under one of
+    `paths` that was deleted or can no longer be read."""
+    roots = [Path(p).resolve() for p in paths]
+    now = {d.metadata["path"]: d.doc_id for d in docs}
+    unreadable = {str(path.resolve()) for path, _ in skipped}
+    out = []
+    for d in index.corpus.documents():
+        path = d.metadata.get("path")
+        if not isinstance(path, str):  # not from a file (a document added from Python)
+            continue
+        if path in now:
+            if now[path] != d.doc_id:
+                out.append(d.doc_id)
+        elif path in unreadable or (not Path(path).exists() and any(Path(path).is_relative_to(r) for r in roots)):
+            out.append(d.doc_id)
+    return out
 
 
 def index_summary(index, folder: Path) -> str:
@@ -105,11 +151,108 @@ def print_read_report(files, skipped: list[tuple[Path, str]]) -> None:
             print(f"  {path}: {why}")
 
 
+# ---- endo remove -----------------------------------------------------------------------------------------------
+def remove_add_arguments(p) -> None:
+    p.add_argument("index", metavar="DIR", help="an index folder made by `endo index`")
+    p.add_argument("ids", nargs="+", metavar="ID", help="document ids, as `endo info DIR --documents` lists them; "
+                   "a file's path names its document however it is typed (relative, ./, absolute)")
+    model_argument(p)  # the index's own model: an index is loaded only with the model that built it
+
+
+def remove_run(args) -> int:
+    from endo_retrieval.methods.search import EndoIndex  # torch: off the CLI's fast path
+
+    folder = Path(args.index)
+    with writer_lock(folder):  # from load to save, as `endo index --append`
+        idx = EndoIndex.load(folder, args.model)
+        ids = {typed: typed if typed in idx.corpus else document_id(Path(typed)) for typed in args.ids}
+        missing = [typed for typed, doc_id in ids.items() if doc_id not in idx.corpus]
+        if missing:
+            raise ValueError(f"{folder} holds no document {', '.join(map(repr, missing))}, so nothing was removed; "
+                             f"list its ids with `endo info {folder} --documents`.")
+        for doc_id in dict.fromkeys(ids.values()):
+            idx.remove_document(doc_id)  # the path the Python API and the framework adapters' deletes take
+        idx.save(folder)
+    print(f"removed {len(set(ids.values()))} document(s) -> {folder}, generation {idx.generation}; it holds "
+          f"{index_summary(idx, folder)}")
+    return 0
+
+
+# ---- endo info DIR ---------------------------------------------------------------------------------------------
+def index_info(folder: Path, documents: bool = False) -> dict:
+    """What the index in `folder` answers as now, read without the model: its committed generation, documents,
+    passages and size, and the leftovers of a killed write. ValueError saying what to do where there is no index
+    or it is damaged."""
+    from endo_retrieval.corpus import CorpusMap
+    from endo_retrieval.files import IndexCorruptError, read_folder, set_aside
+
+    def read(open_file):
+        with open_file("endo-index.json") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+        if not isinstance(meta, dict) or "segments" in meta:
+            return meta, None
+        with open_file("corpus.npz") as f:
+            return meta, CorpusMap.read(f, folder / "corpus.npz")
+
+    try:
+        meta, corpus = read_folder(folder, read)
+    except FileNotFoundError:
+        raise ValueError(f"{folder} holds no endo index; build one with `endo index PATH... --out {folder}`."
+                         ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise IndexCorruptError(f"{folder / 'endo-index.json'} is damaged ({err}); delete the folder and rebuild "
+                                "the index with `endo index PATH... --out DIR`.") from None
+    if not isinstance(meta, dict) or meta.get("format") != "endo-index":
+        raise IndexCorruptError(f"{folder} holds no endo index ({folder / 'endo-index.json'} is not one); rebuild "
+                                "it with `endo index PATH... --out DIR`.")
+    served = folder if folder.exists() else set_aside(folder)  # mid-swap, or killed there: the old state
+    info = {"index": str(folder), "model": meta.get("model"), "model_hash": meta.get("model_hash"),
+            "method": meta.get("method"), "generation": meta.get("generation", 0)}
+    if corpus is not None:
+        info |= {"documents": len(corpus),
+                 "passages": sum(len(passage_cuts(d.sentence_starts, d.end, PASSAGE_TOKENS)) - 1
+                                 for d in corpus.documents()),
+                 "tokens": corpus.n_tokens}
+        ids = [d.doc_id for d in corpus.documents()]
+    else:  # a manifest of segments (`endo index --ray`)
+        parts = meta["segments"] if isinstance(meta["segments"], list) else []
+        ids = [i for p in parts for i in p.get("documents", [])]
+        info |= {"documents": len(ids), "passages": None, "tokens": sum(p.get("tokens", 0) for p in parts)}
+    info["bytes"] = sum(f.stat().st_size for f in served.rglob("*") if f.is_file())
+    leftovers = [set_aside(folder)] + sorted(folder.parent.glob(f".{folder.name}.tmp-*"))
+    info["leftovers"] = [p.name for p in leftovers if p.exists()]
+    if documents:
+        info["document_ids"] = ids
+    return info
+
+
+def info_index_run(args) -> int:
+    """`endo info DIR`: a short summary, or --json; --documents lists the ids."""
+    info = index_info(Path(args.index), args.documents)
+    if args.json:
+        print(json.dumps(info, indent=2, ensure_ascii=False))
+        return 0
+    if args.documents:
+        print("\n".join(info["document_ids"]))
+        return 0
+    rows = {"index": info["index"], "model": f"{info['model']} ({str(info['model_hash'])[:12]})",
+            "method": info["method"], "generation": f"{info['generation']} (committed)",
+            "documents": f"{info['documents']:,}", "passages": f"{info['passages']:,}" if info["passages"] is not None
+            else "- (an index in segments)", "tokens": f"{info['tokens']:,}", "bytes": f"{info['bytes']:,} on disk"}
+    for key, value in rows.items():
+        print(f"{key:>10}: {value}")
+    if info["leftovers"]:
+        print(f"{'note':>10}: an unfinished write (killed, or still running) left {', '.join(info['leftovers'])}; "
+              "the generation above is what is committed, and the next write removes what a killed one left")
+    return 0
+
+
 # ---- endo query ------------------------------------------------------------------------------------------------
 def query_add_arguments(p) -> None:
     p.add_argument("index", metavar="DIR", help="an index folder made by `endo index`")
     p.add_argument("question")
-    p.add_argument("--k", type=int, default=4, help="number of evidence spans (default 4)")
+    p.add_argument("--k", type=int, default=4, help="number of evidence spans (default 4; 0 prints nothing, or [] "
+                   "with --json, as the adapters return [] for k=0)")
     p.add_argument("--budget", type=int, default=None, help="token budget over all spans (default 128 per span)")
     p.add_argument("--method", default=None, choices=SEARCH_METHODS, help="default: the index's own")
     p.add_argument("--depth", type=int, default=None, help="endo: candidates the model reads (default: the model's "
@@ -127,11 +270,20 @@ def span_json(s) -> dict:
 
 
 def query_run(args) -> int:
-    from endo_retrieval.methods.search import EndoIndex  # torch: off the CLI's fast path
+    check_index_folder(Path(args.index))  # the arguments first: a mistake answers before the model loads
+    check_question(args.question)
+    if args.k == 0:  # nothing asked: nothing to read (the adapters' k=0 rule)
+        if args.json:
+            print("[]")
+        return 0
+    from endo_retrieval.integrations import pipeline_progress  # torch: off the CLI's fast path
+    from endo_retrieval.methods.search import EndoIndex
 
     index = EndoIndex.load(args.index, args.model)
-    hits = index.search(args.question, k=args.k, budget=args.budget, method=args.method, depth=args.depth,
-                        read_tokens=args.read_tokens)
+    method = index.check_method(args.method)
+    with pipeline_progress(index, method, args.depth, args.read_tokens):  # a bar on a terminal, a hint when slow
+        hits = index.search(args.question, k=args.k, budget=args.budget, method=method, depth=args.depth,
+                            read_tokens=args.read_tokens)
     if args.json:
         print(json.dumps([span_json(h) for h in hits], indent=2, ensure_ascii=False))
         return 0
@@ -154,6 +306,11 @@ def compress_add_arguments(p) -> None:
 
 
 def compress_run(args) -> int:
+    check_question(args.question)  # the arguments first: a mistake answers before the model loads
+    if args.method not in REGISTRY:
+        raise ValueError(f"Unknown method {args.method!r}; use one of {_method_help()}.")
+    if args.context != "-" and not Path(args.context).is_file():
+        raise ValueError(f"--context {args.context}: no such file (give a text file, or - for standard input).")
     if args.context == "-":
         context = sys.stdin.read()
     else:
@@ -168,6 +325,19 @@ def compress_run(args) -> int:
     else:
         print(out.text)
     return 0
+
+
+def check_index_folder(folder: Path) -> None:
+    """A ValueError, before anything loads, when `folder` holds no index (its header, endo-index.json; mid-swap a
+    writer's set-aside folder holds it, `files.read_folder`)."""
+    if not any((f / "endo-index.json").is_file() for f in (folder, set_aside(folder))):
+        why = "no such folder" if not folder.exists() else "it holds no endo index"
+        raise ValueError(f"{folder}: {why}; build one with `endo index PATH... --out {folder}`.")
+
+
+def check_question(question: str) -> None:
+    if not question.strip():
+        raise ValueError("The question is empty; ask something.")
 
 
 def int_list(text: str) -> list[int]:

@@ -343,8 +343,8 @@ class IndexStore:
             if directory.is_dir() and any(directory.iterdir()) and not (directory / HEADER).exists():
                 raise ValueError(f"{directory} exists and holds no endo index (no {HEADER}); refusing to replace "
                                  "it. Pass a new folder, or delete that one first.")
-            # one more than the folder's own, so a rebuild or another process's index continues its count
-            header["generation"] = max(self.generation, committed_generation(directory)) + 1
+            # one more than the folder's own: a count per folder, which a rebuild over it continues
+            header["generation"] = committed_generation(directory) + 1
             with replacing_folder(directory) as tmp:
                 self.index.save(tmp / "features")
                 self.corpus.save(tmp / "corpus.npz")

@@ -6,7 +6,9 @@ selection (s3.py).
 """
 from __future__ import annotations
 
-from typing import Callable
+import json
+from collections import Counter
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -42,6 +44,40 @@ class EndoIndex(IndexStore):
             first_stage = "hybrid" if METHODS[check_search_method(method)].passages else "bm25"
         super().__init__(backbone, method, saes=saes, chunk_size=chunk_size, stop_freq=stop_freq, prune=prune,
                          int8_queries=int8_queries, first_stage=first_stage, embedder=embedder)
+
+    # ---- updates ----------------------------------------------------------------------------------------------
+    @locked("write")
+    def update_documents(self, docs: Iterable[Document], progress: bool | None = None) -> dict[str, list[str]]:
+        """Upsert keyed by document id (what `endo index --append` does): a new id is added, an indexed one whose
+        text and metadata are those given is left as it is (not indexed again), any other is replaced. Returns the
+        ids of each: {"added": [...], "replaced": [...], "unchanged": [...]}. A bad document raises before anything
+        changes; readers of this index see it before the update or after it."""
+        docs = list(docs)
+        if not all(isinstance(d, Document) for d in docs):
+            raise ValueError("update_documents matches documents by id: pass Document(doc_id, text, metadata) "
+                             "objects (add_documents takes plain texts and gives them new ids).")
+        twice = [i for i, n in Counter(d.doc_id for d in docs).items() if n > 1]
+        if twice:
+            raise ValueError(f"Document id {twice[0]!r} is given twice; pass each document once.")
+        done = {"added": [], "replaced": [], "unchanged": []}
+        for d in docs:
+            kind = "added" if d.doc_id not in self.corpus else "unchanged" if self._holds(d) else "replaced"
+            done[kind].append(d.doc_id)
+        unchanged = set(done["unchanged"])
+        changed = [d for d in docs if d.doc_id not in unchanged]
+        if changed:
+            self.add_documents(changed, progress, replace=True)
+        return done
+
+    def _holds(self, doc: Document) -> bool:
+        """Whether the index holds `doc` as given: the same text (the stored text itself, so no hash can collide)
+        and the same metadata (as saved, i.e. through JSON)."""
+        held = self.corpus.doc(doc.doc_id)
+        try:
+            metadata = json.loads(json.dumps(doc.metadata))
+        except (TypeError, ValueError):
+            return False  # add_documents says what is wrong with it
+        return isinstance(doc.text, str) and doc.text == held.text and metadata == held.metadata
 
     # ---- phase 3: selection and fusion [S3 Eq. 8], by the method's own selection (s3.py) ------------------------
     def signal_scores(self, question: str, method: str | None = None) -> dict[str, np.ndarray]:

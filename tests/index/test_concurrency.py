@@ -147,4 +147,4 @@ def test_two_writers_one_wins_the_other_gets_a_clear_error_and_nothing_is_lost(t
         t.join()
     assert errors == [] and sorted(results) == [0, 1]
     assert sorted(load(folder).doc_ids) == ["cafe", "mill", "ship", "vault"]
-    assert sorted(p.name for p in Path(tmp_path).iterdir()) == [".ix.lock", "ix"]
+    assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["ix"]  # no lock file after a clean exit
