@@ -6,20 +6,24 @@ import argparse
 import functools
 import importlib
 import json
+import re
 import sys
 import warnings
+from pathlib import Path
 from typing import Callable
 
 from endo_retrieval.cli.commands import model_argument
 from endo_retrieval.calibration.prepare import ready_methods
-from endo_retrieval.model.profiles import heads_profile, ilre_profile, sae_card
+from endo_retrieval.model.profiles import MAKERS, heads_profile, heads_profile_path, ilre_profile, sae_card
 
 # command -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args).
 COMMANDS = {
-    "info": ("endo_retrieval.cli", "info_", "the model, device, cache, SAEs, ILRe layer and retrieval heads"),
+    "info": ("endo_retrieval.cli", "info_", "the model, device, cache, SAEs, ILRe layer and retrieval heads; with "
+             "DIR, an index's committed generation and size"),
     "demo": ("endo_retrieval.cli.demo", "", "the main job on the default model and a built-in task (no network)"),
     "index": ("endo_retrieval.cli.commands", "index_", "build an endogenous index over text files"),
     "query": ("endo_retrieval.cli.commands", "query_", "retrieve evidence for a question from an index"),
+    "remove": ("endo_retrieval.cli.commands", "remove_", "remove documents from an index"),
     "compress": ("endo_retrieval.cli.commands", "compress_", "compress one long context for one question"),
     "train-sae": ("endo_retrieval.cli.calibrate", "train_sae_", "train Top-k sparse autoencoders on key projections"),
     "train-phi": ("endo_retrieval.cli.calibrate", "train_phi_", "distil phi feature maps for completion attention"),
@@ -36,13 +40,21 @@ COMMANDS = {
 
 
 def info_add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("index", nargs="?", metavar="DIR", help="an index folder: say what it answers as now (model, "
+                   "method, committed generation, documents, passages, bytes), read without loading the model")
+    p.add_argument("--documents", action="store_true", help="with DIR: list its document ids, one a line")
     p.add_argument("--json", action="store_true", help="print JSON: model, model_hash, layers, device, cache_dir, "
-                   "families, sae, ilre, heads and ready")
+                   "families, sae, ilre, heads and ready (with DIR: index, model, model_hash, method, generation, "
+                   "documents, passages, tokens, bytes and leftovers)")
     model_argument(p)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
 
 
 def info_run(args) -> int:
+    if args.index is not None:
+        from endo_retrieval.cli.commands import info_index_run
+
+        return info_index_run(args)
     from endo_retrieval.model.backbone import SUPPORTED_FAMILIES, Backbone  # torch: off the CLI's fast path
 
     bb = Backbone(args.model, device=args.device)
@@ -57,10 +69,87 @@ def info_run(args) -> int:
             "heads": heads, "ready": ready_methods(bb)}
     if args.json:
         print(json.dumps(data, indent=2))
-    else:
-        for k, v in data.items():
-            print(f"{k:>14}: {v}")
+    else:  # a short summary: each artefact's headline figures (--json: all of it)
+        print("\n".join(model_summary(bb.info(), data, heads_profile(bb), str(heads_profile_path(bb)))))
     return 0
+
+
+def model_summary(model: dict, data: dict, heads: dict | None, heads_path: str | None = None) -> list[str]:
+    """`endo info`'s lines without --json: the model and its shape, the device, the cache, the methods it is ready
+    for, and each artefact's headline figures (`heads`: the whole heads profile, for its pipeline and reranker
+    fits; `data`: what --json prints). A figure a profile lacks is left out, never an error."""
+    def num(x, digits: int = 3) -> str:
+        return f"{x:.{digits}f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
+
+    def recalls(r) -> str:
+        r = r if isinstance(r, dict) else {}
+        at = [k for k in ("@2", "@5", "@10") if k in r]
+        return f"recall{'/'.join(at)} {'/'.join(num(r[k]) for k in at)}" if at else ""
+
+    def none(kind: str) -> str:
+        return f"none (make it with `{MAKERS[kind][0]}`, or `endo prepare`)"
+
+    window = model.get("max_position")
+    lines = [f"{model.get('model')} ({model.get('family')} family, hash {str(model.get('model_hash'))[:12]})",
+             f"  shape      {model.get('layers')} layers, {model.get('heads')} heads ({model.get('kv_heads')} KV, "
+             f"head_dim {model.get('head_dim')})" + (f", window {window:,} tokens" if isinstance(window, int) else ""),
+             f"  device     {model.get('device')} ({model.get('dtype')})",
+             f"  cache      {model.get('cache_dir')}",
+             f"  families   {', '.join(data.get('families') or [])}",
+             f"  ready      {', '.join(data.get('ready') or []) or 'bm25'}",
+             "artefacts"]
+    if heads:
+        chosen = [tuple(h) for h in heads.get("heads") or []]
+        layers = sorted({layer for layer, _ in chosen})
+        lines.append(f"  heads      {len(chosen)} retrieval heads in layers {layers[0]}-{layers[-1]}" if layers
+                     else "  heads      none listed")
+        fusion = heads.get("fusion") or {}
+        weights = ", ".join(f"{k} {v:g}" for k, v in (fusion.get("weights") or {}).items()
+                            if isinstance(v, (int, float)) and v)
+        single = {k: v for k, v in (fusion.get("single") or {}).items() if isinstance(v, (int, float))}
+        if weights:
+            best = max(single.items(), key=lambda kv: kv[1]) if single else None
+            lines.append(f"  context    one-context fusion {weights}: recall {num(fusion.get('recall'))}"
+                         + (f" ({best[0]} alone {num(best[1])})" if best else ""))
+        pipeline = heads.get("pipeline") or {}
+        if pipeline:
+            cpu, fit = pipeline.get("cpu") or {}, pipeline.get("fit") or {}
+            line = f"  pipeline   depth {pipeline.get('depth')}, read_tokens {pipeline.get('read_tokens')}"
+            if cpu:
+                line += f" (CPU: depth {cpu.get('depth')}, read_tokens {cpu.get('read_tokens')})"
+            if recalls(fit.get("recall")):
+                line += f"; {recalls(fit.get('recall'))} on {fit.get('data', 'its fit data')}"
+            lines.append(line)
+        for stage, entry in sorted((heads.get("reranker") or {}).items()):
+            if isinstance(entry, dict):
+                fit = entry.get("fit") or {}
+                at5 = (fit.get("recall") or {}).get("@5")
+                alone = (fit.get("first_stage_alone") or {}).get("@5")
+                lines.append(f"  reranker   after {stage}: weights {entry.get('first_stage')} first stage, "
+                             f"{entry.get('heads')} heads" + (f"; recall@5 {num(at5)}" if at5 is not None else "")
+                             + (f" ({stage} alone {num(alone)})" if alone is not None else ""))
+        if heads_path:
+            lines.append(f"  profile    {heads_path}")
+    else:
+        lines.append(f"  heads      {none('heads')}")
+    sae = data.get("sae")
+    if sae:
+        layers, fvu = sae.get("layers") or [], sae.get("fvu_k") or {}
+        lines.append(f"  sae        layers {', '.join(map(str, layers))}: {sae.get('d_latent')} latents, "
+                     f"top-{sae.get('k')}" + (f"; key FVU {', '.join(num(fvu.get(str(l), fvu.get(l))) for l in layers)}"
+                                              if fvu else ""))
+    else:
+        lines.append(f"  sae        {none('sae')}")
+    ilre = data.get("ilre")
+    if ilre:
+        layer = ilre.get("layer")
+        recall = (ilre.get("recall") or {}).get(str(layer))
+        lines.append(f"  ilre       layer {layer}" + (f" (calibration recall {num(recall, 2)})" if recall is not None
+                                                       else ""))
+    else:
+        lines.append(f"  ilre       {none('ilre')}")
+    lines.append("all of it: endo info --json")
+    return lines
 
 
 def resolve(table: dict, name: str):
@@ -126,6 +215,38 @@ def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# whole-number options the library's commands read alike, checked before a command loads anything: name -> least
+# value (lists, e.g. --depths 10,20, value by value). k: as in the adapters, 0 asks for nothing and gets nothing
+AT_LEAST = {"k": 0, "budget": 1, "budgets": 1, "depth": 1, "depths": 1, "read_tokens": 8, "workers": 1, "limit": 1,
+            "context_tokens": 1}
+LEAST_BY_COMMAND = {("train-sae", "k"): 1}  # the SAE's k: latents kept per vector
+DEVICE = re.compile(r"(cpu|cuda(:\d+)?|mps)")
+HUB_ID = re.compile(r"[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?/[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?(@\S+)?")
+
+
+def check_arguments(args) -> str | None:
+    """What is wrong with the parsed arguments of one of the library's commands, checked without importing torch
+    or loading a model (so a mistake answers at once), else None: the whole-number options (AT_LEAST), --device,
+    and --model where it names a local file or folder that is not there (a hub id is looked up when it loads)."""
+    for name, least in AT_LEAST.items():
+        value = getattr(args, name, None)
+        least = LEAST_BY_COMMAND.get((args.command, name), least)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and v < least:
+                flag = "--" + name.replace("_", "-")
+                what = " (0 returns nothing)" if name == "k" and least == 0 else ""
+                return f"{flag} must be a whole number >= {least}{what}, got {v}."
+    device = getattr(args, "device", None)
+    if isinstance(device, str) and not DEVICE.fullmatch(device):
+        return f"--device must be cpu, cuda, cuda:N or mps, got {device!r}."
+    model = getattr(args, "model", None)
+    if isinstance(model, str) and model != "default" and not Path(model).expanduser().exists() and \
+            (model.lower().endswith(".gguf") or not HUB_ID.fullmatch(model)):
+        return (f"--model {model}: no such file or folder. Pass a GGUF file, a Hugging Face model folder, a hub id "
+                "(owner/name[@revision]), or leave --model out for the default model.")
+    return None
+
+
 def main(argv=None) -> int:
     commands = COMMANDS | plugin_commands()  # the entry points are read (and their modules imported) once
     parser = build_parser(commands)
@@ -141,16 +262,18 @@ def main(argv=None) -> int:
     if getattr(args, "_missing", None):
         print(args._missing, file=sys.stderr)
         return 2
+    problem = check_arguments(args) if args.command in COMMANDS else None  # the plugins check their own
+    if problem:
+        print(f"endo {args.command}: error: {problem}", file=sys.stderr)
+        return 2
     _, run = resolve(commands, args.command)
-    from endo_retrieval.model.backbone import BackboneError  # torch: only once the arguments are parsed
-
     try:
         with warnings.catch_warnings():  # the library's warnings (a question cut): one line, no source line
             warnings.showwarning = lambda message, *_, **__: print(f"endo {args.command}: warning: {message}",
                                                                   file=sys.stderr)
             rc = run(args)
         return rc if isinstance(rc, int) else 0  # some commands return their report (train-sae: the card)
-    except (BackboneError, ValueError, OSError) as e:  # a damaged index, a busy one, a full disk: one line
+    except (ValueError, OSError) as e:  # a model error (BackboneError), a damaged index, a full disk: one line
         print(f"endo {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -13,8 +13,8 @@ from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
 from pydantic import ConfigDict, Field, field_validator
 
-from endo_retrieval.integrations import (COMPRESS_METHODS, DEFAULT_FIRST_STAGE, check_rerank_weights, compress_passages,
-                                        rerank_passages)
+from endo_retrieval.integrations import (COMPRESS_METHODS, DEFAULT_FIRST_STAGE, check_read_tokens, check_rerank_weights,
+                                        compress_passages, rerank_passages)
 from endo_retrieval.methods import DEFAULT_METHOD
 
 
@@ -56,7 +56,11 @@ class EndoReranker(BaseDocumentCompressor):
     metadata key `score_key`, else the first of SCORE_KEYS every document has, else the documents' ranks) and the
     retrieval heads' scores, each standardised over the documents, are summed with the weights
     {"first_stage": w, "heads": 1 - w}: `weights` when given, else those fitted for the model and `first_stage`
-    ("minilm": a dense vector store, or "bm25"), else 0.5 each. `fuse=False` ranks by the heads alone."""
+    ("minilm": a dense vector store, or "bm25"), else 0.5 each. `fuse=False` ranks by the heads alone.
+    The model reads the documents as one context: `read_tokens` reads each one's best part of at most that many
+    tokens (its first sentence, then those sharing the most words with the query; None: whole, as the window
+    allows), far faster over long documents. A read that takes more than a few seconds (a CPU) shows a progress bar
+    (`progress`; None: when standard error is a terminal) and logs once which settings read less."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -66,7 +70,14 @@ class EndoReranker(BaseDocumentCompressor):
     first_stage: str = DEFAULT_FIRST_STAGE
     weights: dict[str, float] | None = None
     score_key: str | None = None
+    read_tokens: int | None = None
+    progress: bool | None = None
     backbone: Any = Field(default=None, exclude=True, repr=False)
+
+    @field_validator("read_tokens", mode="before")
+    @classmethod
+    def _read_tokens(cls, read_tokens) -> int | None:
+        return check_read_tokens(read_tokens)
 
     @field_validator("weights")
     @classmethod
@@ -77,7 +88,8 @@ class EndoReranker(BaseDocumentCompressor):
                            ) -> Sequence[Document]:
         ranked = rerank_passages([d.page_content for d in documents], query, self.top_n, self.backbone,
                                  fuse=self.fuse, first_stage_scores=self._first_stage_scores(documents),
-                                 first_stage=self.first_stage, weights=self.weights)
+                                 first_stage=self.first_stage, weights=self.weights, read_tokens=self.read_tokens,
+                                 progress=self.progress)
         return [Document(page_content=documents[i].page_content, id=documents[i].id,
                          metadata={**documents[i].metadata, "relevance_score": score}) for i, score in ranked
                 if self.score_threshold is None or score >= self.score_threshold]

@@ -1,7 +1,10 @@
 """A LangChain retriever over an `EndoIndex`: by default the `endo` pipeline (BM25 candidates, the local model reads
 them, its retrieval heads rank them). Each of the k hits is another of your documents, returned as a `Document` with
-that document's id holding its best passage, the passage's character offsets, the fused score and each stage's
-score; `return_passages=True` returns the best passages themselves, several of which may come from one document."""
+that document's id holding its best passage, the passage's character offsets, the score (`relevance_score`, the key
+LangChain's rerankers and vector stores' relevance scores use; also `endo_score`) and each stage's score;
+`return_passages=True` returns the best passages themselves, several of which may come from one document, and
+`return_document=True` the whole documents, as LangChain's own retrievers return them, ranked by their best passage
+(its offsets in `endo_passage_start` / `endo_passage_end`)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +18,8 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from endo_retrieval import Document, EndoIndex
-from endo_retrieval.integrations import check_k, check_pipeline_settings, open_index, provenance, search_hits
+from endo_retrieval.integrations import (check_document_options, check_k, check_pipeline_settings,
+                                        check_whole_documents, open_index, provenance, search_hits)
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.core import Span
 
@@ -31,8 +35,9 @@ def to_documents(texts: list[str] | None, documents: list[LCDocument] | None) ->
 
 
 def span_document(span: Span, passage: bool = False) -> LCDocument:
-    """A hit as a Document: its source document's id, or a passage's own id (its document's and offsets)."""
-    return LCDocument(page_content=span.text, metadata=provenance(span),
+    """A hit as a Document: its source document's id, or a passage's own id (its document's and offsets); its score
+    in `relevance_score` (as LangChain's rerankers write it) and, as before, `endo_score`."""
+    return LCDocument(page_content=span.text, metadata={**provenance(span), "relevance_score": float(span.score)},
                       id=f"{span.doc_id}:{span.char_start}-{span.char_end}" if passage else span.doc_id)
 
 
@@ -45,7 +50,10 @@ class EndoRetriever(BaseRetriever):
     `bm25`; a method the index cannot serve is refused on construction).
 
     `texts`/`documents` are indexed on construction; `index_dir` alone loads a saved index, and with texts or
-    documents receives the new one (it must not hold an index yet). `invoke(query, k=...)` overrides `k`.
+    documents receives the new one (it must not hold an index yet). `invoke(query, k=...)` overrides `k`; k=0
+    returns [] and a negative k is refused. `return_document=True`: each hit's `page_content` is its whole document
+    (`endo_passage_start` / `endo_passage_end` in the metadata locate the best passage in it). `progress`: a progress
+    bar on standard error while the model reads, when that takes more than a few seconds (None: on a terminal).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -58,10 +66,12 @@ class EndoRetriever(BaseRetriever):
     method: str = DEFAULT_METHOD
     filter: dict | None = None  # LangChain's metadata filter (`_matcher`); `invoke(query, filter=...)` overrides it
     return_passages: bool = False  # the best passages, several of which may come from one document
+    return_document: bool = False  # each hit the whole document, its best passage's offsets in the metadata
+    progress: bool | None = None  # a progress bar while a slow read runs (None: when standard error is a terminal)
     # the pipeline's time against its recall: candidates the model reads, tokens read of each (None: fitted)
     depth: int | None = None
     read_tokens: int | None = None
-    # hits scoring below it are dropped, so fewer than k may come; the score is metadata["endo_score"] (for `endo`
+    # hits scoring below it are dropped, so fewer than k may come; the score is metadata["relevance_score"] (for `endo`
     # the fused one, 0 being the candidates' average); `invoke(query, score_threshold=...)` overrides it
     score_threshold: float | None = None
     backbone: Any = Field(default=None, exclude=True, repr=False)
@@ -73,6 +83,9 @@ class EndoRetriever(BaseRetriever):
                                                                  self.index_dir, self.method, self.backbone)
         self._index.check_method(self.method)
         check_pipeline_settings(self._index, self.method, self.depth, self.read_tokens)
+        check_document_options(self.return_passages, self.return_document)
+        if self.return_document:
+            check_whole_documents(self._index)
         _matcher(self.filter)  # a filter it cannot read fails here, not at the first query
         self.texts = self.documents = None  # the index holds them now; don't keep a second copy
 
@@ -145,7 +158,8 @@ class EndoRetriever(BaseRetriever):
         threshold = self.score_threshold if score_threshold is None else score_threshold
         spans = search_hits(self._index, query, self.k if k is None else k, self.budget, self.method,
                             _matcher(filter if filter is not None else self.filter), self.return_passages,
-                            self.depth, self.read_tokens)
+                            self.depth, self.read_tokens, return_document=self.return_document,
+                            progress=self.progress)
         return [span_document(s, self.return_passages) for s in spans if threshold is None or s.score >= threshold]
 
 

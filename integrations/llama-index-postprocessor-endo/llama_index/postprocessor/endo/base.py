@@ -16,8 +16,8 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeRelationship, NodeWithScore, QueryBundle, TextNode
 
 from endo_retrieval.model.backbone import Backbone
-from endo_retrieval.integrations import (COMPRESS_METHODS, DEFAULT_FIRST_STAGE, check_rerank_weights, compress_passages,
-                                        rerank_passages)
+from endo_retrieval.integrations import (COMPRESS_METHODS, DEFAULT_FIRST_STAGE, check_read_tokens, check_rerank_weights,
+                                        compress_passages, rerank_passages)
 from endo_retrieval.methods import DEFAULT_METHOD
 
 
@@ -80,7 +80,11 @@ class EndoReranker(BaseNodePostprocessor):
     gave none) and the retrieval heads' scores, each standardised over the nodes, are summed with the weights
     {"first_stage": w, "heads": 1 - w}: `weights` when given, else those fitted for the model and `first_stage`
     ("minilm": a dense vector store, or "bm25"), else 0.5 each; each node's score becomes that sum. `fuse=False`
-    ranks by the heads alone, each node's score the heads'."""
+    ranks by the heads alone, each node's score the heads'. The model reads the nodes as one context: `read_tokens`
+    reads each node's best part of at most that many tokens (its first sentence, then those sharing the most words
+    with the query; None: whole, as the window allows), far faster over whole documents. A read that takes more
+    than a few seconds (a CPU) shows a progress bar (`progress`; None: when standard error is a terminal) and logs
+    once which settings read less."""
 
     top_n: int = Field(default=5, gt=0, strict=True, description="how many nodes to keep")
     fuse: bool = Field(default=True, description="fuse the first stage's scores with the heads' (False: heads alone)")
@@ -88,12 +92,17 @@ class EndoReranker(BaseNodePostprocessor):
                              "(a dense vector store) or 'bm25'")
     weights: dict[str, float] | None = Field(default=None, description="{'first_stage': w, 'heads': 1 - w}, "
                                              "instead of the fitted ones")
+    read_tokens: int | None = Field(default=None, description="tokens read of each node, its best part (None: whole)")
+    progress: bool | None = Field(default=None, description="a progress bar on standard error while a slow read "
+                                  "runs (None: when it is a terminal)")
     _backbone: Backbone = PrivateAttr()
 
     def __init__(self, top_n: int = 5, backbone: Backbone | None = None, fuse: bool = True,
-                 first_stage: str = DEFAULT_FIRST_STAGE, weights: dict[str, float] | None = None, **kwargs: Any):
+                 first_stage: str = DEFAULT_FIRST_STAGE, weights: dict[str, float] | None = None,
+                 read_tokens: int | None = None, progress: bool | None = None, **kwargs: Any):
         super().__init__(top_n=top_n, fuse=fuse, first_stage=first_stage,
-                         weights=None if weights is None else check_rerank_weights(weights), **kwargs)
+                         weights=None if weights is None else check_rerank_weights(weights),
+                         read_tokens=check_read_tokens(read_tokens), progress=progress, **kwargs)
         self._backbone = Backbone.of(backbone)  # a loaded backbone, a model folder or GGUF path, or None
 
     @classmethod
@@ -105,7 +114,7 @@ class EndoReranker(BaseNodePostprocessor):
         question, passages = texts_and_query(self, nodes, query_bundle)
         ranked = rerank_passages(passages, question, self.top_n, self._backbone, fuse=self.fuse,
                                  first_stage_scores=[n.score for n in nodes], first_stage=self.first_stage,
-                                 weights=self.weights)
+                                 weights=self.weights, read_tokens=self.read_tokens, progress=self.progress)
         return [NodeWithScore(node=nodes[i].node, score=score) for i, score in ranked]
 
 

@@ -5,7 +5,9 @@ rank them. Each hit is one of your nodes, each of the `similarity_top_k` another
 holding its best passage (the whole node when it is short), its character offsets in the node, its score the fused one
 (higher is better) and each stage's score in its metadata. The S3 methods (`s3-hybrid`, `s3`) and `bm25` hold the
 node's best sentence span. `return_passages=True`: the best passages themselves, several of which may come from one
-node, each with an id of its own.
+node, each with an id of its own. `return_document=True`: each hit the whole node, as LlamaIndex's own retrievers
+return nodes, ranked by its best passage (whose character offsets are `endo_passage_start` / `endo_passage_end` in
+the metadata).
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ from llama_index.core.tools import RetrieverTool
 from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilters
 
 from endo_retrieval import Document, EndoIndex
-from endo_retrieval.integrations import (PROVENANCE_KEYS, check_k, check_pipeline_settings, open_index, provenance,
-                                        search_hits)
+from endo_retrieval.integrations import (PROVENANCE_KEYS, check_document_options, check_k, check_pipeline_settings,
+                                        check_whole_documents, open_index, provenance, search_hits)
 from endo_retrieval.methods import DEFAULT_METHOD
 from endo_retrieval.core import Span
 
@@ -119,12 +121,16 @@ class EndoRetrievalStages(BaseEvent):
 
 class EndoRetriever(BaseRetriever):
     """Evidence found by the backbone's own attention signals: `method` is the `endo` pipeline by default, or
-    `s3-hybrid`, `s3`, `bm25` (an index built for `endo` or `bm25` holds no S3 postings: refused here)."""
+    `s3-hybrid`, `s3`, `bm25` (an index built for `endo` or `bm25` holds no S3 postings: refused here).
+    similarity_top_k=0 retrieves nothing; a negative one is refused. `return_document=True`: each hit is the whole
+    node (its best passage's offsets in the metadata). `progress`: a progress bar on standard error while the model
+    reads, when that takes more than a few seconds (None: when standard error is a terminal)."""
 
     def __init__(self, index: EndoIndex, similarity_top_k: int = 4, budget: int | None = None,
                  method: str = DEFAULT_METHOD, filters: MetadataFilters | None = None,
                  return_passages: bool = False, callback_manager: CallbackManager | None = None,
-                 verbose: bool = False, depth: int | None = None, read_tokens: int | None = None):
+                 verbose: bool = False, depth: int | None = None, read_tokens: int | None = None,
+                 return_document: bool = False, progress: bool | None = None):
         check_k(similarity_top_k, "similarity_top_k")  # 0 is allowed and retrieves nothing
         index.check_method(method)  # a method the index cannot serve fails here, not at the first query
         self.index = index
@@ -133,6 +139,11 @@ class EndoRetriever(BaseRetriever):
         self.method = method
         self.filters = filters  # only nodes whose metadata passes can come back (never with a placeholder score)
         self.return_passages = bool(return_passages)  # the best passages, not one hit per node
+        self.return_document = bool(return_document)  # each hit the whole node, not its best passage
+        check_document_options(self.return_passages, self.return_document)
+        if self.return_document:
+            check_whole_documents(index)
+        self.progress = progress
         # the pipeline's time against its recall: candidates the model reads, tokens read of each (None: fitted)
         self.depth, self.read_tokens = depth, read_tokens
         check_pipeline_settings(index, method, depth, read_tokens)
@@ -144,7 +155,8 @@ class EndoRetriever(BaseRetriever):
                       persist_dir: str | os.PathLike | None = None, similarity_top_k: int = 4,
                       budget: int | None = None, method: str = DEFAULT_METHOD, backbone=None,
                       filters: MetadataFilters | None = None, return_passages: bool = False,
-                      depth: int | None = None, read_tokens: int | None = None, **kwargs) -> "EndoRetriever":
+                      depth: int | None = None, read_tokens: int | None = None, return_document: bool = False,
+                      **kwargs) -> "EndoRetriever":
         """Index `nodes` or `documents` (whole documents are fine: evidence is cut to sentences at query time),
         or load `persist_dir` when given alone. With both, the new index is saved to the (empty) persist_dir."""
         if nodes is not None and documents is not None:
@@ -152,7 +164,7 @@ class EndoRetriever(BaseRetriever):
         given = nodes if nodes is not None else documents
         index = open_index(None if given is None else to_documents(given), persist_dir, method, backbone)
         return cls(index, similarity_top_k, budget, method, filters, return_passages, depth=depth,
-                   read_tokens=read_tokens, **kwargs)
+                   read_tokens=read_tokens, return_document=return_document, **kwargs)
 
     @classmethod
     def from_documents(cls, documents: Sequence[BaseNode], **kwargs) -> "EndoRetriever":
@@ -183,7 +195,8 @@ class EndoRetriever(BaseRetriever):
         """Save the index (atomically) and this retriever's settings into `persist_dir`."""
         self.index.save(persist_dir)
         settings = {"similarity_top_k": self.similarity_top_k, "budget": self.budget, "method": self.method,
-                    "return_passages": self.return_passages, "depth": self.depth, "read_tokens": self.read_tokens}
+                    "return_passages": self.return_passages, "depth": self.depth, "read_tokens": self.read_tokens,
+                    "return_document": self.return_document}
         tmp = Path(persist_dir) / f".{SETTINGS_FILE}.tmp"
         tmp.write_text(json.dumps(settings))
         os.replace(tmp, Path(persist_dir) / SETTINGS_FILE)
@@ -202,7 +215,8 @@ class EndoRetriever(BaseRetriever):
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         k = check_k(self.similarity_top_k, "similarity_top_k")  # checked again: the attribute may have been set
         spans = search_hits(self.index, query_bundle.query_str, k, self.budget, self.method,
-                            metadata_predicate(self.filters), self.return_passages, self.depth, self.read_tokens)
+                            metadata_predicate(self.filters), self.return_passages, self.depth, self.read_tokens,
+                            return_document=self.return_document, progress=self.progress)
         if spans and spans[0].stage_ms:
             dispatcher.event(EndoRetrievalStages(method=self.method, stage_ms=spans[0].stage_ms))
         return [span_node(s, self.return_passages) for s in spans]
