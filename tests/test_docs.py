@@ -1,8 +1,8 @@
-"""The documents hold together: every relative link in the README and docs/ points at a file that exists (and, with
-an anchor, at a heading there), every code file a document names exists, and every file under docs/ is cited by
-something a reader reaches (the README, a doc, the code, the tests or the Makefile), by its path from the repository
-root or from the citing file, so no result is left behind that nothing explains. A bench run writes its JSON, table
-and plots side by side; citing one of them cites the run."""
+"""The documents hold together: every relative link in the README and docs/ points at a file or folder that exists
+(and, with an anchor, at a heading there), every code file a document names exists, and every document under docs/ is
+cited by something a reader reaches (the README, a doc, the code, the tests or the Makefile), by its path from the
+repository root or from the citing file. The measurement records the documents stand on live in bench/results/;
+tests/test_results.py holds them to the documents and to their manifest."""
 from __future__ import annotations
 
 import fnmatch
@@ -17,6 +17,7 @@ DOCS = ROOT / "docs"
 CODE = ["endo_retrieval", "kernels", "integrations", "bench", "examples", "tests", "tools", "Makefile",
         "pyproject.toml"]
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".venv", ".git", "build", ".cache", "bench-out"}
+RECORDS = ROOT / "bench" / "results"  # measurement records, not code: they cite no document
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".ini", ".yml", ".yaml", ".json", ""}
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
@@ -82,6 +83,9 @@ def code_files() -> list[Path]:
             out.append(p)
         elif p.is_dir():
             for dirpath, dirnames, filenames in os.walk(p):
+                if Path(dirpath).resolve() == RECORDS.resolve():
+                    dirnames[:] = []
+                    continue
                 dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")]
                 out += [Path(dirpath) / f for f in filenames if Path(f).suffix in TEXT_SUFFIXES]
     return [p for p in out if p.resolve() != Path(__file__).resolve()]  # this file's examples cite nothing
