@@ -505,7 +505,7 @@ class _Ticker:
 
 def rerank_faster(n: int, read_tokens: int | None) -> str:
     """The reranker's settings that read less, for the hint."""
-    ways = [f"hand the reranker fewer candidates (the first stage's top k; {n} now)"]
+    ways = [f"hand the reranker fewer candidates (the first stage's similarity_top_k or k; {n} now)"]
     if read_tokens is None or read_tokens > READ_TOKENS_HINT:
         ways.append(f"read_tokens={READ_TOKENS_HINT} (each candidate's best {READ_TOKENS_HINT} tokens, as the endo "
                     "pipeline reads them)")
@@ -539,7 +539,7 @@ def pipeline_progress(index, method: str, depth: int | None = None, read_tokens:
         ways.append(f"read_tokens={max(8, pipeline.read_tokens // 2)} (--read-tokens; {pipeline.read_tokens} now)")
     first_stage = getattr(pipeline, "first_stage", None)
     if isinstance(first_stage, str) and first_stage != "bm25":
-        ways.append(f'first_stage="bm25" ({first_stage} now)')
+        ways.append(f'first_stage="bm25" (EndoIndex.search; {first_stage} now)')
     ways.append('or method="bm25" (--method bm25: no model read)')
     what = f"the {method} pipeline's read of {pipeline.depth} candidates x {pipeline.read_tokens} tokens"
     with long_read(backbone, tokens, what, "; ".join(ways), "retrieve", progress):
