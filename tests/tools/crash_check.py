@@ -1,12 +1,14 @@
 """The owner's check from outside, with the real `endo` command and the default model (minutes; not part of pytest).
 
 1. kill -9 at random moments of `endo index --append` into an index, N times: afterwards the index must answer as
-   the old state or the new one (the same question, `endo query --json`).
+   the old state or the new one (the same question, `endo query --json`), `endo info DIR` must say which (the old
+   generation or the next one), and the append run again must finish with the new state and leave nothing beside
+   the index (no `.DIR.old`, temp folder or lock file).
 2. M damaged copies of that index (byte flips, truncation, empty or missing files, header values of the wrong type):
    every `endo query` must exit non-zero with one clean line that says what to do, or answer exactly as the
    undamaged index did.
 
-    .venv/bin/python tests/tools/crash_check.py [--kills 12] [--copies 120] [--seed 0] [--in-process]
+    .venv/bin/python tests/tools/crash_check.py [--kills 15] [--copies 120] [--seed 0] [--in-process]
 
 --in-process runs the queries of part 2 through `endo_retrieval.cli.main` in this process (one model load instead of
 one per query; the exit code is main's return, stderr is captured the same way). Prints a summary; exits 1 on any
@@ -30,14 +32,22 @@ from pathlib import Path
 QUESTION = "Which mineral was found under the bridge?"
 DOC_A = "The Harbour Bridge was finished in 1932. Its granite came from a quarry near Moruya. " * 40
 DOC_B = "Lodzite, a rare green mineral, was found in 1981 under the old stone bridge at Kelso. " * 40
-ENDO = [sys.executable, "-m", "endo_retrieval.cli"]
+ENDO = [sys.executable, "-c", "import sys; from endo_retrieval.cli import main; sys.exit(main())"]  # `endo`
+
+
+def answer(out: str) -> str:
+    """`endo query --json`'s answer without its timings (stage_ms), which differ from run to run."""
+    try:
+        return json.dumps([{k: v for k, v in hit.items() if k != "stage_ms"} for hit in json.loads(out)])
+    except ValueError:
+        return out
 
 
 def query(folder: Path, in_process: bool) -> tuple[int, str, str]:
     args = ["query", str(folder), QUESTION, "--json", "--k", "2"]
     if not in_process:
         run = subprocess.run(ENDO + args, capture_output=True, text=True)
-        return run.returncode, run.stdout, run.stderr
+        return run.returncode, answer(run.stdout), run.stderr
     from endo_retrieval.cli import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -49,7 +59,13 @@ def query(folder: Path, in_process: bool) -> tuple[int, str, str]:
         except BaseException as e:  # noqa: BLE001 - a traceback is a failure of this check
             err.write(f"TRACEBACK {type(e).__name__}: {e}\n")
             rc = 99
-    return rc, out.getvalue(), err.getvalue()
+    return rc, answer(out.getvalue()), err.getvalue()
+
+
+def generation(folder: Path) -> int | None:
+    """The committed generation `endo info DIR --json` reports (None where it fails)."""
+    run = subprocess.run(ENDO + ["info", str(folder), "--json"], capture_output=True, text=True)
+    return json.loads(run.stdout)["generation"] if run.returncode == 0 else None
 
 
 def kills(root: Path, n: int, rng: random.Random) -> list[str]:
@@ -59,7 +75,7 @@ def kills(root: Path, n: int, rng: random.Random) -> list[str]:
     (docs / "b.txt").write_text(DOC_B)
     base = root / "base"
     subprocess.run(ENDO + ["index", str(docs / "a.txt"), "--out", str(base)], check=True, capture_output=True)
-    old = query(base, False)[1]
+    old, old_generation = query(base, False)[1], generation(base)
     t0 = time.monotonic()
     done = root / "done"
     shutil.copytree(base, done)
@@ -72,16 +88,24 @@ def kills(root: Path, n: int, rng: random.Random) -> list[str]:
     for i in range(n):
         work = root / f"kill{i}"
         shutil.copytree(base, work / "ix")
-        proc = subprocess.Popen(ENDO + ["index", str(docs / "b.txt"), "--out", str(work / "ix"), "--append"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        append = ENDO + ["index", str(docs / "b.txt"), "--out", str(work / "ix"), "--append"]
+        proc = subprocess.Popen(append, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(0.3, append_s * 1.1))  # from the model's load to past the save
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        got = query(work / "ix", False)[1]
+        got, said = query(work / "ix", False)[1], generation(work / "ix")
         state = "old" if got == old else "new" if got == new else None
-        print(f"kill {i}: {state or 'NEITHER'}", flush=True)
+        left = sorted(p.name for p in work.iterdir() if p.name != "ix")
+        print(f"kill {i}: {state or 'NEITHER'}, endo info: generation {said}, left {left}", flush=True)
         if state is None:
             failures.append(f"kill {i}: the index answers neither the old nor the new state")
+        elif said != old_generation + (state == "new"):
+            failures.append(f"kill {i}: the index answers the {state} state but `endo info` says generation {said}")
+        again = subprocess.run(append, capture_output=True, text=True)  # the user's retry
+        rest = sorted(p.name for p in work.iterdir())
+        if again.returncode != 0 or query(work / "ix", False)[1] != new or rest != ["ix"]:
+            failures.append(f"kill {i}: the append run again exited {again.returncode} ({again.stderr.strip()[-200:]})"
+                            f", left {rest}, or answers other than the new state")
     return failures
 
 
@@ -133,7 +157,7 @@ def copies(root: Path, n: int, rng: random.Random, in_process: bool) -> list[str
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kills", type=int, default=12)
+    p.add_argument("--kills", type=int, default=15)
     p.add_argument("--copies", type=int, default=120)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in-process", action="store_true", help="part 2's queries in this process")
