@@ -430,6 +430,10 @@ def _timed(backbone, tokens: int, seconds: float) -> None:
         pass
 
 
+def _seconds(s: float) -> str:
+    return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
+
+
 def _hint(kind: str, message: str) -> None:
     if kind not in _hinted:
         _hinted.add(kind)
@@ -455,7 +459,7 @@ def long_read(backbone, tokens: int, what: str, faster: str, kind: str, progress
     expected = expected_seconds(backbone, tokens)
     device = getattr(getattr(backbone, "device", None), "type", None) or "this device"
     if expected is not None and expected > SLOW_S:
-        _hint(kind, f"{what} takes about {expected:.0f} s on this {device.upper() if device == 'cpu' else device}; "
+        _hint(kind, f"{what} takes about {_seconds(expected)} on this {device.upper() if device == 'cpu' else device}; "
                     f"faster: {faster}")
     show = progress_enabled(progress) and (expected is None or expected > SLOW_S / 4)
     bar = _Ticker(tokens, expected, what) if show else None
@@ -468,7 +472,7 @@ def long_read(backbone, tokens: int, what: str, faster: str, kind: str, progress
             bar.close()
     _timed(backbone, tokens, seconds)
     if seconds > SLOW_S and (expected is None or expected <= SLOW_S):
-        _hint(kind, f"{what} took {seconds:.0f} s on this {device.upper() if device == 'cpu' else device}; "
+        _hint(kind, f"{what} took {_seconds(seconds)} on this {device.upper() if device == 'cpu' else device}; "
                     f"faster: {faster}")
 
 

@@ -180,7 +180,7 @@ def test_a_slow_rerank_shows_a_bar_when_asked_and_logs_the_hint_once(tiny, fresh
     assert "reranking 4 passages" in err  # tqdm's bar, on standard error
     hints = [r.getMessage() for r in caplog.records if "faster:" in r.getMessage()]
     assert len(hints) == 1, hints  # once per process, not once per call
-    assert "read_tokens=128" in hints[0] and "fewer candidates" in hints[0] and "top k" in hints[0]
+    assert "read_tokens=128" in hints[0] and "fewer candidates" in hints[0] and "similarity_top_k or k" in hints[0]
     rerank_through_both(tiny, progress=False)
     assert "reranking" not in capsys.readouterr().err
 
