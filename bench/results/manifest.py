@@ -190,7 +190,8 @@ def machine(record: str, data: dict, where: list[str]) -> str:
             named = set()
             for w in where:
                 body = section_text(w)
-                texts = [para for para in re.split(r"\n\s*\n", body) if stem in para] if scope == "paragraph" else [body]
+                paragraphs = [para for para in re.split(r"\n\s*\n", body) if stem in para]
+                texts = paragraphs if scope == "paragraph" else [body]
                 named |= {label for text in texts for token, label in MACHINES[:2] if token.upper() in text}
             if len(named) == 1:
                 return named.pop() + f" (as the citing {scope} says)"

@@ -22,8 +22,8 @@ def exists(cited: str) -> bool:
 
 
 def test_the_citation_finder_sees_what_it_checks():
-    found = cited_files('help="print JSON (the contract in GUIDE.md)"  # docs/papers.md, bench/results/quality/x*.json, '
-                        '.txt/.md files')
+    found = cited_files('help="print JSON (the contract in GUIDE.md)"  # docs/papers.md, '
+                        'bench/results/quality/x*.json, .txt/.md files')
     assert found == ["GUIDE.md", "docs/papers.md", "bench/results/quality/x*.json"]
     assert not exists("GUIDE.md") and exists("README.md") and exists("bench/results/quality/*.json")
     assert not exists("docs/quality/*.json")  # the records live in bench/results/, not in docs/
