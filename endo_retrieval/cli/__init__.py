@@ -219,7 +219,8 @@ def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
 # value (lists, e.g. --depths 10,20, value by value). k: as in the adapters, 0 asks for nothing and gets nothing
 AT_LEAST = {"k": 0, "budget": 1, "budgets": 1, "depth": 1, "depths": 1, "read_tokens": 8, "workers": 1, "limit": 1,
             "context_tokens": 1}
-LEAST_BY_COMMAND = {("train-sae", "k"): 1}  # the SAE's k: latents kept per vector
+# train-sae's k: the SAE's latents kept per vector; mcp's: the default of a search tool that refuses 0 (its search)
+LEAST_BY_COMMAND = {("train-sae", "k"): 1, ("mcp", "k"): 1}
 DEVICE = re.compile(r"(cpu|cuda(:\d+)?|mps)")
 HUB_ID = re.compile(r"[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?/[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?(@\S+)?")
 

@@ -84,7 +84,8 @@ def test_the_checks_take_k_as_each_command_means_it():
     from argparse import Namespace
 
     assert check_arguments(Namespace(command="query", k=0)) is None
-    assert "--k must be a whole number >= 0" in check_arguments(Namespace(command="mcp", k=-1))
+    assert "--k must be a whole number >= 0" in check_arguments(Namespace(command="query", k=-1))
+    assert "--k must be a whole number >= 1" in check_arguments(Namespace(command="mcp", k=0))
     assert "--k must be a whole number >= 1" in check_arguments(Namespace(command="train-sae", k=0))  # SAE's top-k
     assert "--depths must be" in check_arguments(Namespace(command="calibrate-pipeline", depths=[10, 0]))
     assert check_arguments(Namespace(command="info", model="owner/name@main", device="cuda:1")) is None
