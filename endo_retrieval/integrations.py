@@ -520,14 +520,15 @@ def rerank_faster(n: int, read_tokens: int | None) -> str:
 
 @contextmanager
 def pipeline_progress(index, method: str, depth: int | None = None, read_tokens: int | None = None,
-                      progress: bool | None = None) -> Iterator[None]:
+                      progress: bool | None = None, first_stage: str | None = None) -> Iterator[None]:
     """`long_read` around a search whose `endo` pipeline reads candidates with the model (on this process); the
-    hint names depth, read_tokens, the first stage where it is not BM25, and method="bm25" (no model read)."""
+    hint names depth, read_tokens, the first stage where it is not BM25, and method="bm25" (no model read).
+    `depth`, `read_tokens`, `first_stage`: the search's own (None: the index's pipeline as fitted)."""
     backbone = getattr(index, "backbone", None) if isinstance(index, EndoIndex) else None
     if method not in PIPELINE_METHODS or backbone is None:
         yield
         return
-    pipeline = index.pipeline(method, depth, read_tokens)
+    pipeline = index.pipeline(method, depth, read_tokens, *([first_stage] if first_stage is not None else []))
     reads = pipeline.depth
     if getattr(pipeline, "two_hop", False):
         settings = pipeline.two_hop_settings or {}
