@@ -218,7 +218,7 @@ def _join(text: str, spans: list[tuple[int, int]]) -> str:
 
 # The model reads the candidates with the first stage's best last, nearest the question: chosen over the first
 # stage's own order on calib100's gold-only paragraphs (`endo bench rerank --order`: a tie keeping 5 of 20, 230
-# against 226 gold sentences keeping 2; docs/quality/rerank_calib100*.md).
+# against 226 gold sentences keeping 2; bench/results/quality/rerank_calib100*.md).
 RERANK_BEST_LAST = True
 
 

@@ -40,12 +40,16 @@ logger = logging.getLogger(__name__)
 SCHEMA = "endo-bench-corpus/1"
 TOP = 10  # distinct paragraphs ranked per question
 KS = (2, 5, TOP)
-METRICS = (*(f"recall@{k}" for k in KS), *(f"all@{k}" for k in KS), "mrr")
+METRICS = (*(f"recall@{k}" for k in KS), *(f"all@{k}" for k in KS), "mrr", "hit@1", f"ndcg@{TOP}")
 ENDO_SYSTEMS = ("endo", "endo-2hop", "bm25", "s3-hybrid")
+# `endo@bm25`, `endo-2hop@dense`...: a pipeline with that first stage; `stage1@hybrid`: a first stage alone, its
+# candidates in its own order (no model read)
+STAGE_NAMES = ("hybrid", "bm25", "dense")
+STAGED = tuple(f"{m}@{s}" for m in (*PIPELINE_METHODS, "stage1") for s in STAGE_NAMES)
 FIRST_STAGES = ("minilm", "bm25")  # FirstStage kinds, named as the reranker's fitted weights are
 FIRST_STAGE_ROWS = {"llamaindex-bm25": "bm25", "minilm": "minilm"}  # a first stage alone
 RERANKED = ("minilm+reranker", "minilm+heads", "bm25+reranker", "minilm+llmrerank", "bm25+llmrerank")
-SYSTEMS = (*ENDO_SYSTEMS, *FIRST_STAGE_ROWS, *RERANKED)
+SYSTEMS = (*ENDO_SYSTEMS, *FIRST_STAGE_ROWS, *RERANKED, *STAGED)
 CHOICE_BATCH = 10  # LLMRerank's own default: candidates shown to the model per call
 # cl100k_base.tiktoken as tiktoken caches it: the SHA-1 of its download address
 CL100K_FILE = "9b5ad71b2ce5302211f9c61530b329a4922fc6a4"
@@ -59,7 +63,8 @@ WARM_UP = "Which river flows through the old town?"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from endo_retrieval.cli.commands import model_argument
 
-    p.add_argument("--data", required=True, help="HotpotQA PATH.json (supporting facts are the gold)")
+    p.add_argument("--data", required=True, help="HotpotQA PATH.json (supporting facts are the gold), or a "
+                   "BEIR-layout PATH.json[.gz]:SPLIT (relevant documents are the gold; e.g. SciFact's test)")
     p.add_argument("--out", required=True, help="FILE.json; FILE.md is written beside it")
     p.add_argument("--systems", default="", help=f"comma-separated (default all): {', '.join(SYSTEMS)}")
     p.add_argument("--reference", default=REFERENCE, choices=SYSTEMS,
@@ -128,8 +133,8 @@ def score_ranking(ranked: list[str], gold) -> dict:
     the top TOP)."""
     gold = set(gold)
     hits = {f"hits@{k}": sum(t in gold for t in ranked[:k]) for k in KS}
-    rank = next((i + 1 for i, t in enumerate(ranked[:TOP]) if t in gold), None)
-    return {**hits, "first_gold_rank": rank}
+    ranks = [i + 1 for i, t in enumerate(ranked[:TOP]) if t in gold]
+    return {**hits, "first_gold_rank": ranks[0] if ranks else None, "gold_ranks": ranks}
 
 
 def question_metrics(per_question: dict[str, list], gold_counts) -> dict[str, np.ndarray]:
@@ -141,6 +146,11 @@ def question_metrics(per_question: dict[str, list], gold_counts) -> dict[str, np
         hits = np.asarray(per_question[f"hits@{k}"], dtype=np.float64)
         out[f"recall@{k}"], out[f"all@{k}"] = hits / gold, (hits == gold).astype(np.float64)
     out["mrr"] = np.array([0.0 if r is None else 1.0 / r for r in per_question["first_gold_rank"]])
+    out["hit@1"] = np.array([float(r == 1) for r in per_question["first_gold_rank"]])
+    if "gold_ranks" in per_question:  # nDCG@TOP, binary gain (BEIR's): results written before it lack the ranks
+        ideal = np.array([sum(1 / np.log2(i + 2) for i in range(min(int(g), TOP))) for g in gold])
+        out[f"ndcg@{TOP}"] = np.array([sum(1 / np.log2(r + 1) for r in ranks)
+                                       for ranks in per_question["gold_ranks"]]) / ideal
     return out
 
 
@@ -164,9 +174,12 @@ class EndoSpans(Row):
     """`EndoRetriever` with one method. It returns one hit per node, the node's best passage or span, under the
     node's own id (also in metadata["doc_id"]): that id is the paragraph."""
 
-    def __init__(self, method: str, bb, depth: int | None = None, read_tokens: int | None = None):
-        self.name, self.method, self.bb = method, method, bb
-        self.knobs = {"depth": depth, "read_tokens": read_tokens} if method in PIPELINE_METHODS else {}
+    def __init__(self, name: str, bb, depth: int | None = None, read_tokens: int | None = None):
+        self.name, self.bb = name, bb
+        self.method, _, first_stage = name.partition("@")
+        self.knobs = {"depth": depth, "read_tokens": read_tokens} if self.method in PIPELINE_METHODS else {}
+        if first_stage:
+            self.knobs["first_stage"] = first_stage
 
     def load(self, shared: dict) -> None:
         pass  # the backbone is loaded before any system
@@ -190,6 +203,32 @@ def _stage_ms(found: list) -> dict[str, float]:
         if isinstance(stages, dict):
             return {str(k): float(v) for k, v in stages.items()}
     return {}
+
+
+class Stage1(Row):
+    """The `endo` pipeline's first stage alone (`stage1@hybrid`, `@bm25`, `@dense`): its candidates in its own
+    order, one per paragraph, nothing read by the model."""
+
+    def __init__(self, name: str, bb):
+        self.name, self.bb, self.stage = name, bb, name.partition("@")[2]
+
+    def load(self, shared: dict) -> None:
+        pass
+
+    def build(self, nodes: list, shared: dict) -> None:
+        from endo_retrieval.methods.search import Document, EndoIndex
+
+        self.index = EndoIndex(self.bb, "endo", first_stage="bm25" if self.stage == "bm25" else "hybrid")
+        self.index.add_documents([Document(n.node_id, n.get_content()) for n in nodes])
+        self.pipeline = self.index.pipeline("endo", first_stage=self.stage)
+
+    def ask(self, question: str) -> tuple[list[str], dict[str, float]]:
+        corpus, passages = self.index.corpus, self.index.passages()
+        start = time.perf_counter()
+        top, _ = self.pipeline.candidates(corpus, passages, question, depth=4 * TOP)
+        ids = corpus.locate(passages.starts[top])[0]
+        docs = [d.doc_id for d in corpus.documents()]
+        return distinct(docs[i] for i in ids), {"first_stage": 1e3 * (time.perf_counter() - start)}
 
 
 class FirstStage:
@@ -321,7 +360,9 @@ class Unavailable(RuntimeError):
 
 
 def make_system(name: str, args, bb) -> Row:
-    if name in ENDO_SYSTEMS:
+    if name.startswith("stage1@"):
+        return Stage1(name, bb)
+    if name in ENDO_SYSTEMS or name in STAGED:
         return EndoSpans(name, bb, args.depth, args.read_tokens)
     if name in FIRST_STAGE_ROWS:
         return Retrieved(name, FirstStage(FIRST_STAGE_ROWS[name], TOP))
@@ -398,7 +439,7 @@ def measure(system, nodes: list, items: list[dict], titles_of: dict[str, str], s
     system.ask(WARM_UP)
     index_s = time.perf_counter() - start + system.reused_s
     system.reset()
-    per_question = {**{f"hits@{k}": [] for k in KS}, "first_gold_rank": [], "query_ms": []}
+    per_question = {**{f"hits@{k}": [] for k in KS}, "first_gold_rank": [], "gold_ranks": [], "query_ms": []}
     stage_ms: dict[str, list[float]] = {}
     for item in tqdm(items, desc=f"corpus {system.name}", unit="question", disable=None):
         with counting_forwards(bb) if bb is not None else nullcontext([None]) as forwards:
@@ -445,9 +486,10 @@ def add_intervals(rows: list[dict], gold_counts: list[int], reference: str | Non
         if "skipped" in row:
             continue
         mine = values[row["system"]]
-        row.update({m: interval(bootstrap_ci(mine[m], seed, RESAMPLES)) for m in METRICS})
+        row.update({m: interval(bootstrap_ci(mine[m], seed, RESAMPLES)) for m in METRICS if m in mine})
         row["diff"] = {} if reference is None else {
-            m: interval(paired_diff_ci(mine[m], values[reference][m], seed, RESAMPLES)) for m in METRICS}
+            m: interval(paired_diff_ci(mine[m], values[reference][m], seed, RESAMPLES)) for m in METRICS
+            if m in mine and m in values[reference]}
         if types is not None and len(set(types)) > 1:
             row["by_type"] = by_type(mine, values.get(reference), types, seed)
 
@@ -487,7 +529,7 @@ def pick_reference(asked: str, rows: list[dict]) -> str | None:
 
 
 def run(args) -> int:
-    from endo_retrieval.calibration.datasets import hotpotqa_corpus
+    from endo_retrieval.calibration.datasets import corpus_questions
 
     systems = parse_systems(args.systems)
     if args.candidates < TOP:
@@ -500,7 +542,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     wall = time.perf_counter()
     use_shipped_tiktoken_cache()
-    titles, texts, items = hotpotqa_corpus(args.data, args.limit)
+    titles, texts, items = corpus_questions(args.data, args.limit)
     no_gold = [it["_id"] for it in items if not it["supporting_facts"]]
     items = [it for it in items if it["supporting_facts"]]  # recall is undefined without gold
     if not items:
@@ -606,7 +648,7 @@ def cell(ci: dict | None, signed: bool = False) -> str:
 def markdown(result: dict) -> str:
     cfg, rows = result["config"], result["rows"]
     measured = [r for r in rows if "skipped" not in r]
-    names = [m.replace("mrr", "MRR") for m in METRICS]
+    names = [m.replace("mrr", "MRR").replace("ndcg", "nDCG") for m in METRICS]
     lines = [f"Corpus retrieval: {cfg['corpus_paragraphs']} paragraphs of `{cfg['data']}` pooled, "
              f"{cfg['n_questions']} questions, model {cfg['model'] or '–'}; wall time {cfg['wall_s']} s. "
              f"Cells: mean [95% bootstrap interval over questions, {cfg['bootstrap']['resamples']} resamples, "
@@ -615,7 +657,7 @@ def markdown(result: dict) -> str:
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in measured:
         q = r["latency_ms"]["query"]
-        lines.append(f"| {r['system']} | {r['n']} | " + " | ".join(cell(r[m]) for m in METRICS)
+        lines.append(f"| {r['system']} | {r['n']} | " + " | ".join(cell(r.get(m)) for m in METRICS)
                      + f" | {q['p50']:.1f} / {q['p95']:.1f} | {r['index_s']:.2f} |")
     counted = [r for r in measured if "forwards_per_question" in r]
     if counted:
@@ -630,7 +672,7 @@ def markdown(result: dict) -> str:
         lines += ["", f"Difference to `{cfg['reference']}` (row minus reference; paired bootstrap 95% interval):",
                   "", "| system | " + " | ".join(f"Δ {n}" for n in names) + " |", "|" + "---|" * (len(names) + 1)]
         lines += [f"| {r['system']} | " + (" | ".join(["reference"] * len(METRICS)) if r["system"] == cfg["reference"]
-                                           else " | ".join(cell(r["diff"][m], signed=True) for m in METRICS)) + " |"
+                                           else " | ".join(cell(r["diff"].get(m), signed=True) for m in METRICS)) + " |"
                   for r in measured]
     typed = [r for r in measured if r.get("by_type")]
     if typed:

@@ -10,6 +10,7 @@ files; nothing downloads.
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import logging
 import math
@@ -343,3 +344,37 @@ def hotpotqa_corpus(path: str | Path, limit: int | None = None) -> tuple[list[st
         for title, sentences in item["context"]:
             pool.setdefault(title, render_paragraph(title, sentences))
     return list(pool), list(pool.values()), items[:limit]
+
+
+BEIR_SPLITS = ("train", "dev", "test")
+
+
+def corpus_questions(spec: str | Path, limit: int | None = None) -> tuple[list[str], list[str], list[dict]]:
+    """(titles, texts, questions) of a corpus-retrieval set, in `hotpotqa_corpus`'s shape: a HotpotQA JSON file, or
+    a BEIR-layout file (`{"corpus": [{id, title, text}], "queries": {split: [{id, text, relevant}]}}`, gzip or not,
+    as ../shared/data/scifact/ holds SciFact) named `PATH:SPLIT` (default split: test). A BEIR document's title is
+    its id (ids are unique where titles need not be) and its text the title, a new line, the abstract; a
+    question's gold are its relevant ids, as `supporting_facts` [[id, 0], ...], and its `type` the file's name."""
+    path, _, split = str(spec).partition(":") if not Path(str(spec)).exists() else (str(spec), "", "")
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise DataError(f"{spec}: cannot read it as a JSON corpus-retrieval set ({err})") from None
+    if isinstance(data, list):
+        if split:
+            raise DataError(f"{spec}: a HotpotQA file has no splits; pass the path alone")
+        return hotpotqa_corpus(path, limit)
+    if not (isinstance(data, dict) and isinstance(data.get("corpus"), list) and isinstance(data.get("queries"), dict)):
+        raise DataError(f"{spec}: neither a HotpotQA list nor a BEIR-layout object with 'corpus' and 'queries'")
+    split = split or "test"
+    if split not in data["queries"]:
+        raise DataError(f"{spec}: no split {split!r}; the file holds {', '.join(sorted(data['queries']))}")
+    titles = [str(d["id"]) for d in data["corpus"]]
+    texts = [f"{d.get('title') or ''}\n{d['text']}".strip() for d in data["corpus"]]
+    name = path.name.split(".")[0]
+    questions = [{"_id": str(q["id"]), "question": q["text"], "answer": "", "type": name,
+                  "supporting_facts": [[str(r), 0] for r in q["relevant"]]} for q in data["queries"][split]]
+    return titles, texts, questions[:limit]

@@ -175,3 +175,100 @@ def write_json(profile: dict, out: Path) -> None:
     tmp = Path(out).with_suffix(".tmp")
     tmp.write_text(json.dumps(profile, indent=1))
     tmp.replace(out)
+
+
+# --------------------------------------------------------------------- a first stage with the dense embedder
+
+SHARES = tuple(round(0.1 * i, 1) for i in range(11))  # the dense ranking's share of stage 1's fusion, tried
+FIRST_STAGE_SCORES = ("bm25", "dense", "heads", "hop2")
+
+
+def stage1_coverage(index: EndoIndex, questions: list[dict], depth: int, shares) -> dict[float, float]:
+    """{share: mean share of each question's gold documents among the documents of stage 1's `depth` candidates
+    when the dense ranking weighs `share`}: what the model can rank at all, whatever it reads. Each question's two
+    rankings are computed once for every share."""
+    from endo_retrieval.index.dense import embed
+    from endo_retrieval.methods.pipeline import fused_top
+    from endo_retrieval.scoring.bm25 import words
+
+    corpus, passages = index.corpus, index.passages()
+    doc_of = corpus.locate(passages.starts)[0]
+    docs = [d.doc_id for d in corpus.documents()]
+    asked = embed(passages.dense.embedder, [q["question"] for q in questions], passages.dense.device)
+    found = {s: [] for s in shares}
+    for q, vector in zip(questions, asked):
+        query = words(q["question"])
+        bm25 = passages.bm25.get_scores(query) if query else np.zeros(len(passages))
+        dense = np.asarray(passages.vectors @ vector, np.float64)
+        gold = {t for t, _ in q["supporting_facts"]}
+        for s in shares:
+            got = {docs[i] for i in doc_of[fused_top(bm25, dense, s, depth)]}
+            found[s].append(len(gold & got) / len(gold))
+    return {s: float(np.mean(v)) for s, v in found.items()}
+
+
+def fit_first_stage(bb, sets: dict[str, tuple[list[str], list[str], list[dict]]], first_stage: str = "hybrid",
+                    heads=None, progress=None) -> dict:
+    """The profile's `first_stages` entry for `first_stage` ("hybrid" or "dense"), fitted on labelled sets
+    {name: (titles, texts, questions)} at the model's fitted depth, reading and order (its BM25 setting): the dense
+    share that covers the most gold in stage 1's candidates (each set weighing the same; ties: the nearer to an
+    even share), then the fusion weights of BM25's score, the cosine, the heads' and the second read's, fitted as
+    `fit` does (the mean of recall@2 and @5, each set weighing the same; BM25 and the cosine alone are corners)."""
+    base = EndoPipeline(bb, first_stage="bm25", heads=heads)
+    pipe = EndoPipeline(bb, first_stage=first_stage, depth=base.depth, read_tokens=base.read_tokens,
+                        best_last=base.best_last, weights=dict.fromkeys(FIRST_STAGE_SCORES, 1.0), heads=heads)
+    indexes = {}
+    for name, (titles, texts, _) in sets.items():
+        indexes[name] = EndoIndex(bb, method="endo", first_stage="hybrid")
+        indexes[name].add_documents([Document(t, p) for t, p in zip(titles, texts)])
+    shares = SHARES if first_stage == "hybrid" else (1.0,)
+    by_set = {name: stage1_coverage(indexes[name], q, pipe.depth, shares) for name, (_, _, q) in sets.items()}
+    coverage = {s: {name: by_set[name][s] for name in sets} for s in shares}
+    share = max(shares, key=lambda s: (round(float(np.mean(list(coverage[s].values()))), 4), -abs(s - 0.5)))
+    pipe.dense_share = share
+    items = {}
+    for name, (titles, texts, questions) in sets.items():
+        corpus, passages = indexes[name].corpus, indexes[name].passages()
+        doc_of = {int(p): corpus.span_text(int(p), int(p) + 1)[0] for p in passages.starts}
+        items[name] = []
+        for q in steps(questions, f"{name}: reading ({first_stage}, share {share})", progress):
+            got = _stage(pipe, corpus, passages, q["question"], doc_of)
+            items[name].append(({s: got[s] for s in FIRST_STAGE_SCORES if s in got}, [str(d) for d in got["docs"]],
+                                {t for t, _ in q["supporting_facts"]}))
+    grid = sorted(simplex(list(FIRST_STAGE_SCORES), 0.1), key=lambda w: (-max(w.values()), -w["bm25"]))
+
+    def score(w):
+        per_set = [objective(its, w) for its in items.values()]
+        return float(np.mean([(r[2] + r[5]) / 2 for r in per_set])), per_set
+
+    best = max(grid, key=lambda w: score(w)[0])  # max keeps the first of equals: the simpler corner
+    recall = {name: {f"@{k}": round(v, 4) for k, v in r.items()} for name, r in zip(items, score(best)[1])}
+    stage1 = {name: {f"@{k}": round(v, 4) for k, v in objective(its, {"bm25": 1.0} if first_stage == "bm25" else
+                                                                  {"bm25": 1 - share, "dense": share}).items()}
+              for name, its in items.items()}
+    return {"dense_share": share, "weights": best,
+            "fit": {"data": list(sets), "n_questions": {n: len(s[2]) for n, s in sets.items()},
+                    "depth": pipe.depth, "read_tokens": pipe.read_tokens, "best_last": pipe.best_last,
+                    "stage1_coverage": {str(s): c for s, c in coverage.items()}, "recall": recall,
+                    "stage_scores_fused_alone": stage1}}
+
+
+def run_first_stage(args) -> dict:
+    """`endo calibrate-pipeline --first-stage hybrid --data A --data B`: fit the entry, write it into the profile
+    and make that first stage the model's default."""
+    from endo_retrieval.calibration.datasets import corpus_questions
+
+    start = time.perf_counter()
+    bb = Backbone.of(args.model, device=args.device)
+    out = Path(args.out) if args.out else heads_profile_path(bb)
+    profile = json.loads(out.read_text()) if out.exists() else {}
+    sets = {Path(str(d).split(":")[0]).name + (":" + str(d).split(":")[1] if ":" in str(d) else ""):
+            corpus_questions(d, args.limit) for d in args.data}
+    entry = fit_first_stage(bb, sets, args.first_stage, heads=profile.get("heads"))
+    entry["fit"]["wall_s"] = round(time.perf_counter() - start, 1)
+    section = profile.setdefault("pipeline", {})
+    section.setdefault("first_stages", {})[args.first_stage] = entry
+    section["first_stage"] = args.first_stage
+    write_json(profile, out)
+    print(json.dumps({k: v for k, v in entry.items() if k != "fit"} | {"recall": entry["fit"]["recall"]}))
+    return profile

@@ -104,8 +104,13 @@ def heads_add_arguments(p: argparse.ArgumentParser) -> None:
 
 def pipeline_add_arguments(p: argparse.ArgumentParser) -> None:
 
-    p.add_argument("--data", required=True, help="HotpotQA-layout JSON with gold supporting facts (e.g. fit300.json)")
+    p.add_argument("--data", required=True, action="append",
+                   help="HotpotQA-layout JSON with gold supporting facts (e.g. fit300.json); with --first-stage, "
+                        "repeat it for each set to fit on (a BEIR-layout PATH:SPLIT too, e.g. SciFact's train)")
     p.add_argument("--limit", type=int, default=None, help="first N questions (the corpus is every paragraph)")
+    p.add_argument("--first-stage", choices=("hybrid", "dense"), default=None,
+                   help="fit that first stage's entry (its dense share and fusion weights, at the model's fitted "
+                        "depth and reading) on every --data set and make it the model's default")
     p.add_argument("--depths", type=int_list, default=[10, 20, 30], help="candidate depths to try (default 10,20,30)")
     p.add_argument("--read-tokens", type=int_list, default=[64, 128, 256],
                    help="tokens read per candidate to try (default 64,128,256)")
@@ -120,8 +125,16 @@ def pipeline_add_arguments(p: argparse.ArgumentParser) -> None:
     model_argument(p)
 
 
-train_sae_run, train_phi_run, ilre_run, heads_run, pipeline_run = (train_sae.run, train_phi.run, ilre.run, heads.run,
-                                                                   pipeline.run)
+def pipeline_run(args):
+    if args.first_stage:
+        return pipeline.run_first_stage(args)
+    if len(args.data) > 1:
+        raise ValueError("One --data set fits the depth, reading and BM25 weights; several are for --first-stage.")
+    args.data = args.data[0]
+    return pipeline.run(args)
+
+
+train_sae_run, train_phi_run, ilre_run, heads_run = train_sae.run, train_phi.run, ilre.run, heads.run
 ARGUMENTS = {"train-sae": train_sae_add_arguments, "calibrate-ilre": ilre_add_arguments}
 
 

@@ -50,7 +50,7 @@ HANDOFF_TOKENS = SEGMENT_TOKENS  # features kept on the accelerator before one c
 # is one index segment, which queries read without a merge
 AHEAD_PIECES = 2 * PIECES_PER_BATCH  # pieces tokenised ahead of the stream: the next batch while one is streamed
 # indexed positions from which a CUDA backbone sums [S3 Eq. 9] on the accelerator: below, the host's sum is as fast
-# (docs/perf/perf_h100_query_s8.json; docs/papers.md, queries)
+# (bench/results/perf/perf_h100_query_s8.json; docs/papers.md, queries)
 SCORE_ON_ACCELERATOR = 1 << 18
 
 

@@ -8,7 +8,7 @@ replayed, so the graph never reads a host value. Without CUDA, or with `graph=Fa
 twin the tests hold the graph against.
 
 The step's attention is not SDPA: with the mask a static cache needs, SDPA takes a kernel that does not split the
-keys, and a long context's step was many times slower (`docs/perf/perf_h200_e2e_graph_tried.json`).
+keys, and a long context's step was many times slower (`bench/results/perf/perf_h200_e2e_graph_tried.json`).
 `grouped_decode_attention` reads the cache once, as matmuls: each KV head's query heads against every slot (the
 unfilled ones masked), then weights . V in splits of SPLIT slots side by side.
 """

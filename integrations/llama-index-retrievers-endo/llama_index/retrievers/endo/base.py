@@ -130,7 +130,7 @@ class EndoRetriever(BaseRetriever):
                  method: str = DEFAULT_METHOD, filters: MetadataFilters | None = None,
                  return_passages: bool = False, callback_manager: CallbackManager | None = None,
                  verbose: bool = False, depth: int | None = None, read_tokens: int | None = None,
-                 return_document: bool = False, progress: bool | None = None):
+                 return_document: bool = False, progress: bool | None = None, first_stage: str | None = None):
         check_k(similarity_top_k, "similarity_top_k")  # 0 is allowed and retrieves nothing
         index.check_method(method)  # a method the index cannot serve fails here, not at the first query
         self.index = index
@@ -146,7 +146,9 @@ class EndoRetriever(BaseRetriever):
         self.progress = progress
         # the pipeline's time against its recall: candidates the model reads, tokens read of each (None: fitted)
         self.depth, self.read_tokens = depth, read_tokens
-        check_pipeline_settings(index, method, depth, read_tokens)
+        # the pipeline's candidates: "hybrid" (BM25 and the index's embedder), "bm25", "dense"; None: the fitted one
+        self.first_stage = first_stage
+        check_pipeline_settings(index, method, depth, read_tokens, first_stage)
         metadata_predicate(filters)  # an unsupported operator fails here
         super().__init__(callback_manager=callback_manager, verbose=verbose)
 
@@ -156,15 +158,18 @@ class EndoRetriever(BaseRetriever):
                       budget: int | None = None, method: str = DEFAULT_METHOD, backbone=None,
                       filters: MetadataFilters | None = None, return_passages: bool = False,
                       depth: int | None = None, read_tokens: int | None = None, return_document: bool = False,
-                      **kwargs) -> "EndoRetriever":
+                      first_stage: str | None = None, embedder: str | None = None, **kwargs) -> "EndoRetriever":
         """Index `nodes` or `documents` (whole documents are fine: evidence is cut to sentences at query time),
-        or load `persist_dir` when given alone. With both, the new index is saved to the (empty) persist_dir."""
+        or load `persist_dir` when given alone. With both, the new index is saved to the (empty) persist_dir.
+        `first_stage="bm25"` builds an index without passage embeddings; `embedder`: the sentence-transformers
+        model of the dense stage (default all-MiniLM-L6-v2, bundled; a loaded index refuses another)."""
         if nodes is not None and documents is not None:
             raise ValueError("Pass nodes or documents, not both.")
         given = nodes if nodes is not None else documents
-        index = open_index(None if given is None else to_documents(given), persist_dir, method, backbone)
+        index = open_index(None if given is None else to_documents(given), persist_dir, method, backbone,
+                           first_stage if given is not None else None, embedder)
         return cls(index, similarity_top_k, budget, method, filters, return_passages, depth=depth,
-                   read_tokens=read_tokens, return_document=return_document, **kwargs)
+                   read_tokens=read_tokens, return_document=return_document, first_stage=first_stage, **kwargs)
 
     @classmethod
     def from_documents(cls, documents: Sequence[BaseNode], **kwargs) -> "EndoRetriever":
@@ -196,6 +201,7 @@ class EndoRetriever(BaseRetriever):
         self.index.save(persist_dir)
         settings = {"similarity_top_k": self.similarity_top_k, "budget": self.budget, "method": self.method,
                     "return_passages": self.return_passages, "depth": self.depth, "read_tokens": self.read_tokens,
+                    "first_stage": self.first_stage,
                     "return_document": self.return_document}
         tmp = Path(persist_dir) / f".{SETTINGS_FILE}.tmp"
         tmp.write_text(json.dumps(settings))
@@ -216,7 +222,8 @@ class EndoRetriever(BaseRetriever):
         k = check_k(self.similarity_top_k, "similarity_top_k")  # checked again: the attribute may have been set
         spans = search_hits(self.index, query_bundle.query_str, k, self.budget, self.method,
                             metadata_predicate(self.filters), self.return_passages, self.depth, self.read_tokens,
-                            return_document=self.return_document, progress=self.progress)
+                            return_document=self.return_document, progress=self.progress,
+                            first_stage=self.first_stage)
         if spans and spans[0].stage_ms:
             dispatcher.event(EndoRetrievalStages(method=self.method, stage_ms=spans[0].stage_ms))
         return [span_node(s, self.return_passages) for s in spans]
