@@ -10,9 +10,15 @@ text the model did not write as one.
 
 Decoding is greedy unless `temperature` is above 0; then the model's generate samples at that temperature (seed
 torch, `torch.manual_seed`, for repeatable samples). Attention backends decode greedily and refuse a temperature.
+An answer ends at the chat template's end-of-turn token, at a `stop` sequence (the model stops there too), or where
+it starts repeating itself (`stop_on_repeat`); `stream` yields the text as the tokens come. `compress_to=T`
+compresses a longer prompt's context first (a long prompt's prefill dominates on a CPU). What happened (prompt
+tokens, compression and its seconds, seconds to the first token, new tokens, why it stopped) is in the message's
+`response_metadata["generation"]`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any, Callable, Iterator, Sequence
 
@@ -28,6 +34,13 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from endo_retrieval.attention import get_backend
 from endo_retrieval.model.backbone import Backbone
+
+# A RAG answer is a sentence or a short paragraph: on HotpotQA questions the default model's answers that end by
+# themselves take at most ~60 tokens (docs/generation.md), and on a CPU every new token costs a forward of the
+# model, so 128 bounds the time of an answer that would not end while leaving room for a few sentences.
+DEFAULT_MAX_NEW_TOKENS = 128
+# an answer ends before repeating a run of this many tokens (about six words) or a sentence it already wrote
+DEFAULT_STOP_ON_REPEAT = 8
 
 
 def _text(message: BaseMessage) -> str:
@@ -64,12 +77,21 @@ class ChatEndo(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    max_new_tokens: int = Field(default=256, gt=0)
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0)
     temperature: float | None = Field(default=None, ge=0, description="None or 0: greedy (the default); above 0: "
                                       "sample at this temperature (also `invoke(..., temperature=...)`)")
     backbone: Any = Field(default=None, exclude=True, repr=False)
     attention: Any = Field(default=None, description="None (the model's own attention) or a decode-time backend: "
                            "'reattention', 'prhs', 'completion', 'dense', or an instance such as ReAttention()")
+    stop_on_repeat: int = Field(default=DEFAULT_STOP_ON_REPEAT, ge=0, description="the answer ends before it repeats "
+                                "a run of this many tokens or a sentence it already wrote (0: off)")
+    repetition_penalty: float = Field(default=1.0, gt=0, description="transformers' repetition penalty over the "
+                                      "answer's own tokens (1: none)")
+    no_repeat_ngram_size: int = Field(default=0, ge=0, description="transformers' n-gram block over the answer's own "
+                                      "tokens: no n-gram of this size twice (0: none)")
+    compress_to: int | None = Field(default=None, gt=0, description="a prompt longer than this many tokens has its "
+                                    "context compressed first (endo_retrieval.compress); None: never")
+    compress_method: str | None = Field(default=None, description="the compression method (None: the default)")
     _backbone: Backbone = PrivateAttr()
 
     def model_post_init(self, __context: Any) -> None:
@@ -129,16 +151,38 @@ class ChatEndo(BaseChatModel):
                 "type": "tool_call"}
         return AIMessage(content="", tool_calls=[call])
 
+    def _pieces(self, messages: list[BaseMessage], stop: list[str] | None, stats: dict, **kwargs: Any
+                ) -> Iterator[str]:
+        """The answer's text as it comes, up to the first stop sequence (closing the model's stream there)."""
+        options = dict(stop_on_repeat=self.stop_on_repeat or None, compress_to=self.compress_to,
+                       compress_method=self.compress_method, stats=stats)
+        if self.repetition_penalty != 1.0:
+            options["repetition_penalty"] = self.repetition_penalty
+        if self.no_repeat_ngram_size:
+            options["no_repeat_ngram_size"] = self.no_repeat_ngram_size
+        sampling = self._sampling(kwargs.get("temperature", self.temperature))
+        pieces = self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=True,
+                                         attention=get_backend(self.attention), **sampling, **options)
+        text = ""
+        with contextlib.closing(pieces):
+            for piece in pieces:
+                kept = _cut_at_stop(text + piece, stop)[len(text):]
+                text += kept
+                if kept:
+                    yield kept
+                if len(kept) < len(piece):  # a stop sequence began in this piece
+                    stats["stopped"] = "stop_sequence"
+                    break
+
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, tools: list[dict] | None = None,
                   tool_choice: str | None = None, **kwargs: Any) -> ChatResult:
         message = self._tool_call(messages, tools, tool_choice)
+        stats: dict = {}
         if message is None:
-            text = self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens,
-                                           attention=get_backend(self.attention),
-                                           **self._sampling(kwargs.get("temperature", self.temperature)))
-            message = AIMessage(content=_cut_at_stop(text, stop))
-        return ChatResult(generations=[ChatGeneration(message=message)])
+            text = "".join(self._pieces(messages, stop, stats, **kwargs))
+            message = AIMessage(content=text, response_metadata={"generation": stats})
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info=stats or None)])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, tools: list[dict] | None = None,
@@ -149,18 +193,14 @@ class ChatEndo(BaseChatModel):
                 {"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": 0}
                 for c in call.tool_calls]))
             return
-        text = ""
-        sampling = self._sampling(kwargs.get("temperature", self.temperature))
-        for piece in self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=True,
-                                             attention=get_backend(self.attention), **sampling):
-            kept = _cut_at_stop(text + piece, stop)[len(text):]
-            text += kept
-            if kept:
-                if run_manager:
-                    run_manager.on_llm_new_token(kept)
-                yield ChatGenerationChunk(message=AIMessageChunk(content=kept))
-            if len(kept) < len(piece):  # a stop sequence began in this piece
-                break
+        stats: dict = {}
+        for piece in self._pieces(messages, stop, stats, **kwargs):
+            if run_manager:
+                run_manager.on_llm_new_token(piece)
+            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        # the last chunk carries what happened, as chat models put their finish reason in a last empty chunk
+        yield ChatGenerationChunk(message=AIMessageChunk(content="", response_metadata={"generation": stats}),
+                                  generation_info=stats)
 
 
 __all__ = ["ChatEndo", "to_chat"]
