@@ -86,10 +86,10 @@ def generate(backbone, prompt_or_messages, max_new_tokens: int = 64, stream: boo
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, attention_mask=torch.ones_like(ids),
                       pad_token_id=backbone.tokenizer.eos_token_id, eos_token_id=sorted(backbone.eos_ids()),
                       **gen_kwargs)
-        if processors:
+        if processors:  # before the caller's own, as generate puts its built-in processors before them
             from transformers import LogitsProcessorList
 
-            kwargs["logits_processor"] = LogitsProcessorList(processors)
+            kwargs["logits_processor"] = LogitsProcessorList(processors + list(gen_kwargs.get("logits_processor", [])))
         if not do_sample:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         tokens = hf_tokens(backbone, ids, kwargs)
@@ -310,7 +310,7 @@ def answer_ids(backbone, tokens: Iterator[int], guard: RepeatStop | None, stats:
     arrives (a repeat found later takes them back), so a stream never shows the start of a repeat."""
     eos, hold = backbone.eos_ids(), guard.ngram if guard else 0
     start, answer, shown, stopped = time.perf_counter(), [], 0, "max_new_tokens"
-    with contextlib.closing(tokens):
+    with _closing(tokens):
         for token in tokens:
             if "first_token_s" not in stats:
                 stats["first_token_s"] = round(time.perf_counter() - start, 3)
@@ -335,6 +335,16 @@ def answer_ids(backbone, tokens: Iterator[int], guard: RepeatStop | None, stats:
              len(answer), stats["prompt_tokens"], stats["seconds"], stats.get("first_token_s", 0.0), stopped)
 
 
+@contextlib.contextmanager
+def _closing(tokens: Iterator):
+    """Close a token source (a generator: its model stops) when its reader is done with it, however that ends."""
+    try:
+        yield tokens
+    finally:
+        if hasattr(tokens, "close"):
+            tokens.close()
+
+
 def _hint_long_prompt(backbone, stats: dict, compressed: bool) -> None:
     if backbone.device.type != "cpu" or compressed or stats["prompt_tokens"] <= LONG_CPU_PROMPT \
             or backbone.model_id in _hinted:
@@ -350,7 +360,7 @@ def text_pieces(tokenizer, tokens: Iterator[int]) -> Iterator[str]:
     half-done; white space at either end is held back until text follows it, so the pieces join to the stripped
     answer that the call without stream returns."""
     seen, emitted = [], ""
-    with contextlib.closing(tokens):
+    with _closing(tokens):
         for token in tokens:
             seen.append(token)
             text = tokenizer.decode(seen, skip_special_tokens=True).strip()

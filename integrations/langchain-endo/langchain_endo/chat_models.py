@@ -72,6 +72,12 @@ def _cut_at_stop(text: str, stop: list[str] | None) -> str:
     return text[:min(cuts)] if cuts else text
 
 
+def _stop_prefix(text: str, stop: list[str] | None) -> int:
+    """The length of the longest end of `text` that begins some stop sequence."""
+    return max((n for s in stop or () for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])),
+               default=0)
+
+
 class ChatEndo(BaseChatModel):
     """The endo backbone (SmolLM2-135M-Instruct unless another is given) as a LangChain chat model."""
 
@@ -163,16 +169,22 @@ class ChatEndo(BaseChatModel):
         sampling = self._sampling(kwargs.get("temperature", self.temperature))
         pieces = self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=True,
                                          attention=get_backend(self.attention), **sampling, **options)
-        text = ""
+        held = ""  # text that may be the start of a stop sequence, shown once the next pieces say it is not
         with contextlib.closing(pieces):
             for piece in pieces:
-                kept = _cut_at_stop(text + piece, stop)[len(text):]
-                text += kept
-                if kept:
-                    yield kept
-                if len(kept) < len(piece):  # a stop sequence began in this piece
+                held += piece
+                cut = _cut_at_stop(held, stop)
+                if len(cut) < len(held):  # a stop sequence: the answer ends before it
+                    if cut:
+                        yield cut
                     stats["stopped"] = "stop_sequence"
-                    break
+                    return
+                keep = _stop_prefix(held, stop)
+                if len(held) > keep:
+                    yield held[:len(held) - keep]
+                    held = held[len(held) - keep:]
+        if held:
+            yield held
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, tools: list[dict] | None = None,
@@ -182,7 +194,7 @@ class ChatEndo(BaseChatModel):
         if message is None:
             text = "".join(self._pieces(messages, stop, stats, **kwargs))
             message = AIMessage(content=text, response_metadata={"generation": stats})
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info=stats or None)])
+        return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, tools: list[dict] | None = None,
@@ -198,9 +210,8 @@ class ChatEndo(BaseChatModel):
             if run_manager:
                 run_manager.on_llm_new_token(piece)
             yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
-        # the last chunk carries what happened, as chat models put their finish reason in a last empty chunk
-        yield ChatGenerationChunk(message=AIMessageChunk(content="", response_metadata={"generation": stats}),
-                                  generation_info=stats)
+        # a last empty chunk carries what happened, as chat models put their finish reason in one
+        yield ChatGenerationChunk(message=AIMessageChunk(content="", response_metadata={"generation": stats}))
 
 
 __all__ = ["ChatEndo", "to_chat"]
