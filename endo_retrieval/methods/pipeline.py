@@ -44,9 +44,6 @@ DEFAULTS = {"depth": 20, "read_tokens": 128, "best_last": True, "weights": {"bm2
 FIRST_STAGES = ("hybrid", "bm25", "dense")
 DENSE_SHARE = {"hybrid": 0.5, "bm25": 0.0, "dense": 1.0}
 STAGE_SCORES = ("bm25", "dense", "heads", "hop2")
-# ranks past this many times `depth` in both rankings cannot reach the fused top `depth` (their reciprocal ranks are
-# below those of the candidates kept): only those are ranked, not the whole corpus
-RRF_POOL = 4
 # `endo-2hop`'s settings where the profile has no `pipeline2hop` section (not fitted yet): first-hop passages the
 # bridge is taken from and read again (`anchors`), bridge terms taken from each (`terms`), the next first-hop
 # passages read again beside them as a reference (`refs`), new passages read (`depth2`), and the weight of "reached
@@ -99,25 +96,19 @@ def bridge_reach(bm25: OkapiPostings):
 def fused_top(bm25: np.ndarray, dense: np.ndarray | None, share: float, n: int, keep: np.ndarray | None = None
               ) -> np.ndarray:
     """The `n` best passages by weighted reciprocal-rank fusion, (1 - share) / (RRF_K + BM25 rank) + share /
-    (RRF_K + dense rank), best first (ties: corpus order); share 0 or 1 is one ranking alone. `keep`: a mask of the
-    passages allowed. Only each ranking's best RRF_POOL * n are ranked, which holds the fused top n."""
+    (RRF_K + dense rank), ranks from 0, best first (ties: corpus order); share 0 or 1 is one ranking alone. `keep`:
+    a mask of the passages allowed (ranked among themselves)."""
     allowed = np.arange(len(bm25)) if keep is None else np.flatnonzero(keep)
     rankings = [(1.0 - share, bm25), (share, dense)] if dense is not None else [(1.0, bm25)]
     rankings = [(w, s[allowed]) for w, s in rankings if w > 0]
     if len(rankings) == 1:
         return allowed[np.argsort(-rankings[0][1], kind="stable")[:n]]
-    pool = min(len(allowed), RRF_POOL * n)
     fused = np.zeros(len(allowed))
-    inside = np.zeros(len(allowed), bool)
     for w, s in rankings:
-        best = np.argpartition(-s, pool - 1)[:pool] if pool < len(s) else np.arange(len(s))
-        best = best[np.lexsort((best, -s[best]))]  # by score, ties by corpus order
-        rank = np.full(len(s), pool, np.float64)  # past the pool: no better than its last
-        rank[best] = np.arange(len(best))
+        rank = np.empty(len(s))
+        rank[np.argsort(-s, kind="stable")] = np.arange(len(s))
         fused += w / (RRF_K + rank)
-        inside[best] = True
-    ids = np.flatnonzero(inside)
-    return allowed[ids[np.lexsort((ids, -fused[ids]))][:n]]
+    return allowed[np.lexsort((np.arange(len(allowed)), -fused))[:n]]
 
 
 @dataclass

@@ -1,0 +1,119 @@
+"""endo's dense first stage (index/dense.py, pipeline.fused_top): the passages' embeddings live in the index beside
+BM25, follow its documents through adds, removes and saves, and fuse with BM25 by weighted reciprocal rank. The
+embedder is the real all-MiniLM-L6-v2 package; the language model a tiny random one (the read is not under test)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from endo_retrieval.index.dense import EmbedderError
+from endo_retrieval.methods.pipeline import EndoPipeline, fused_top
+from endo_retrieval.methods.search import Document, EndoIndex
+from endo_retrieval.scoring.fusion import RRF_K
+
+DOCS = {"cat": "A small feline slept on the woven rug all afternoon.",
+        "bridge": "The Zephyr bridge crosses the Varna river. Workers found quartz under its pillars.",
+        "bank": "Interest rates rose and the central bank tightened its lending policy.",
+        "ship": "The research ship Albatross carries twelve scientists to the Baltic coast."}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from conftest import make_tiny_model
+
+    from endo_retrieval import Backbone
+    return Backbone(make_tiny_model("llama", tmp_path_factory.mktemp("dense")), device="cpu")
+
+
+def build(tiny, **kwargs) -> EndoIndex:
+    index = EndoIndex(tiny, "endo", **kwargs)
+    index.add_documents([Document(k, v) for k, v in DOCS.items()])
+    return index
+
+
+def pipeline(index: EndoIndex, first_stage: str) -> EndoPipeline:
+    return EndoPipeline(index.backbone, heads=[(1, 0)], first_stage=first_stage)  # the tiny model has no profile
+
+
+def stage1(index: EndoIndex, question: str, first_stage: str) -> tuple[list[str], dict]:
+    pipe = pipeline(index, first_stage)
+    corpus, passages = index.corpus, index.passages()
+    top, scores = pipe.candidates(corpus, passages, question, depth=len(passages))
+    docs = [d.doc_id for d in corpus.documents()]
+    return [docs[i] for i in corpus.locate(passages.starts[top])[0]], scores
+
+
+def test_the_dense_stage_finds_a_paraphrase_that_shares_no_word_with_the_question(tiny):
+    index = build(tiny)
+    assert index.dense is not None and len(index.passages().vectors) == len(index.passages())
+    order, scores = stage1(index, "Where did a cat nap?", "dense")
+    assert order[0] == "cat" and set(scores) == {"bm25", "dense"}
+    assert not scores["bm25"].any()  # BM25 alone has nothing to go on: no shared word
+    hybrid, _ = stage1(index, "Where did a cat nap?", "hybrid")
+    assert hybrid[0] == "cat"
+
+
+def test_vectors_follow_removes_and_saves_and_open_memory_mapped(tiny, tmp_path):
+    index = build(tiny)
+    before, _ = stage1(index, "quartz found under a river crossing", "hybrid")
+    index.save(tmp_path / "idx")
+    loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    assert isinstance(loaded.dense.rows["cat"], np.memmap)
+    assert stage1(loaded, "quartz found under a river crossing", "hybrid")[0] == before
+    loaded.remove_document("cat")
+    assert "cat" not in loaded.dense.rows
+    loaded.add_documents([Document("kitten", "A young kitten dozed beside the warm stove.")])
+    assert stage1(loaded, "Where did a cat nap?", "dense")[0][0] == "kitten"
+    loaded.save(tmp_path / "idx")
+    again = EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    assert sorted(again.dense.rows) == sorted(again.doc_ids) and "cat" not in again.dense.rows
+
+
+def test_an_index_refuses_another_embedder_and_an_unloadable_one_fails_before_any_work(tiny, tmp_path):
+    build(tiny).save(tmp_path / "idx")
+    with pytest.raises(EmbedderError, match="all-MiniLM-L6-v2"):
+        EndoIndex.load(tmp_path / "idx", backbone=tiny, embedder="some-other-model")
+    with pytest.raises(EmbedderError, match="first_stage='bm25'"):
+        EndoIndex(tiny, "endo", embedder="no-such-embedder-on-this-machine")
+
+
+def test_a_bm25_index_serves_bm25_and_says_how_to_add_embeddings(tiny):
+    index = build(tiny, first_stage="bm25")
+    assert index.dense is None and index.passages().vectors is None
+    with pytest.raises(ValueError, match="add_embeddings"):
+        pipeline(index, "hybrid").candidates(index.corpus, index.passages(), "Where did a cat nap?")
+    assert index.add_embeddings() == len(DOCS)
+    assert stage1(index, "Where did a cat nap?", "dense")[0][0] == "cat"
+
+
+def test_a_failing_embedder_leaves_the_index_as_it_was(tiny, monkeypatch):
+    index = build(tiny)
+    ids, rows = list(index.doc_ids), dict(index.dense.rows)
+
+    def broken(*_, **__):
+        raise RuntimeError("encoder crashed")
+
+    monkeypatch.setattr("endo_retrieval.index.dense.embed", broken)
+    with pytest.raises(RuntimeError, match="encoder crashed"):
+        index.add_documents([Document("new", "A new document that will not be embedded.")])
+    assert index.doc_ids == ids and index.dense.rows.keys() == rows.keys()
+
+
+def full_rrf(bm25, dense, share):
+    """Weighted reciprocal-rank fusion over every passage, the definition fused_top computes on a pool."""
+    rank = lambda s: np.argsort(np.argsort(-s, kind="stable"), kind="stable")  # 0 = best; ties by position
+    return (1 - share) / (RRF_K + rank(bm25)) + share / (RRF_K + rank(dense))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_fused_top_is_the_whole_corpus_fusion_and_its_ends_are_one_ranking(seed):
+    rng = np.random.default_rng(seed)
+    bm25, dense = rng.random(500), rng.random(500)
+    bm25[rng.random(500) < 0.5] = 0.0  # BM25 gives most passages nothing
+    for share in (0.3, 0.5, 0.8):
+        want = np.lexsort((np.arange(500), -full_rrf(bm25, dense, share)))[:20]
+        assert fused_top(bm25, dense, share, 20).tolist() == want.tolist()
+    assert fused_top(bm25, dense, 0.0, 20).tolist() == np.argsort(-bm25, kind="stable")[:20].tolist()
+    assert fused_top(bm25, dense, 1.0, 20).tolist() == np.argsort(-dense, kind="stable")[:20].tolist()
+    keep = rng.random(500) < 0.3
+    assert set(fused_top(bm25, dense, 0.5, 20, keep).tolist()) <= set(np.flatnonzero(keep).tolist())
