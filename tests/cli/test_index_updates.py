@@ -130,6 +130,23 @@ def test_python_upsert_keeps_ids_as_given_and_skips_unchanged_documents(monkeypa
         idx.update_documents([Document("c", "x"), Document("c", "y")])
 
 
+def test_a_replacement_that_fails_midway_keeps_the_old_version(monkeypatch):
+    from endo_retrieval import Document
+
+    from tiny import new_index
+
+    idx = new_index("bm25")
+    idx.add_documents([Document("a", DOCS["ship"])])
+
+    def out_of_memory(text):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(idx.backbone, "encode_pieces", out_of_memory)
+    with pytest.raises(MemoryError):
+        idx.update_documents([Document("a", DOCS["cafe"])])
+    assert idx.doc_ids == ["a"] and idx.corpus.doc("a").text == DOCS["ship"]
+
+
 def test_the_next_writer_cleans_what_a_killed_one_left_even_when_it_writes_nothing(notes, tmp_path):
     shutil.copytree(tmp_path / "ix", tmp_path / ".ix.old")  # killed after the swap, before the old one went
     (tmp_path / ".ix.tmp-k1ll3d").mkdir()  # killed while it filled its temp folder
