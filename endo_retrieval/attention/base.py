@@ -4,6 +4,12 @@ A backend is installed on the model's own attention modules for the length of on
 hands it the *pre-RoPE* query, key and value states of the new tokens; the backend keeps its own cache and returns
 the attention output. Where the rotation goes (at caching, as Hugging Face does, or after selection, as ReAttention
 does) is the backend's choice, which is why the hand-over happens before RoPE.
+
+Models whose layers attend through windows of different lengths (Gemma 3: a 512-token sliding window in five
+layers of six, the whole past in the sixth): a backend whose paper holds there (`windows_hold`) attends each layer
+that has a window exactly within it, as the model does (`attend_window`), and the others its own way (`attend`);
+the others are refused at `setup` with the reason (`windows_fail`), as is whatever the model's family refuses by
+name (`Family.refused`). Each layer rotates by its own rotary embedding (`rope(..., layer)`).
 """
 from __future__ import annotations
 
@@ -50,10 +56,22 @@ class KVCache:
         return buf_k[:, :n + t], buf_v[:, :n + t]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, window: int | None = None
+                     ) -> torch.Tensor:
     """Softmax attention of T queries (H, T, d) over N keys (H_kv, N, d) whose last T are the queries' own tokens:
-    query i sees keys 0 .. N-T+i (causal, bottom-right aligned)."""
+    query i sees keys 0 .. N-T+i (causal, bottom-right aligned); with a `window`, only the last `window` of them
+    (keys N-T+i-window+1 .. N-T+i), as a sliding-window layer does."""
     T, N = q.shape[1], k.shape[1]
+    if window is not None and N - T + 1 > window:  # the window binds: older keys are never seen
+        drop = N - T + 1 - window
+        if T == 1:
+            k, v, N = k[:, drop:], v[:, drop:], N - drop
+        else:
+            at = torch.arange(N, device=q.device)
+            pos = torch.arange(N - T, N, device=q.device)[:, None]
+            mask = (at[None, :] <= pos) & (pos - at[None, :] < window)
+            return F.scaled_dot_product_attention(q[None], k[None].to(q.dtype), v[None].to(q.dtype), attn_mask=mask,
+                                                  scale=scaling, enable_gqa=True)[0]
     k, v = k.to(q.dtype), v.to(q.dtype)
     if T > 1 and q.is_cuda:
         # A boolean mask with enable_gqa takes SDPA's math path on CUDA, which writes out every (T, N) score: a
@@ -77,14 +95,31 @@ class AttentionBackend:
     """Base class: subclasses set `name` and implement `attend`; `setup` checks the model and resets the cache."""
 
     name: ClassVar[str] = "base"
+    # whether the paper's assumptions hold where layers attend through windows of different lengths (its windowed
+    # layers attended exactly within their windows); if not, why (the refusal's message)
+    windows_hold: ClassVar[bool] = True
+    windows_fail: ClassVar[str] = ""
     chunk_size: int = 512  # prefill is fed this many tokens at a time
 
     def setup(self, backbone: Backbone) -> None:
-        if getattr(backbone.model.model, "rotary_emb", None) is None:
+        spec = getattr(backbone, "spec", None)
+        decoder = spec.decoder(backbone.model) if spec is not None else backbone.model.model
+        if getattr(decoder, "rotary_emb", None) is None:
             raise AttentionError(f"{backbone.model_id} has no rotary position embedding; attention backends "
-                                 "re-apply RoPE themselves and need a RoPE model (llama, mistral, qwen2, qwen3).")
+                                 "re-apply RoPE themselves and need a RoPE model.")
         if self.chunk_size < 1:
             raise AttentionError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        self.windows = tuple(getattr(backbone, "windows", None) or (None,) * backbone.n_layers)
+        self.interleaved = len(set(self.windows)) > 1  # some layers have a window, others another or none
+        why = spec.refused.get(self.name) if spec is not None else None
+        if why is None and self.interleaved and not self.windows_hold:
+            shown = sorted({w for w in self.windows if w is not None})
+            why = (f"its layers attend through windows of different lengths ({shown} tokens in some layers, the "
+                   f"whole past in others), and {self.windows_fail}")
+        if why:
+            raise AttentionError(f"the {self.name!r} attention backend cannot run on {backbone.model_id} "
+                                 f"({getattr(backbone, 'family', 'this family')}): {why}. Generate with "
+                                 "attention=None (the model's own attention) or get_backend('dense').")
         self.backbone = backbone
         self.cache = KVCache(backbone.n_layers)
 
@@ -97,8 +132,30 @@ class AttentionBackend:
         """q (H, T, d), k and v (H_kv, T, d): pre-RoPE states of the T new tokens at `layer` -> output (H, T, d)."""
         raise NotImplementedError
 
-    def rope(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        return self.backbone.apply_rope(x, torch.arange(start, stop, device=x.device))
+    def attend_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
+                     ) -> torch.Tensor:
+        """What the model's attention module hands over: where layers' windows differ, a layer with a window of its
+        own goes to `attend_window` (`windows_hold`; the others are refused at setup), every other to `attend`. One
+        window in every layer (Mistral v0.1) leaves every layer to `attend`, which `dense` keeps to that window."""
+        if self.interleaved and self.windows[layer] is not None:
+            return self.attend_window(layer, q, k, v, scaling)
+        return self.attend(layer, q, k, v, scaling)
+
+    def attend_window(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
+                      ) -> torch.Tensor:
+        """A layer that attends through a window of its own, exactly as the model does: keys rotated at their
+        absolute positions when cached, each query over the last `window` of them."""
+        start = self.cache.length(layer)
+        stop = start + q.shape[1]
+        keys, values = self.cache.append(layer, self.rope(k, start, stop, layer), v)
+        return causal_attention(self.rope(q, start, stop, layer), keys, values, scaling, self.windows[layer])
+
+    def rope(self, x: torch.Tensor, start: int, stop: int, layer: int | None = None) -> torch.Tensor:
+        """x rotated at positions start..stop-1, as `layer` rotates (None: the full-attention layers' rotation)."""
+        positions = torch.arange(start, stop, device=x.device)
+        if layer is None or getattr(self.backbone, "spec", None) is None:
+            return self.backbone.apply_rope(x, positions)
+        return self.backbone.apply_rope(x, positions, layer)
 
     def generate_ids(self, backbone: Backbone, ids, max_new_tokens: int = 64) -> Iterator[int]:
         """Greedy token ids after the prompt `ids` (1-D) with this backend installed, stopping at end-of-sequence:
@@ -144,18 +201,21 @@ def text_pieces(tokenizer, tokens: Iterator[int]) -> Iterator[str]:
             emitted = text
 
 
-def _attention_forward(module, backend: AttentionBackend, hidden_states: torch.Tensor, *args, **kwargs):
-    """Replaces `self_attn.forward` while a backend is installed: projections (and Qwen3's q/k norms) as the model
-    does them, then the backend instead of RoPE + cache + attention."""
+def _attention_forward(module, backend: AttentionBackend, norms: tuple, hidden_states: torch.Tensor, *args,
+                       **kwargs):
+    """Replaces `self_attn.forward` while a backend is installed: projections (and the family's q/k norms, Qwen3's
+    and Gemma 3's) as the model does them, then the backend instead of RoPE + cache + attention."""
     if hidden_states.shape[0] != 1:
         raise AttentionError("attention backends run one sequence at a time (batch size 1)")
     T, d = hidden_states.shape[1], module.head_dim
     q = module.q_proj(hidden_states).view(T, -1, d)
     k = module.k_proj(hidden_states).view(T, -1, d)
     v = module.v_proj(hidden_states).view(T, -1, d)
-    if getattr(module, "q_norm", None) is not None:
-        q, k = module.q_norm(q), module.k_norm(k)
-    out = backend.attend(module.layer_idx, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), module.scaling)
+    q_norm, k_norm = norms
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    out = backend.attend_layer(module.layer_idx, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                               module.scaling)
     return module.o_proj(out.transpose(0, 1).reshape(1, T, -1)), None
 
 
@@ -163,9 +223,11 @@ def _attention_forward(module, backend: AttentionBackend, hidden_states: torch.T
 def installed(backbone: Backbone, backend: AttentionBackend):
     """Route every layer's attention through `backend` (fresh cache) until the block ends."""
     backend.setup(backbone)
-    modules = [layer.self_attn for layer in backbone.model.model.layers]
+    modules = [backbone.attention_module(l) for l in range(backbone.n_layers)]
     for m in modules:
-        m.forward = lambda hidden_states, *a, _m=m, **kw: _attention_forward(_m, backend, hidden_states, *a, **kw)
+        norms = backbone.spec.qk_norms(m)
+        m.forward = lambda hidden_states, *a, _m=m, _n=norms, **kw: _attention_forward(_m, backend, _n, hidden_states,
+                                                                                        *a, **kw)
     try:
         yield backend
     finally:

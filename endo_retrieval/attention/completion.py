@@ -36,6 +36,10 @@ class Completion(AttentionBackend):
     length_tolerance: float | None = 2.0  # refuse maps distilled for a prefill length further than this factor
 
     name = "completion"
+    windows_hold = False
+    windows_fail = ("retrieval-completion splits every layer's prefill into anchors and a mid region it retrieves "
+                    "from and completes [RCA Eq. 2-10], where a sliding layer sees only its last window: the "
+                    "completed mass would be attention the model never pays")
 
     def setup(self, backbone: Backbone) -> None:
         super().setup(backbone)
@@ -99,8 +103,8 @@ class Completion(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         start = self.cache.length(layer)
         stop = start + q.shape[1]
-        keys, values = self.cache.append(layer, self.rope(k, start, stop), v)
-        qr = self.rope(q, start, stop)
+        keys, values = self.cache.append(layer, self.rope(k, start, stop, layer), v)
+        qr = self.rope(q, start, stop, layer)
         if q.shape[1] > 1:  # prefill: exact
             return causal_attention(qr, keys, values, scaling)
         if self._prefill[layer] is None:

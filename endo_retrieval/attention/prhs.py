@@ -50,6 +50,10 @@ class PrHS(AttentionBackend):
     use_kernel: bool = True  # the fused Triton decode step on CUDA
 
     name = "prhs"
+    windows_hold = False
+    windows_fail = ("PrHS's pre-hoc selectors assume every layer reads the whole cache: PSAW's window and ETF's "
+                    "frozen prefix grow with depth over all layers from l_s on [PrHS Eq. 15-16], which sliding layers "
+                    "between full ones break, and a sliding layer's Top-K would pick keys the model never sees")
 
     def setup(self, backbone: Backbone) -> None:
         super().setup(backbone)
@@ -98,8 +102,8 @@ class PrHS(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         start = self.cache.length(layer)
         stop = start + q.shape[1]
-        keys, values = self.cache.append(layer, self.rope(k, start, stop), v)
-        qr = self.rope(q, start, stop)
+        keys, values = self.cache.append(layer, self.rope(k, start, stop, layer), v)
+        qr = self.rope(q, start, stop, layer)
         if q.shape[1] == 1:
             return self._decode(layer, q, qr, keys, values, scaling)
         positions = torch.arange(start, stop, device=q.device)

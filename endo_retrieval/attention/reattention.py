@@ -9,6 +9,9 @@ Prefill runs in chunks [ReAttention Alg. 1], decoding one token at a time [ReAtt
 global + k' x span + local never exceeds the trained window, no query-key distance is ever out of distribution.
 Defaults are section 3.1's (global 32, local 4096, span 32, k 4, k' 127, chunk 512) with local scaled to half the
 model's window and k' to fill the rest.
+Where layers attend through windows of their own (Gemma 3's sliding layers), those layers are attended exactly within
+their windows, which never exceed the trained window either (`AttentionBackend.attend_window`); the selection runs
+in the layers that attend to the whole past, the ones the paper's extrapolation is about.
 """
 from __future__ import annotations
 
@@ -81,4 +84,4 @@ class ReAttention(AttentionBackend):
             keys, values = keys[:, index], values[:, index]
         n, T = keys.shape[1], q.shape[1]
         # [ReAttention Eq. 3]: positions 0..n-1 in order, the new queries last
-        return causal_attention(self.rope(q, n - T, n), self.rope(keys, 0, n), values, scaling)
+        return causal_attention(self.rope(q, n - T, n, layer), self.rope(keys, 0, n, layer), values, scaling)

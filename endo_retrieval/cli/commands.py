@@ -18,7 +18,10 @@ def _method_help() -> str:
 
 def model_argument(p) -> None:
     """`--model`, the same on every command that runs a model."""
-    p.add_argument("--model", default=None, metavar="PATH|ID", help="a model of the llama, mistral, qwen2 or qwen3 "
+    from endo_retrieval.model.families import names  # the registered families (no torch imported)
+
+    *most, last = names()
+    p.add_argument("--model", default=None, metavar="PATH|ID", help=f"a model of the {', '.join(most)} or {last} "
                    "family: a GGUF file, a Hugging Face folder, or a hub id (owner/name[@revision], through the hub's "
                    "own cache) (default: the embedded SmolLM2-135M-Instruct)")
 

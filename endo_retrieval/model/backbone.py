@@ -1,7 +1,8 @@
 """The local language model, driven the way the papers need it; `Backbone` is the one face of its parts:
 
-- loading: any Llama / Mistral / Qwen2 / Qwen3 causal LM from a local Hugging Face folder or GGUF file, a Hugging
-  Face hub id, or by default SmolLM2-135M-Instruct (finding and converting it: locate.py);
+- loading: a causal LM of a registered family (families/: one module per family says where its layers, norms,
+  windows and rotary embeddings are) from a local Hugging Face folder or GGUF file, a Hugging Face hub id, or by
+  default SmolLM2-135M-Instruct (finding and converting it: locate.py), once it is known to fit (memory.py);
 - tokenising long texts in pieces, on several cores (here);
 - streaming chunked prefill with early exit, handing out each chunk's pre-RoPE key (and query) states: `run_to`
   (here) truncates and hooks the model, `stream` runs the chunks (streaming.py);
@@ -26,10 +27,13 @@ from endo_retrieval.files import cache_dir
 from endo_retrieval.model.chunk_graph import KEEP, ChunkGraph
 from endo_retrieval.model.parts_graph import PartsGraphs
 from endo_retrieval.model import generation
+from endo_retrieval.model.families import Family
+from endo_retrieval.model.memory import check_fits, safetensors_parameters
 from endo_retrieval.model.streaming import Chunk, StreamOptions, stream_chunks
 from endo_retrieval.model.threads import cpu_dtype
 from endo_retrieval.model.locate import (DEFAULT_MODEL, SUPPORTED_FAMILIES, BackboneError,  # noqa: F401 (public here)
                                          ModelNotFoundError, UnsupportedModelError, check_family, convert_gguf,
+                                         family_of_config,
                                          default_gguf, file_sha256, is_hub_id, locate_model, model_source,
                                          quiet_transformers)
 
@@ -89,16 +93,18 @@ class Projections(torch.nn.Module):
     that wants only those states (`Backbone.run_to`'s hooks capture them), whose attention and MLP would feed
     layers that never run. The hidden states pass through unchanged."""
 
-    def __init__(self, layer: torch.nn.Module, capture: Sequence[str]):
+    def __init__(self, layer: torch.nn.Module, capture: Sequence[str], family: Family):
         super().__init__()
         self.layer, self.capture = layer, tuple(capture)
-        if hasattr(layer, "attention_type"):  # Qwen2/3 pick each layer's mask by it
+        self.norm, attention = family.input_norm(layer), family.attention(layer)
+        self.projections = [attention.k_proj if kind == "k" else attention.q_proj for kind in self.capture]
+        if hasattr(layer, "attention_type"):  # Qwen2/3 and Gemma 3 pick each layer's mask by it
             self.attention_type = layer.attention_type
 
     def forward(self, hidden_states, *args, **kwargs):
-        x = self.layer.input_layernorm(hidden_states)
-        for kind in self.capture:
-            (self.layer.self_attn.k_proj if kind == "k" else self.layer.self_attn.q_proj)(x)
+        x = self.norm(hidden_states)
+        for projection in self.projections:
+            projection(x)
         return hidden_states
 
 
@@ -109,7 +115,10 @@ class Backbone:
     `Backbone("owner/name")` (a Hugging Face hub id) a model of a supported family (SUPPORTED_FAMILIES).
     `Backbone.of(...)` shares one instance per model.
     device: None picks CUDA when available, else CPU. dtype: None picks bfloat16 on CUDA; on a CPU, bfloat16 where it
-    has bf16 units and float32 elsewhere (threads.cpu_dtype; ENDO_CPU_DTYPE fixes it).
+    has bf16 units and float32 elsewhere (threads.cpu_dtype; ENDO_CPU_DTYPE fixes it). A model that would not fit
+    the device's free memory in that dtype fails before loading, with the size it needs (memory.py).
+    `spec` is the model's family (families/), `windows` each layer's attention window (None: the whole past) and
+    `prefix` the ids every sequence it reads begins with (Gemma's <bos>; none for most families).
     """
 
     _shared: dict[tuple, "Backbone"] = {}
@@ -123,6 +132,7 @@ class Backbone:
         self.source = model_source(model)
         config = AutoConfig.from_pretrained(folder)
         self._set_device(config, device, dtype)
+        check_fits(self.model_id, safetensors_parameters(folder), self.dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
         self.folder = folder
@@ -140,9 +150,10 @@ class Backbone:
         self._set_device(config, device, dtype)
         self.tokenizer = cls.default(device).tokenizer if tokenizer_from is None else \
             AutoTokenizer.from_pretrained(locate_model(tokenizer_from)[0])  # a GGUF file: its converted folder
-        if len(self.tokenizer) > config.vocab_size:
+        vocab = config.get_text_config().vocab_size
+        if len(self.tokenizer) > vocab:
             raise UnsupportedModelError(f"The tokenizer has {len(self.tokenizer)} ids; the config's vocabulary "
-                                        f"holds {config.vocab_size}. Raise vocab_size.")
+                                        f"holds {vocab}. Raise vocab_size.")
         with torch.device(self.device):
             self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype).eval()
         self.folder, self.source, self.model_hash = None, None, f"random-{config.model_type}"
@@ -151,7 +162,7 @@ class Backbone:
         return self
 
     def _set_device(self, config, device, dtype) -> None:
-        check_family(config.model_type, getattr(config, "_name_or_path", None) or "this model")
+        self.spec = family_of_config(config.model_type, getattr(config, "_name_or_path", None) or "this model")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else getattr(torch, cpu_dtype()))
         if self.device.type == "cuda":
@@ -161,12 +172,16 @@ class Backbone:
 
     def _init_shape_and_lock(self, config) -> None:
         self.config = config
-        self.family = config.model_type
-        self.n_layers = config.num_hidden_layers
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
-        self.max_position = getattr(config, "max_position_embeddings", None)
+        text = config.get_text_config()  # a multimodal model's language model
+        self.family = self.spec.name
+        self.n_layers = text.num_hidden_layers
+        self.n_heads = text.num_attention_heads
+        self.n_kv_heads = getattr(text, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.n_heads
+        self.max_position = getattr(text, "max_position_embeddings", None)
+        self.windows: tuple[int | None, ...] = tuple(self.spec.windows(text))
+        self.prefix: list[int] = list(self.spec.prefix_ids(self.tokenizer))
+        self._rope_groups = [self.spec.rope_group(text, l) for l in range(self.n_layers)]
         # held by whoever runs the model (a forward, generation, a reading in segments): one use at a time
         self.lock = threading.RLock()
         self.chunk_graphs = True  # on CUDA, stream() replays repeated chunk shapes from CUDA graphs (chunk_graph.py)
@@ -290,6 +305,38 @@ class Backbone:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
 
+    # ---- the model's layers, as its family lays them out ------------------------------------------------
+    @property
+    def decoder(self) -> torch.nn.Module:
+        """The decoder stack under the LM head (`spec.decoder`): what the streaming and reading forwards run."""
+        return self.spec.decoder(self.model)
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        """The decoder layers (`spec.layers`)."""
+        return self.spec.layers(self.model)
+
+    def attention_module(self, layer: int) -> torch.nn.Module:
+        """Layer `layer`'s attention module (q_proj, k_proj, v_proj, o_proj, scaling)."""
+        return self.spec.attention(self.layers[layer])
+
+    def window_binds(self, n_keys: int) -> bool:
+        """Whether a query that could see `n_keys` keys sees fewer at some layer, its window being shorter."""
+        return any(w is not None and w < n_keys for w in self.windows)
+
+    def window_masks(self, query_positions: torch.Tensor, key_positions: torch.Tensor, visible: torch.Tensor):
+        """The decoder's `attention_mask` when some layer's window binds: each layer's is `visible` (bool,
+        (..., queries, keys)) and, in a windowed layer, keys fewer than its window positions behind the query
+        (`query_positions` (..., queries), `key_positions` (..., keys): the tokens' places in the stream). Handed
+        to the model as its family takes per-layer masks (`spec.mask_argument`)."""
+        behind = query_positions[..., :, None] - key_positions[..., None, :]
+        visible = visible.expand(torch.broadcast_shapes(visible.shape, behind.shape))
+
+        def mask_for(window):
+            return visible if window is None else visible & (behind < window)
+
+        return self.spec.mask_argument(self.config.get_text_config(), mask_for)
+
     # ---- streaming prefill with early exit and capture ---------------------------------------------------
     def check_layers(self, layers: Sequence[int]) -> list[int]:
         layers = sorted({int(l) for l in layers})
@@ -312,7 +359,7 @@ class Backbone:
             import copy
             import warnings
 
-            more = torch.nn.ModuleList(self.model.model.layers[len(done): last_layer + 1])
+            more = torch.nn.ModuleList(self.layers[len(done): last_layer + 1])
             with warnings.catch_warnings():  # torch.ao's dynamic quantization warns that it moves to torchao
                 warnings.simplefilter("ignore")
                 more = torch.ao.quantization.quantize_dynamic(copy.deepcopy(more), {torch.nn.Linear}, dtype=torch.qint8)
@@ -325,7 +372,7 @@ class Backbone:
         kernels, where eager runs a dozen elementwise passes per layer (a quarter of an 8B forward's time at 16k
         tokens a batch; docs/ilre.md). Compiled once per layer and process; they share the model's weights."""
         twins = self.__dict__.setdefault("_compiled", {})
-        full = self.model.model.layers
+        full = self.layers
         for l in range(last_layer + 1):
             if l not in twins and l not in captured:
                 twins[l] = torch.compile(full[l])
@@ -342,32 +389,31 @@ class Backbone:
         cache). Public for readers that drive the model themselves (reading a context in segments with its
         cache, `model.reading.read`); hold `lock` around it."""
         store: dict[str, dict[int, torch.Tensor]] = {"k": {}, "q": {}}
-        body = self.model.model
-        full = body.layers
+        full = self.layers
         run = self._int8_layers(last_layer) if int8 else \
             self._compiled_layers(last_layer, layers) if compiled else full
         hooks = []
         for l in layers:
-            attn = run[l].self_attn
+            attn = self.spec.attention(run[l])
+            q_norm, k_norm = self.spec.qk_norms(attn)
             for kind in capture:
-                proj, norm = (attn.k_proj, getattr(attn, "k_norm", None)) if kind == "k" else \
-                             (attn.q_proj, getattr(attn, "q_norm", None))
+                proj, norm = (attn.k_proj, k_norm) if kind == "k" else (attn.q_proj, q_norm)
 
                 def hook(_m, _i, out, l=l, kind=kind, norm=norm):
                     x = out.unflatten(-1, (-1, self.head_dim))  # (B, T, heads, d)
-                    if norm is not None:  # Qwen3 normalises q/k per head before RoPE
+                    if norm is not None:  # Qwen3 and Gemma 3 normalise q/k per head before RoPE
                         x = norm(x)
                     store[kind][l] = x.transpose(1, 2).float()
 
                 hooks.append(proj.register_forward_hook(hook))
         run = list(run)[: last_layer + 1]
         if projections_only:
-            run[-1] = Projections(run[-1], capture)
-        body.layers = torch.nn.ModuleList(run)
+            run[-1] = Projections(run[-1], capture, self.spec)
+        self.spec.set_layers(self.model, torch.nn.ModuleList(run))
         try:
             yield store
         finally:
-            body.layers = full
+            self.spec.set_layers(self.model, full)
             for h in hooks:
                 h.remove()
 
@@ -434,15 +480,32 @@ class Backbone:
             out.update(ch.queries)
         return out
 
-    def apply_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x (..., T, head_dim) by the model's own rotary embedding at `positions` (T,)."""
+    def apply_rope(self, x: torch.Tensor, positions: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Rotate x (..., T, head_dim) by the model's own rotary embedding at `positions` (T,), the one layer
+        `layer` rotates by (None: the full-attention layers'; they differ where the family gives sliding layers a
+        rotary embedding of their own, as Gemma 3 does)."""
         pos = torch.as_tensor(positions, device=x.device).view(1, -1)
+        rotary, _ = self.spec.rotary(self.model, layer)
         # the rotary module reads only its input's dtype and device: an empty tensor says both without a copy of x
-        cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=self.dtype, device=x.device), pos)
+        cos, sin = rotary(torch.empty(0, dtype=self.dtype, device=x.device), pos)
         cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+    def apply_rope_layers(self, x: torch.Tensor, layers: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
+        """`apply_rope` of x (len(layers), ..., T, head_dim), row i rotated as layer layers[i] rotates: one call
+        where all of them rotate alike, one per group of layers that do otherwise."""
+        groups: dict[str, list[int]] = {}
+        for i, l in enumerate(layers):
+            groups.setdefault(self._rope_groups[l], []).append(i)
+        if len(groups) == 1:
+            return self.apply_rope(x, positions, layers[0])
+        out = torch.empty_like(x)
+        for rows in groups.values():
+            index = torch.tensor(rows, device=x.device)
+            out[index] = self.apply_rope(x[index], positions, layers[rows[0]])
+        return out
 
     # ---- generation (generation.py) ----------------------------------------------------------------------
     def chat_ids(self, prompt_or_messages, system: str | None = None) -> torch.Tensor:
@@ -470,8 +533,9 @@ class Backbone:
         return generation.eos_ids(self)
 
     def info(self) -> dict:
+        windows = None if all(w is None for w in self.windows) else list(self.windows)
         return {"model": self.model_id, "model_hash": self.model_hash, "family": self.family,
-                "layers": self.n_layers, "heads": self.n_heads, "kv_heads": self.n_kv_heads,
+                "layers": self.n_layers, "heads": self.n_heads, "kv_heads": self.n_kv_heads, "windows": windows,
                 "head_dim": self.head_dim, "max_position": self.max_position,
                 "device": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
                 "cache_dir": str(cache_dir())}

@@ -70,7 +70,7 @@ class ChunkGraph:
 
         def forward() -> dict[str, dict[int, torch.Tensor]]:
             with torch.inference_mode(), backbone.run_to(layers[-1], layers, capture, projections_only=True) as store:
-                backbone.model.model(input_ids=self.ids, position_ids=self.pos, attention_mask=mask, use_cache=False)
+                backbone.decoder(input_ids=self.ids, position_ids=self.pos, attention_mask=mask, use_cache=False)
             return {kind: dict(states) for kind, states in store.items()}
 
         config = backbone.model.config

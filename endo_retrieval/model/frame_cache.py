@@ -68,7 +68,7 @@ class FrameCache:
             return cached_k, cached_v
         tail_k, tail_v = key[:-1, :, length - self.window:], value[:-1, :, length - self.window:]
         if self.positions == "frame" and self.window:  # chunk j-1's token at S + W + t moves to S + t - (T - W)
-            tail_k = self.rotate(tail_k, torch.full((self.window,), -length, device=key.device))
+            tail_k = self.rotate(tail_k, torch.full((self.window,), -length, device=key.device), layer)
         sink_k = cached_k[:, :, :self.sink].expand(rows - 1, -1, -1, -1)
         sink_v = cached_v[:, :, :self.sink].expand(rows - 1, -1, -1, -1)
         return (torch.cat([cached_k, torch.cat([sink_k, tail_k], 2)]),
@@ -101,12 +101,14 @@ class FrameCache:
                 key, value = torch.cat([self.keys[layer], key], 2), torch.cat([self.values[layer], value], 2)
             window_k = key[:, :, tail:]
             if self.positions == "frame" and tail > head:  # "frame": the window moves down to sit after the sink
-                window_k = self.rotate(window_k, torch.full((len(index) - tail,), head - tail, device=key.device))
+                window_k = self.rotate(window_k, torch.full((len(index) - tail,), head - tail, device=key.device),
+                                       layer)
             self.keys[layer] = torch.cat([key[:, :, :head], window_k], 2)
             self.values[layer] = torch.cat([value[:, :, :head], value[:, :, tail:]], 2)
         self.stream_index, self.fresh = torch.cat([index[:head], index[tail:]]), {}
 
-    def rotate(self, key: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        """RoPE(p + shift) from RoPE(p): the rotation by `shift` alone (without a rope type's attention scaling)."""
-        scaling = getattr(self.backbone.model.model.rotary_emb, "attention_scaling", 1.0)
-        return (self.backbone.apply_rope(key.float(), shift) / scaling).to(key.dtype)
+    def rotate(self, key: torch.Tensor, shift: torch.Tensor, layer: int) -> torch.Tensor:
+        """RoPE(p + shift) from RoPE(p): the rotation by `shift` alone (without a rope type's attention scaling), as
+        `layer` rotates."""
+        _, scaling = self.backbone.spec.rotary(self.backbone.model, layer)
+        return (self.backbone.apply_rope(key.float(), shift, layer) / scaling).to(key.dtype)

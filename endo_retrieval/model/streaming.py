@@ -2,6 +2,12 @@
 run, and each chunk's pre-RoPE key (and query) states are handed out and dropped, so memory does not grow with the
 stream; `independent` chunks (S3-Attention appendix I) or `sink_window` chunks that attend to S sink tokens and a
 W-token sliding window (ILRe section 3.3). Its options are one `StreamOptions`.
+
+Two things the model's family may ask for (families/): every forward begins with the family's prefix ids
+(`Backbone.prefix`, e.g. Gemma's <bos>), whose states are never handed out; and where a layer attends through a
+window of its own shorter than a forward (Gemma 3's sliding layers), the forward gets per-layer masks by the
+tokens' places in the stream, so that layer's queries see only the keys within its window, as in one pass over the
+stream (a sink_window frame is not contiguous: its sink lies further back than the frame's length says).
 """
 from __future__ import annotations
 
@@ -119,6 +125,12 @@ def stream_chunks(backbone, ids, layers: Sequence[int], options: StreamOptions) 
     if frames == "cache" and (mode != "sink_window" or positions == "dca" or start or int8):
         raise BackboneError("frames='cache' streams one whole sink_window pass with 'frame' or 'absolute' "
                             "positions (no dca, start or int8).")
+    if frames == "cache" and (backbone.prefix or backbone.window_binds(sink + window + chunk_size)):
+        why = backbone.spec.refused.get("frames=cache") or (
+            f"its sequences begin with {len(backbone.prefix)} prefix id(s)" if backbone.prefix else
+            f"some of its layers attend through windows of their own ({sorted({w for w in backbone.windows if w})})")
+        raise BackboneError(f"frames='cache' keeps one sink + window frame of keys for every layer, which a "
+                            f"{backbone.family} model cannot use: {why}. Use frames='recompute'.")
     if batch_tokens is None:  # a CPU is bound by arithmetic already
         batch_tokens = BATCH_TOKENS if backbone.device.type == "cuda" else 0
     source = ArrivingIds(ids if arriving else iter([ids.numpy()]))
@@ -135,27 +147,49 @@ def stream_chunks(backbone, ids, layers: Sequence[int], options: StreamOptions) 
              for s, e in bounds)
     seen: Counter = Counter()  # forwards of each shape in this stream
     graphed = backbone.chunk_graphs and backbone.device.type == "cuda" and not (int8 or compiled)
+    prefix = np.asarray(backbone.prefix, dtype=np.int64)
+    p = len(prefix)
     for batch in batches(spans, start, batch_tokens if mode == "sink_window" else 0):
-        x = torch.from_numpy(np.stack([np.concatenate([source.ids[:n_sink], source.ids[w0:e]])
+        x = torch.from_numpy(np.stack([np.concatenate([prefix, source.ids[:n_sink], source.ids[w0:e]])
                                        for _, (n_sink, w0, _, e) in batch]))
-        pos = torch.stack([frame_positions(i, n_sink, w0, e, chunk_size, mode, positions)
+        pos = torch.stack([torch.cat([torch.arange(p), p + frame_positions(i, n_sink, w0, e, chunk_size, mode,
+                                                                           positions)])
                            for i, (n_sink, w0, _, e) in batch])
         x, device_pos = (to_device(backbone.device, t) for t in (x, pos))
         shape = tuple(x.shape)
         seen[shape] += 1  # a capture costs about 3 forwards: a shape is captured once it has come MIN_REPLAYS times
-        if graphed and (seen[shape] >= MIN_REPLAYS or backbone.has_chunk_graph(shape, layers, capture)):
+        # a layer whose window is shorter than the forward: no graph (its causal kernel knows no window), and a
+        # sink_window frame, which is not contiguous, gets masks by the tokens' places in the stream (an
+        # independent chunk is contiguous: the model's own masks are right)
+        binds = backbone.window_binds(shape[1])
+        if graphed and not binds and (seen[shape] >= MIN_REPLAYS or backbone.has_chunk_graph(shape, layers, capture)):
             with backbone.lock:  # a repeated shape, or one captured before: replayed (chunk_graph.py)
                 store = backbone.chunk_graph(shape, layers, capture)(x, device_pos)
         else:  # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed
             # sequence and hides the sink from the chunk
+            mask = torch.ones_like(x)
+            if binds and mode == "sink_window":
+                mask = stream_masks(backbone, [(n_sink, w0, e) for _, (n_sink, w0, _, e) in batch], p)
             with backbone.lock, torch.inference_mode(), \
                     backbone.run_to(layers[-1], layers, capture, int8, compiled, projections_only=True) as store:
-                backbone.model.model(input_ids=x, position_ids=device_pos, attention_mask=torch.ones_like(x),
-                                     use_cache=False)
+                backbone.decoder(input_ids=x, position_ids=device_pos, attention_mask=mask,
+                                                      use_cache=False)
         for b, (_, (n_sink, w0, s, e)) in enumerate(batch):
-            n = n_sink + s - w0
+            n = p + n_sink + s - w0
             yield Chunk(s, e, pos[b, n:], keys={l: k[b, :, n:] for l, k in store["k"].items()},
                         queries={l: q[b, :, n:] for l, q in store["q"].items()})
+
+
+def stream_masks(backbone, frames: list[tuple[int, int, int]], prefix: int):
+    """Per-layer masks (`Backbone.window_masks`) of a batch of forwards of `prefix` ids, a sink of n_sink ids and
+    the ids [w0, e), (n_sink, w0, e) per batch row: causal, and in a windowed layer only the keys within its window
+    by their places in the stream (the prefix just before its start)."""
+    places = torch.stack([torch.cat([torch.arange(-prefix, 0), torch.arange(n_sink), torch.arange(w0, e)])
+                          for n_sink, w0, e in frames]).to(backbone.device)
+    n = places.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=backbone.device).tril()
+    masks = backbone.window_masks(places, places, causal)
+    return {k: m[:, None] for k, m in masks.items()} if isinstance(masks, dict) else masks[:, None]
 
 
 def stream_cached(backbone, source: ArrivingIds, bounds: Iterator[tuple[int, int]], layers: list[int],
@@ -212,7 +246,7 @@ def forward_cached(backbone, source: ArrivingIds, batch: list[tuple[int, int]], 
                        for d in ("cpu", backbone.device))
     with backbone.lock, torch.inference_mode(), frame.attending(), \
             backbone.run_to(layers[-1], layers, capture, compiled=compiled, projections_only=True) as store:
-        backbone.model.model(input_ids=x, position_ids=device_pos, use_cache=False)
+        backbone.decoder(input_ids=x, position_ids=device_pos, use_cache=False)
         frame.advance(*batch[-1])
     for b, (s, e) in enumerate(batch):
         yield Chunk(s, e, pos[b], keys={l: k[b] for l, k in store["k"].items()},
