@@ -90,7 +90,7 @@ def search_hits(index: EndoIndex, question: str, k: int, budget: int | None = No
     if check_k(k) == 0:
         return []
     method = index.check_method(method)
-    with pipeline_progress(index, method, depth, read_tokens, progress):
+    with pipeline_progress(index, method, depth, read_tokens, progress, first_stage):
         hits = _search_hits(index, question, k, budget, method, where, return_passages, pipeline)
     return [whole_document(index, h) for h in hits] if return_document else hits
 

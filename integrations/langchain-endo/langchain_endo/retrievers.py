@@ -71,6 +71,11 @@ class EndoRetriever(BaseRetriever):
     # the pipeline's time against its recall: candidates the model reads, tokens read of each (None: fitted)
     depth: int | None = None
     read_tokens: int | None = None
+    # the pipeline's candidates: "hybrid" (BM25 and the dense embedder fused), "bm25", "dense" (None: the fitted one;
+    # an index built with "bm25" keeps no passage embeddings); `embedder`: the dense stage's sentence-transformers
+    # model (None: all-MiniLM-L6-v2, bundled), recorded in the index, which refuses another
+    first_stage: str | None = None
+    embedder: str | None = None
     # hits scoring below it are dropped, so fewer than k may come; the score is metadata["relevance_score"] (for `endo`
     # the fused one, 0 being the candidates' average); `invoke(query, score_threshold=...)` overrides it
     score_threshold: float | None = None
@@ -79,10 +84,12 @@ class EndoRetriever(BaseRetriever):
 
     def model_post_init(self, __context: Any) -> None:
         given = _GIVEN_INDEX.get()  # from_index
-        self._index = given if given is not None else open_index(to_documents(self.texts, self.documents),
-                                                                 self.index_dir, self.method, self.backbone)
+        docs = to_documents(self.texts, self.documents)
+        self._index = given if given is not None else open_index(docs, self.index_dir, self.method, self.backbone,
+                                                                 self.first_stage if docs is not None else None,
+                                                                 self.embedder)
         self._index.check_method(self.method)
-        check_pipeline_settings(self._index, self.method, self.depth, self.read_tokens)
+        check_pipeline_settings(self._index, self.method, self.depth, self.read_tokens, self.first_stage)
         check_document_options(self.return_passages, self.return_document)
         if self.return_document:
             check_whole_documents(self._index)
@@ -159,7 +166,7 @@ class EndoRetriever(BaseRetriever):
         spans = search_hits(self._index, query, self.k if k is None else k, self.budget, self.method,
                             _matcher(filter if filter is not None else self.filter), self.return_passages,
                             self.depth, self.read_tokens, return_document=self.return_document,
-                            progress=self.progress)
+                            progress=self.progress, first_stage=self.first_stage)
         return [span_document(s, self.return_passages) for s in spans if threshold is None or s.score >= threshold]
 
 
