@@ -252,3 +252,39 @@ def test_a_long_prompt_on_a_cpu_warns_once_with_its_time(tiny, monkeypatch, capl
             tiny.generate("A prompt of more than twenty tokens, " * 3, max_new_tokens=2)
     hints = [r.message for r in caplog.records if "compress_to" in r.message]
     assert len(hints) == 1 and " s to read" in hints[0]
+
+
+def test_the_graph_steps_and_attention_backends_end_the_same_way(tiny):
+    """The CUDA path's token source (its eager twin on a CPU) gives generate's greedy tokens, and a backend's own
+    loop is ended by the same stop rules."""
+    ids = tiny.chat_ids("Tell me a story.")
+    hf = tiny.model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                             attention_mask=torch.ones_like(ids), temperature=None, top_p=None, top_k=None)
+    assert list(generation.graphed_tokens(tiny, ids, 12)) == hf[0, ids.shape[1]:].tolist()
+    attn = tiny.model.config._attn_implementation
+    steps = generation.graphed_tokens(tiny, ids, 12)
+    next(steps)
+    next(steps)  # the decode steps have begun: the model reads with the step's own attention
+    steps.close()  # ended early (a stop token or a repeat): the model's lock is let go and its attention put back
+    assert tiny.lock.acquire(blocking=False)
+    tiny.lock.release()
+    assert tiny.model.config._attn_implementation == attn
+
+    sentence = tiny.tokenizer.encode("The band played in Tulsa.", add_special_tokens=False)
+
+    class LoopingBackend:
+        def generate_ids(self, backbone, ids, max_new_tokens):
+            for i in range(max_new_tokens):
+                yield sentence[i % len(sentence)]
+
+    assert tiny.generate("Where?", max_new_tokens=40, attention=LoopingBackend(), stop_on_repeat=4) == \
+        "The band played in Tulsa."
+    assert tiny.generate("Where?", max_new_tokens=40, attention=LoopingBackend()).count("Tulsa") > 4
+    with pytest.raises(Exception, match="decode greedily"):
+        tiny.generate("Where?", max_new_tokens=4, attention=LoopingBackend(), repetition_penalty=1.2)
+
+    class OwnBackend:  # a backend with only `generate`: called as it is
+        def generate(self, backbone, ids, max_new_tokens, stream=False):
+            return "own"
+
+    assert tiny.generate("Where?", attention=OwnBackend()) == "own"
