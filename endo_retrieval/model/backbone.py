@@ -320,6 +320,10 @@ class Backbone:
         """Layer `layer`'s attention module (q_proj, k_proj, v_proj, o_proj, scaling)."""
         return self.spec.attention(self.layers[layer])
 
+    def layers_seeing(self, n_tokens: int) -> list[int]:
+        """The layers whose queries see all of a read of `n_tokens` (no window, or one at least that long)."""
+        return [l for l, w in enumerate(self.windows) if w is None or w >= n_tokens]
+
     def window_binds(self, n_keys: int) -> bool:
         """Whether a query that could see `n_keys` keys sees fewer at some layer, its window being shorter."""
         return any(w is not None and w < n_keys for w in self.windows)

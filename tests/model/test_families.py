@@ -204,3 +204,17 @@ def test_a_prefix_begins_every_read_and_chunk_without_being_handed_out(prefixed)
     assert chunk.rope_positions.tolist() == list(range(1, 41))
     torch.testing.assert_close(bb.apply_rope(chunk.keys[3], chunk.rope_positions, 3),
                                plain_states(bb, np.concatenate([[7], ids[:40]]), 3)[0][:, 1:], rtol=1e-4, atol=1e-4)
+
+
+def test_calibration_puts_the_heads_of_layers_that_see_the_whole_read_first(windowed):
+    """Haystacks longer than the window: the eight heads kept are the two full layers' (QRHead's ranking decides
+    the order within each group; the sliding layers' heads come after, whatever they score)."""
+    from endo_retrieval.calibration.datasets import Example
+    from endo_retrieval.calibration.heads import calibrate
+
+    context = TEXT + "The vault combination is 4417, said the caretaker. " + TEXT
+    examples = [Example(str(i), q, ["x"], context, ["The vault combination is 4417, said the caretaker."])
+                for i, q in enumerate(["What is the vault combination?", "Who told the combination?"])]
+    assert len(windowed.encode(context).ids) > WINDOW
+    profile, _ = calibrate(windowed, [(64, examples)], n_heads=8, top=2)
+    assert sorted({layer for layer, _ in profile["heads"]}) == [0, 1] and len(profile["heads"]) == 8
