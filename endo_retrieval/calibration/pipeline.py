@@ -208,15 +208,16 @@ def stage1_coverage(index: EndoIndex, questions: list[dict], depth: int, shares)
 
 
 def fit_first_stage(bb, sets: dict[str, tuple[list[str], list[str], list[dict]]], first_stage: str = "hybrid",
-                    heads=None, progress=None) -> dict:
+                    heads=None, progress=None, stages: tuple[str, ...] = FIRST_STAGE_SCORES) -> dict:
     """The profile's `first_stages` entry for `first_stage` ("hybrid" or "dense"), fitted on labelled sets
     {name: (titles, texts, questions)} at the model's fitted depth, reading and order (its BM25 setting): the dense
     share that covers the most gold in stage 1's candidates (each set weighing the same; ties: the nearer to an
     even share), then the fusion weights of BM25's score, the cosine, the heads' and the second read's, fitted as
-    `fit` does (the mean of recall@2 and @5, each set weighing the same; BM25 and the cosine alone are corners)."""
+    `fit` does (the mean of recall@2 and @5, each set weighing the same; BM25 and the cosine alone are corners).
+    `stages`: the scores fused (without "hop2" the second read is never made: a CPU's entry)."""
     base = EndoPipeline(bb, first_stage="bm25", heads=heads)
     pipe = EndoPipeline(bb, first_stage=first_stage, depth=base.depth, read_tokens=base.read_tokens,
-                        best_last=base.best_last, weights=dict.fromkeys(FIRST_STAGE_SCORES, 1.0), heads=heads)
+                        best_last=base.best_last, weights=dict.fromkeys(stages, 1.0), heads=heads)
     indexes = {}
     for name, (titles, texts, _) in sets.items():
         indexes[name] = EndoIndex(bb, method="endo", first_stage="hybrid")
@@ -233,9 +234,9 @@ def fit_first_stage(bb, sets: dict[str, tuple[list[str], list[str], list[dict]]]
         items[name] = []
         for q in steps(questions, f"{name}: reading ({first_stage}, share {share})", progress):
             got = _stage(pipe, corpus, passages, q["question"], doc_of)
-            items[name].append(({s: got[s] for s in FIRST_STAGE_SCORES if s in got}, [str(d) for d in got["docs"]],
+            items[name].append(({s: got[s] for s in stages if s in got}, [str(d) for d in got["docs"]],
                                 {t for t, _ in q["supporting_facts"]}))
-    grid = sorted(simplex(list(FIRST_STAGE_SCORES), 0.1), key=lambda w: (-max(w.values()), -w["bm25"]))
+    grid = sorted(simplex(list(stages), 0.1), key=lambda w: (-max(w.values()), -w["bm25"]))
 
     def score(w):
         per_set = [objective(its, w) for its in items.values()]
@@ -264,11 +265,18 @@ def run_first_stage(args) -> dict:
     profile = json.loads(out.read_text()) if out.exists() else {}
     sets = {Path(str(d).split(":")[0]).name + (":" + str(d).split(":")[1] if ":" in str(d) else ""):
             corpus_questions(d, args.limit) for d in args.data}
-    entry = fit_first_stage(bb, sets, args.first_stage, heads=profile.get("heads"))
+    # --cpu: the entry a CPU backbone reads (at the CPU's depth), without the second read, a fifth of a CPU question
+    stages = tuple(s for s in FIRST_STAGE_SCORES if s != "hop2") if args.cpu else FIRST_STAGE_SCORES
+    entry = fit_first_stage(bb, sets, args.first_stage, heads=profile.get("heads"), stages=stages)
     entry["fit"]["wall_s"] = round(time.perf_counter() - start, 1)
     section = profile.setdefault("pipeline", {})
-    section.setdefault("first_stages", {})[args.first_stage] = entry
-    section["first_stage"] = args.first_stage
+    if args.cpu:
+        section.setdefault("first_stages", {}).setdefault(args.first_stage, {})["cpu"] = entry
+    else:
+        section.setdefault("first_stages", {})[args.first_stage] = entry | (
+            {"cpu": section["first_stages"][args.first_stage]["cpu"]}
+            if "cpu" in section.get("first_stages", {}).get(args.first_stage, {}) else {})
+        section["first_stage"] = args.first_stage
     write_json(profile, out)
     print(json.dumps({k: v for k, v in entry.items() if k != "fit"} | {"recall": entry["fit"]["recall"]}))
     return profile
