@@ -148,6 +148,8 @@ class EndoPipeline:
         fitted = fitted_setting(pipeline, self.backbone.device.type)
         # a first stage fitted on its own (`first_stages`): its weights and share; depth and reading as fitted
         stage = (pipeline.get("first_stages") or {}).get(self.first_stage) or {}
+        if self.backbone.device.type == "cpu" and stage.get("cpu"):  # fitted on a CPU, without the second read
+            stage = stage | stage["cpu"]
         if self.dense_share is None:
             self.dense_share = float(stage.get("dense_share", DENSE_SHARE[self.first_stage]))
         if self.two_hop is None:
