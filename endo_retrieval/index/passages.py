@@ -3,6 +3,7 @@ PASSAGE_TOKENS of a longer one) with BM25 over their words, and the part of a pa
 (`best_part`): what the corpus pipeline (methods/pipeline.py) ranks, built once per corpus state."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,20 +28,36 @@ class Passages:
     bm25: OkapiPostings
     vectors: np.ndarray | None = None  # the dense stage's embedding of each passage (IndexStore.passages)
     dense: object = None  # the DenseVectors that made them, which embeds a question the same way
+    cells: object = None  # dense.Cells over `vectors` where the index holds cells (built at the first question)
 
     @classmethod
     def build(cls, corpus: CorpusMap, max_tokens: int = PASSAGE_TOKENS, stem: bool | None = None) -> "Passages":
-        starts, ends = [], []
-        for doc in corpus.documents():
-            cuts = passage_cuts(doc.sentence_starts, doc.end, max_tokens)
-            starts += cuts[:-1]
-            ends += cuts[1:]
-        texts = [corpus.span_text(a, b)[3] for a, b in zip(starts, ends)]
-        return cls(np.asarray(starts, np.int64), np.asarray(ends, np.int64), corpus.sentence_starts(),
-                   OkapiPostings.build([words(t) for t in texts], STEMS if stem is None else stem))
+        starts, ends = array("q"), array("q")
+
+        def texts():  # read once by the BM25 build: no list of every passage's text or words is held
+            for doc in corpus.documents():
+                cuts = passage_cuts(doc.sentence_starts, doc.end, max_tokens)
+                starts.extend(cuts[:-1])
+                ends.extend(cuts[1:])
+                for a, b in zip(cuts[:-1], cuts[1:]):  # corpus.span_text(a, b)'s text, without its lookup
+                    own = doc.offsets[a - doc.start: b - doc.start]
+                    yield words(doc.text[int(own[0, 0]): int(own[:, 1].max())])
+
+        bm25 = OkapiPostings.build(texts(), STEMS if stem is None else stem)
+        return cls(np.frombuffer(starts, np.int64).copy(), np.frombuffer(ends, np.int64).copy(),
+                   corpus.sentence_starts(), bm25)
 
     def __len__(self) -> int:
         return len(self.starts)
+
+    def dense_scores(self, corpus: CorpusMap, query: np.ndarray) -> np.ndarray:
+        """Each passage's cosine with the question's embedding `query`: all of them, or where the index holds cells
+        (dense.py), those of the passages in the cells nearest the question, -inf for the rest."""
+        if self.cells is None and self.dense.centroids is not None:
+            self.cells = self.dense.search([d.doc_id for d in corpus.documents()], self.vectors) or False
+        if self.cells:
+            return self.cells.scores(self.vectors, query)
+        return np.asarray(self.vectors @ query, np.float64)
 
 
 def passage_cuts(sentence_starts: np.ndarray, end: int, max_tokens: int) -> list[int]:

@@ -96,19 +96,97 @@ def bridge_reach(bm25: OkapiPostings):
 def fused_top(bm25: np.ndarray, dense: np.ndarray | None, share: float, n: int, keep: np.ndarray | None = None
               ) -> np.ndarray:
     """The `n` best passages by weighted reciprocal-rank fusion, (1 - share) / (RRF_K + BM25 rank) + share /
-    (RRF_K + dense rank), ranks from 0, best first (ties: corpus order); share 0 or 1 is one ranking alone. `keep`:
-    a mask of the passages allowed (ranked among themselves)."""
-    allowed = np.arange(len(bm25)) if keep is None else np.flatnonzero(keep)
+    (RRF_K + dense rank), ranks from 0 over every allowed passage, best first (ties: corpus order); share 0 or 1 is
+    one ranking alone. `keep`: a mask of the passages allowed (ranked among themselves).
+
+    The result is that of sorting both rankings whole (`fused_top_plain`, which a test holds it to), without the
+    sorts, which took most of stage 1 at a million passages: only each ranking's best `m` are sorted, and a passage
+    among them that is not among the other ranking's best gets its exact rank there by counting when it
+    could reach the top n (threshold algorithm). A passage outside both heads scores at most 1 / (RRF_K + m)."""
+    allowed = None if keep is None else np.flatnonzero(keep)
     rankings = [(1.0 - share, bm25), (share, dense)] if dense is not None else [(1.0, bm25)]
-    rankings = [(w, s[allowed]) for w, s in rankings if w > 0]
+    rankings = [(w, s if allowed is None else s[allowed]) for w, s in rankings if w > 0]
+    size = len(rankings[0][1])
+    m = max(1024, 4 * n)  # > RRF_K + 2 n: the n-th fused score beats every passage outside the heads (below)
     if len(rankings) == 1:
-        return allowed[np.argsort(-rankings[0][1], kind="stable")[:n]]
-    fused = np.zeros(len(allowed))
-    for w, s in rankings:
+        top = _Ranking(rankings[0][1]).best(n) if size else np.zeros(0, np.int64)
+    elif m >= size:
+        top = fused_top_plain([s for _, s in rankings], [w for w, _ in rankings], n)
+    else:
+        top = _fused_heads(rankings, n, m)
+    return top if allowed is None else allowed[top]
+
+
+def fused_top_plain(scores: list[np.ndarray], weights: list[float], n: int) -> np.ndarray:
+    """The definition: every ranking sorted whole, the fused scores sorted whole."""
+    fused = np.zeros(len(scores[0]))
+    for w, s in zip(weights, scores):
         rank = np.empty(len(s))
         rank[np.argsort(-s, kind="stable")] = np.arange(len(s))
         fused += w / (RRF_K + rank)
-    return allowed[np.lexsort((np.arange(len(allowed)), -fused))[:n]]
+    return np.lexsort((np.arange(len(fused)), -fused))[:n]
+
+
+class _Ranking:
+    """One ranking's scores with the passages above its lowest score apart (`pool`, in corpus order): BM25 gives
+    most passages 0 and the dense stage -inf where it did not look, so what is partitioned and counted is mostly
+    that smaller pool (np.partition also crawls over many equal values)."""
+
+    def __init__(self, s: np.ndarray):
+        self.s, self.low = s, s.min()
+        if np.count_nonzero(s == self.low) > 1:
+            self.pool = np.flatnonzero(s > self.low)
+            self.values = s[self.pool]
+        else:  # no lowest score shared: the pool is every passage (NaN equals no score)
+            self.low, self.pool, self.values = np.nan, np.arange(len(s)), s
+
+    def best(self, m: int) -> np.ndarray:
+        """`np.argsort(-s, kind="stable")[:m]` (the m best, ties by position) with a partition and a sort of m."""
+        if m >= len(self.s):
+            return np.argsort(-self.s, kind="stable")
+        if len(self.pool) >= m:
+            t = np.partition(self.values, len(self.pool) - m)[len(self.pool) - m]  # the m-th largest score
+            above, ties = self.pool[self.values > t], self.pool[self.values == t]
+        else:
+            above, ties = self.pool, np.flatnonzero(self.s == self.low)
+        best = np.concatenate([above, ties[: m - len(above)]])
+        return best[np.lexsort((best, -self.s[best]))]
+
+    def rank(self, i: int) -> int:
+        """Passage i's rank: those scored higher, and those tied before it."""
+        v, before = self.s[i], int(np.searchsorted(self.pool, i))
+        if v == self.low:
+            return len(self.pool) + i - before
+        return int(np.count_nonzero(self.values > v) + np.count_nonzero(self.values[:before] == v))
+
+
+def _fused_heads(rankings: list[tuple[float, np.ndarray]], n: int, m: int) -> np.ndarray:
+    """`fused_top_plain` from each ranking's best m. A candidate's rank where it is outside the head is at least m,
+    so its fused score is at most the sum with rank m there (`upper`); the candidates best by that bound get their
+    missing ranks counted (`_Ranking.rank`) until the n best are all exact, whose scores and order are then the
+    plain ones: any other candidate's true score is at most its bound, and one outside every head at most the sum
+    of w / (RRF_K + m) (< the n-th score when m > RRF_K + 2n, as the larger weight's own top n each score >=
+    w / (RRF_K + n))."""
+    ranked = [_Ranking(s) for _, s in rankings]
+    heads = [r.best(m) for r in ranked]
+    cand = np.unique(np.concatenate(heads))
+    rank = np.full((len(rankings), len(cand)), -1.0)  # -1: outside that ranking's head, not counted yet
+    for r, head in enumerate(heads):
+        rank[r, np.searchsorted(cand, head)] = np.arange(m)
+    while True:
+        upper = np.zeros(len(cand))
+        for (w, _), ranks in zip(rankings, rank):  # the plain path's sum, in its order: equal bit for bit
+            upper += w / (RRF_K + np.where(ranks < 0, m, ranks))
+        top = np.lexsort((cand, -upper))[:n]
+        missing = [(r, i) for i in top for r in range(len(rankings)) if rank[r, i] < 0]
+        if not missing:
+            break
+        for r, i in missing:
+            rank[r, i] = ranked[r].rank(int(cand[i]))
+    outside = sum(w / (RRF_K + m) for w, _ in rankings)
+    if len(top) == n and upper[top[-1]] <= outside:  # not reached for m > RRF_K + 2n; kept as a guard
+        return fused_top_plain([s for _, s in rankings], [w for w, _ in rankings], n)
+    return cand[top]
 
 
 @dataclass
@@ -198,7 +276,8 @@ class EndoPipeline:
                 raise ValueError(f"first_stage={stage!r} needs the passages' embeddings, which this index does not "
                                  "hold (it was built with first_stage='bm25'): call index.add_embeddings() and save "
                                  "it, or rebuild it; first_stage='bm25' searches it as it is.")
-            scores["dense"] = np.asarray(passages.vectors @ passages.dense.query(question), np.float64)
+            vector = passages.dense.query(question)
+            scores["dense"] = passages.dense_scores(corpus, vector)
         n = depth or self.depth
         if where is not None:  # a document's passages stay when `where` accepts its metadata (index -1: none)
             accepted = np.array([bool(where(d.metadata)) for d in corpus.documents()] + [False])
@@ -207,7 +286,10 @@ class EndoPipeline:
             keep = None
         share = {"bm25": 0.0, "dense": 1.0}.get(stage, self.dense_share)
         top = fused_top(scores["bm25"], scores.get("dense"), share, n, keep)
-        return top, {name: s[top] for name, s in scores.items()}
+        out = {name: s[top] for name, s in scores.items()}
+        if "dense" in out and not np.isfinite(out["dense"]).all():  # a candidate outside the cells searched
+            out["dense"] = np.where(np.isfinite(out["dense"]), out["dense"], passages.vectors[top] @ vector)
+        return top, out
 
     def read_texts(self, corpus: CorpusMap, passages: Passages, top: np.ndarray, question: str) -> list[str]:
         """What the model reads of each candidate (`best_part`), pieces of one passage joined by ' ... '."""

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import re
 import threading
+from array import array
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,8 +33,11 @@ def words(text: str) -> list[str]:
     """The one tokenizer rule of every BM25 here: lowercased runs of Unicode word characters, English stop words
     dropped; a run in a script written without spaces gives each character and each pair of neighbours (the usual
     unigram + bigram terms for Chinese and Japanese), so a query term need not match a whole unsegmented clause."""
+    lowered = text.lower()
+    if not _NO_SPACES.search(lowered):  # the common case, one search per text instead of one per word
+        return [w for w in _WORD.findall(lowered) if w not in _STOP]
     out = []
-    for w in _WORD.findall(text.lower()):
+    for w in _WORD.findall(lowered):
         if w in _STOP:
             continue
         if not _NO_SPACES.search(w):
@@ -64,33 +70,46 @@ def _stemmer():
 
 @dataclass
 class OkapiPostings:
-    okapi: object          # rank_bm25.BM25Okapi
+    """rank-bm25's Okapi model held as postings. `okapi` is a BM25Okapi with its statistics (idf, k1, b, epsilon,
+    avgdl, corpus_size, doc_len as an array) but without its per-document dicts (`doc_freqs`), which took several
+    KB per document; postings are int32 documents and the smallest integer type that holds the counts, so a
+    passage costs about 5 bytes per distinct term (1M passages: docs/scale.md)."""
+
+    okapi: object          # rank_bm25.BM25Okapi, statistics only
     terms: dict[str, int]  # term -> row of the postings
     indptr: np.ndarray     # (n_terms + 1,) CSR row starts
-    docs: np.ndarray       # (n_postings,) document of each posting
-    tf: np.ndarray         # (n_postings,) the term's count in that document
+    docs: np.ndarray       # (n_postings,) int32 document of each posting
+    tf: np.ndarray         # (n_postings,) the term's count in that document (an unsigned integer type)
     norm: np.ndarray       # (n_docs,) k1 * (1 - b + b * |d| / avgdl)
     stem: bool = False     # terms are the words' stems (`stems`); queries are stemmed the same way
 
     @classmethod
-    def build(cls, corpus: list[list[str]], stem: bool = False) -> "OkapiPostings":
+    def build(cls, corpus: Iterable[list[str]], stem: bool = False) -> "OkapiPostings":
+        """One pass over the documents' words (an iterator is read once, never held): each document's counts go
+        into flat arrays as it is read, then rank-bm25's own `_calc_idf` runs on the document frequencies in
+        first-seen order (the order its sum of idfs takes, so the floor and every score are rank-bm25's)."""
         from rank_bm25 import BM25Okapi
 
-        if stem:
-            corpus = [stems(doc) for doc in corpus]
-        okapi = BM25Okapi(corpus)
         terms: dict[str, int] = {}
-        term_ids, docs, tf = [], [], []
-        for d, freqs in enumerate(okapi.doc_freqs):
-            term_ids += [terms.setdefault(w, len(terms)) for w in freqs]
-            tf += freqs.values()
-            docs += [d] * len(freqs)
-        order = np.argsort(np.asarray(term_ids, dtype=np.int64), kind="stable")
-        counts = np.bincount(np.asarray(term_ids, dtype=np.int64), minlength=len(terms))
-        doc_len = np.asarray(okapi.doc_len, dtype=np.float64)
-        return cls(okapi, terms, np.concatenate(([0], np.cumsum(counts))), np.asarray(docs, np.int64)[order],
-                   np.asarray(tf, np.float64)[order], okapi.k1 * (1 - okapi.b + okapi.b * doc_len / okapi.avgdl),
-                   stem)
+        term_ids, tf, distinct, doc_len = array("i"), array("i"), array("i"), array("q")
+        for doc in corpus:
+            freqs = Counter(stems(doc) if stem else doc)  # first occurrences in order, as rank-bm25's dict
+            term_ids.extend([terms.setdefault(w, len(terms)) for w in freqs])
+            tf.extend(freqs.values())
+            distinct.append(len(freqs))
+            doc_len.append(sum(freqs.values()))
+        ids, tf = np.frombuffer(term_ids, np.int32), np.frombuffer(tf, np.int32)
+        okapi = BM25Okapi.__new__(BM25Okapi)  # rank-bm25's model without its per-document dicts
+        okapi.k1, okapi.b, okapi.epsilon, okapi.idf, okapi.doc_freqs = 1.5, 0.75, 0.25, {}, []
+        okapi.corpus_size, okapi.doc_len = len(doc_len), np.frombuffer(doc_len, np.int64).copy()
+        okapi.avgdl = int(okapi.doc_len.sum()) / okapi.corpus_size
+        counts = np.bincount(ids, minlength=len(terms))
+        okapi._calc_idf(dict(zip(terms, counts.tolist())))
+        order = np.argsort(ids, kind="stable")
+        docs = np.repeat(np.arange(okapi.corpus_size, dtype=np.int32), np.frombuffer(distinct, np.int32))
+        small = np.min_scalar_type(int(tf.max())) if len(tf) else np.uint8  # counts are small: 1 byte mostly
+        return cls(okapi, terms, np.concatenate(([0], np.cumsum(counts))), docs[order], tf[order].astype(small),
+                   okapi.k1 * (1 - okapi.b + okapi.b * okapi.doc_len / okapi.avgdl), stem)
 
     def term(self, word: str) -> str:
         """The term a word is indexed under."""

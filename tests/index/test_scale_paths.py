@@ -1,0 +1,116 @@
+"""The faster paths stage 1 takes over a large corpus, each held to the plain definition it replaces:
+`fused_top` (each ranking's head and counted ranks) against sorting every ranking whole, `OkapiPostings.build`
+from a stream against rank-bm25, `words`' common case against its per-word rule, and the dense stage's cells
+against the exact product."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from rank_bm25 import BM25Okapi
+
+from endo_retrieval.index import dense
+from endo_retrieval.index.dense import Cells, DenseVectors, spherical_kmeans
+from endo_retrieval.methods.pipeline import fused_top, fused_top_plain
+from endo_retrieval.scoring import bm25 as bm25_module
+from endo_retrieval.scoring.bm25 import OkapiPostings, words
+
+
+def plain(bm25, dense_, share, n, keep=None):
+    allowed = np.arange(len(bm25)) if keep is None else np.flatnonzero(keep)
+    if share in (0.0, 1.0):
+        s = (bm25 if share == 0.0 else dense_)[allowed]
+        return allowed[np.argsort(-s, kind="stable")[:n]]
+    return allowed[fused_top_plain([bm25[allowed], dense_[allowed]], [1 - share, share], n)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fused_top_over_a_large_corpus_is_the_plain_fusion(seed):
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(1500, 5000))  # past the 1024-passage heads, so the counting path runs
+    bm25 = np.round(rng.random(size) * 4, 1)  # ties among BM25's scores
+    bm25[rng.random(size) < 0.8] = 0.0  # most passages share no word with the question
+    dense_ = rng.standard_normal(size)
+    if seed % 2:
+        dense_[rng.random(size) < 0.9] = -np.inf  # outside the cells searched
+    dense_[:50] = dense_[50]  # tied cosines
+    keep = rng.random(size) < 0.7
+    for share in (0.0, 0.2, 0.5, 0.8, 1.0):
+        for n in (1, 12, 20, 300):
+            assert fused_top(bm25, dense_, share, n).tolist() == plain(bm25, dense_, share, n).tolist()
+        assert fused_top(bm25, dense_, share, 20, keep).tolist() == plain(bm25, dense_, share, 20, keep).tolist()
+    assert fused_top(bm25, dense_, 0.5, size).tolist() == plain(bm25, dense_, 0.5, size).tolist()
+
+
+def test_postings_built_from_a_stream_hold_no_per_document_dicts_and_score_as_rank_bm25():
+    rng = np.random.default_rng(0)
+    vocab = [f"w{i}" for i in range(40)]
+    corpus = [list(rng.choice(vocab, size=rng.integers(1, 300))) for _ in range(300)]
+    fast, slow = OkapiPostings.build(iter(corpus)), BM25Okapi(corpus)
+    assert fast.okapi.doc_freqs == [] and fast.docs.dtype == np.int32 and fast.tf.dtype.itemsize <= 2
+    assert fast.okapi.idf == slow.idf and fast.okapi.avgdl == slow.avgdl
+    np.testing.assert_array_equal(fast.get_scores(vocab[:7] + ["w3"]), slow.get_scores(vocab[:7] + ["w3"]))
+
+
+@pytest.mark.parametrize("text", ["The Zephyr bridge, 1990s: e.g. what's new?", "北京 is in 中国 and Tokyo",
+                                  "ＡＢＣ café naïve", ""])
+def test_words_common_case_is_the_per_word_rule(text, monkeypatch):
+    fast = words(text)
+    monkeypatch.setattr(bm25_module, "_NO_SPACES", _AlwaysSearch(bm25_module._NO_SPACES))
+    assert words(text) == fast
+
+
+class _AlwaysSearch:
+    """The no-spaces pattern, except that the whole-text check always finds something: every word takes the
+    per-word rule."""
+
+    def __init__(self, pattern):
+        self.pattern, self.first = pattern, True
+
+    def search(self, s):
+        if self.first:
+            self.first = False
+            return True
+        return self.pattern.search(s)
+
+    def __getattr__(self, name):
+        return getattr(self.pattern, name)
+
+
+def unit(rng, n, dim=32):
+    v = rng.standard_normal((n, dim)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def test_cells_score_the_probed_passages_exactly_and_all_cells_are_the_exact_product():
+    rng = np.random.default_rng(0)
+    matrix, query = unit(rng, 3000), unit(rng, 1)[0]
+    centroids = spherical_kmeans(matrix, 40)
+    cells = Cells(centroids, dense.nearest_cells(matrix, centroids))
+    some = cells.scores(matrix, query, probe=4)
+    found = np.isfinite(some)
+    assert 0 < found.sum() < len(matrix)
+    np.testing.assert_allclose(some[found], (matrix @ query)[found], atol=1e-6)  # BLAS blocks rows its own way
+    np.testing.assert_allclose(cells.scores(matrix, query, probe=40), matrix @ query, atol=1e-6)
+
+
+def test_cells_are_trained_at_save_follow_adds_and_removes_and_load_back(tmp_path, monkeypatch):
+    rng = np.random.default_rng(1)
+    monkeypatch.setattr(dense, "ANN_MIN", 500)
+    vectors = DenseVectors()
+    vectors.rows = {f"d{i}": unit(rng, 3) for i in range(200)}  # 600 passages
+    ids = list(vectors.rows)
+    vectors.save(tmp_path, ids)
+    assert vectors.centroids is not None and len(vectors.centroids) == int(np.sqrt(600))
+    monkeypatch.setattr(dense, "embed", lambda name, texts, device, progress=False: unit(rng, len(texts)))
+    vectors.add(["new"], [["a", "b"]])
+    assert len(vectors.cells["new"]) == 2
+    vectors.remove("d0")
+    assert "d0" not in vectors.cells
+    loaded = DenseVectors.read(lambda name: open(tmp_path / name, "rb"), tmp_path)
+    np.testing.assert_array_equal(loaded.centroids, vectors.centroids)
+    assert all(np.array_equal(loaded.cells[d], vectors.cells[d]) for d in ids[1:])
+    whole = loaded.matrix(ids)
+    lists = loaded.search(ids, whole)
+    query = unit(rng, 1)[0]
+    scores = lists.scores(whole, query)
+    np.testing.assert_allclose(scores[np.isfinite(scores)], (whole @ query)[np.isfinite(scores)], atol=1e-6)
