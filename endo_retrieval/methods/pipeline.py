@@ -220,14 +220,16 @@ class EndoPipeline:
         self.heads = [tuple(map(int, h)) for h in (self.heads or profile_heads(self.backbone))]
         self.batched_reads = BATCHED_READS if self.batched_reads is None else self.batched_reads
         pipeline = (heads_profile(self.backbone) or {}).get("pipeline") or {}
+        self.first_stage_asked = self.first_stage is not None  # a default one falls back to BM25 without vectors
         self.first_stage = self.first_stage or pipeline.get("first_stage") or ("bm25" if pipeline else "hybrid")
         if self.first_stage not in FIRST_STAGES:
             raise ValueError(f"Unknown first stage {self.first_stage!r}; use one of {', '.join(FIRST_STAGES)}.")
         fitted = fitted_setting(pipeline, self.backbone.device.type)
         # a first stage fitted on its own (`first_stages`): its weights and share; depth and reading as fitted
         stage = (pipeline.get("first_stages") or {}).get(self.first_stage) or {}
-        if self.backbone.device.type == "cpu" and stage.get("cpu"):  # fitted on a CPU, without the second read
-            stage = stage | stage["cpu"]
+        cpu = stage.get("cpu") or {}  # fitted on a CPU at its depth, without the second read: read at that depth
+        if self.backbone.device.type == "cpu" and cpu and self.depth in (None, cpu.get("fit", {}).get("depth")):
+            stage = stage | cpu
         if self.dense_share is None:
             self.dense_share = float(stage.get("dense_share", DENSE_SHARE[self.first_stage]))
         if self.two_hop is None:
@@ -271,6 +273,9 @@ class EndoPipeline:
         stage = first_stage or self.first_stage
         query = words(question)
         scores = {"bm25": passages.bm25.get_scores(query) if query else np.zeros(len(passages))}
+        vectors = getattr(passages, "vectors", None)
+        if stage != "bm25" and vectors is None and not (first_stage or self.first_stage_asked):
+            stage = "bm25"  # passages without embeddings, no dense stage asked for: BM25's candidates
         if stage != "bm25":
             if getattr(passages, "vectors", None) is None:
                 raise ValueError(f"first_stage={stage!r} needs the passages' embeddings, which this index does not "

@@ -110,7 +110,7 @@ def test_an_endo_index_is_built_by_ray_workers_from_the_command_line(tiny, built
 def test_stage_one_over_shards_equals_one_index(one, sharded):
     """Each shard's BM25 over passages with the whole index's statistics: the merged candidates are one index's,
     scores bit for bit; sentence BM25 (`bm25`) too, from an index that holds no S3 postings."""
-    pipeline = one.pipeline("endo")
+    pipeline = one.pipeline("endo", first_stage="bm25")  # the shards hold BM25 only
     settings = copy.copy(pipeline)  # what a reader sends the shards: the pipeline without its model
     settings.backbone = None
     passages = one.passages()
@@ -121,7 +121,7 @@ def test_stage_one_over_shards_equals_one_index(one, sharded):
         assert all(found)  # both shards offer candidates
         merged = sorted((c for cs in found for c in cs), key=lambda c: c[:2])[: pipeline.depth]
         assert [c[1] for c in merged] == passages.starts[top].tolist(), q
-        assert [-c[0] for c in merged] == scores.tolist(), q  # exactly: the same idf, mean length and sums
+        assert [-c[0] for c in merged] == scores["bm25"].tolist(), q  # exactly: the same idf, mean length and sums
         assert [c[3] for c in merged] == pipeline.read_texts(one.corpus, passages, top, q)
         assert sharded.search(q, k=3, method="bm25") == one.search(q, k=3, method="bm25")
 

@@ -147,7 +147,7 @@ def test_the_pipeline_ranks_passages_with_fused_scores_and_refuses_what_the_inde
     assert scores == sorted(scores, reverse=True)
     for h in hits:  # the fused score is the node's score; each stage's score and time ride along
         stages = h.node.metadata["endo_stage_scores"]
-        assert set(stages) == {"bm25", "heads", "hop2", "fused"} and stages["fused"] == pytest.approx(h.score)
+        assert set(stages) == {"bm25", "dense", "heads", "hop2", "fused"} and stages["fused"] == pytest.approx(h.score)
         assert h.node.metadata["endo_stage_ms"]["total"] > 0
         assert "endo_stage_scores" in h.node.excluded_llm_metadata_keys
         source = nodes[int(h.node.metadata["doc_id"][1:])].text
@@ -220,10 +220,11 @@ def test_the_command_line_indexes_for_the_pipeline_and_answers_with_its_stage_sc
     assert main(["query", str(tmp_path / "ix"), question, "--k", "2", "--json", "--depth", "20"]) == 0
     hits = json.loads(capsys.readouterr().out)
     assert Path(hits[0]["doc_id"]).name == "bridge.txt" and hits[0]["score"] >= hits[1]["score"]
-    assert set(hits[0]["stage_scores"]) == {"bm25", "heads", "hop2", "fused"}  # the GPU's setting weighs the hop
+    # the GPU's setting weighs the hop
+    assert set(hits[0]["stage_scores"]) == {"bm25", "dense", "heads", "hop2", "fused"}
     assert main(["query", str(tmp_path / "ix"), question, "--k", "2", "--json"]) == 0
     # this CPU's own setting leaves it out
-    assert set(json.loads(capsys.readouterr().out)[0]["stage_scores"]) == {"bm25", "heads", "fused"}
+    assert set(json.loads(capsys.readouterr().out)[0]["stage_scores"]) == {"bm25", "dense", "heads", "fused"}
     assert main(["query", str(tmp_path / "ix"), "bridge", "--method", "s3"]) == 2
     assert "cannot search with 's3'" in capsys.readouterr().err
 
@@ -468,13 +469,13 @@ def test_the_shipped_cpu_setting_was_fitted_and_its_weights_are_found(backbone):
     from endo_retrieval.model.profiles import heads_profile
 
     section = heads_profile(backbone)["pipeline"]
-    pipe = EndoPipeline(backbone)  # the default model on this CPU
+    pipe = EndoPipeline(backbone, first_stage="bm25")  # the default model on this CPU, BM25's candidates
     cpu = section["cpu"]
     rows = [r for r in cpu["fit"]["table"] if (r["depth"], r["read_tokens"], r["order"]) ==
             (cpu["depth"], pipe.read_tokens, "best-last" if pipe.best_last else "first-stage")]
     assert pipe.depth == cpu["depth"] < section["depth"]
     assert len(rows) == 1 and pipe.weights == rows[0]["weights"]
-    assert EndoPipeline(backbone, depth=section["depth"]).weights == section["weights"]
+    assert EndoPipeline(backbone, depth=section["depth"], first_stage="bm25").weights == section["weights"]
 
 
 def test_an_index_that_reads_no_features_never_loads_the_saes(backbone, monkeypatch):
