@@ -250,14 +250,20 @@ def run(args) -> int:
                          "disk_embedding_bytes_per_passage": on_disk["embeddings"] / got["passages"], **got})
             print(table_line(rows[-1]), flush=True)
             subprocess.run(["rm", "-rf", str(folder)], check=False)  # the next size's room on disk
+            write(out, backbone, questions, rows)  # after every size: a long run keeps what it measured
+    print(markdown(json.loads((out / "scale.json").read_text())))
+    return 0
+
+
+def write(out: Path, backbone, questions: list[str], rows: list[dict]) -> None:
+    from endo_retrieval.index import dense
+
     out.mkdir(parents=True, exist_ok=True)
     result = {"bench": "scale", "device": "cpu", "cpus": os.cpu_count(), "load_average": os.getloadavg(),
               "model": backbone.model_id, "questions": len(questions), "ann_min": dense.ANN_MIN,
               "probe": dense.PROBE, "rows": rows}
     (out / "scale.json").write_text(json.dumps(result, indent=1))
     (out / "scale.md").write_text(markdown(result))
-    print(markdown(result))
-    return 0
 
 
 HEADER = ("| passages | text | build s | disk B/passage (embedding) | open s | RAM B/passage besides text | "
@@ -281,7 +287,7 @@ def markdown(result: dict) -> str:
     lines += ["", "RAM by part, bytes per passage (arrays only; the rest is Python objects):", "",
               "| passages | " + " | ".join(result["rows"][0]["parts"]) + " | measured, besides text |",
               "|---|" + "---|" * (len(result["rows"][0]["parts"]) + 1)]
-    for r in result["rows"]:
+    for r in (r for r in result["rows"] if r.get("parts")):  # a row joined from a table line has none
         lines.append(f"| {r['passages']:,} | " + " | ".join(f"{r['parts'].get(k, 0) / r['passages']:,.0f}"
                                                              for k in result["rows"][0]["parts"])
                      + f" | {r['ram_besides_text_per_passage']:,.0f} |")
