@@ -85,18 +85,25 @@ def test_distinct_keeps_first_appearance():
 
 def test_rankings_scored_by_hand():
     ranking = ["x1", "A", "x2", "x3", "B", "x4", "x5", "x6", "x7", "x8", "C"]  # C is 11th: past the top 10
-    assert score_ranking(ranking, {"A", "B"}) == {"hits@2": 1, "hits@5": 2, "hits@10": 2, "first_gold_rank": 2}
-    assert score_ranking(ranking, {"C"}) == {"hits@2": 0, "hits@5": 0, "hits@10": 0, "first_gold_rank": None}
+    assert score_ranking(ranking, {"A", "B"}) == {"hits@2": 1, "hits@5": 2, "hits@10": 2, "first_gold_rank": 2,
+                                                  "gold_ranks": [2, 5]}
+    assert score_ranking(ranking, {"C"}) == {"hits@2": 0, "hits@5": 0, "hits@10": 0, "first_gold_rank": None,
+                                             "gold_ranks": []}
     assert score_ranking(ranking, {"x1", "x6", "Z"}) == {"hits@2": 1, "hits@5": 1, "hits@10": 2,
-                                                         "first_gold_rank": 1}
+                                                         "first_gold_rank": 1, "gold_ranks": [1, 8]}
 
 
 def test_question_metrics_by_hand():
     # three questions: golds 2, 1, 3; hits as scored above
-    per_question = {"hits@2": [1, 0, 1], "hits@5": [2, 0, 1], "hits@10": [2, 0, 2], "first_gold_rank": [2, None, 1]}
+    per_question = {"hits@2": [1, 0, 1], "hits@5": [2, 0, 1], "hits@10": [2, 0, 2], "first_gold_rank": [2, None, 1],
+                    "gold_ranks": [[2, 5], [], [1, 8]]}
     got = question_metrics(per_question, [2, 1, 3])
+    # nDCG@10, binary gain: DCG over the gold's ranks, over the ideal DCG of min(gold, 10) at the top
+    ndcg = [(1 / np.log2(3) + 1 / np.log2(6)) / (1 + 1 / np.log2(3)), 0,
+            (1 + 1 / np.log2(9)) / (1 + 1 / np.log2(3) + 1 / np.log2(4))]
     expected = {"recall@2": [0.5, 0, 1 / 3], "recall@5": [1, 0, 1 / 3], "recall@10": [1, 0, 2 / 3],
-                "all@2": [0, 0, 0], "all@5": [1, 0, 0], "all@10": [1, 0, 0], "mrr": [0.5, 0, 1]}
+                "all@2": [0, 0, 0], "all@5": [1, 0, 0], "all@10": [1, 0, 0], "mrr": [0.5, 0, 1],
+                "hit@1": [0, 0, 1], "ndcg@10": ndcg}
     assert set(got) == set(METRICS)
     for name, values in expected.items():
         np.testing.assert_allclose(got[name], values, err_msg=name)
