@@ -1,0 +1,52 @@
+"""The default `endo` with its dense first stage, through the real frameworks with the real default model and the
+real all-MiniLM-L6-v2 package: a question that shares no word with its evidence is answered from it in a
+LlamaIndex query engine and a LangChain chain, where the same retriever with BM25 candidates alone cannot reach it."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# the evidence says "feline" and "slumbered"; the question says "cat" and "sleep"
+EVIDENCE = "A grey feline slumbered on a woven rug beside a warm stove all afternoon."
+# more documents than the model reads (its CPU depth is 12): BM25, finding none of the question's words in the
+# evidence, ranks it last, so it never reaches the model without the dense stage
+FILLER = [f"The {w} committee met on {d} to discuss the {t} and the new ferry timetable."
+          for w in ("finance", "planning", "transport", "harbour", "parks", "schools")
+          for d, t in (("Monday", "budget"), ("Tuesday", "bridge"), ("Wednesday", "library"), ("Friday", "museum"),
+                       ("Sunday", "market"))]
+QUESTION = "Where did the cat sleep?"
+
+
+def test_a_paraphrase_is_found_through_the_dense_stage_in_a_query_engine_and_a_chain(backbone, tmp_path):
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.runnables import RunnableLambda, RunnablePassthrough
+    from langchain_endo import EndoRetriever as LCRetriever
+    from llama_index.core import Document
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.response_synthesizers import get_response_synthesizer
+    from llama_index.retrievers.endo import EndoRetriever
+
+    docs = [Document(text=t, id_=f"d{i}") for i, t in enumerate([*FILLER, EVIDENCE])]
+    retriever = EndoRetriever.from_defaults(documents=docs, backbone=backbone, similarity_top_k=1,
+                                           persist_dir=tmp_path / "idx")
+    assert retriever.index.dense is not None and retriever.index.pipeline("endo").first_stage == "hybrid"
+    engine = RetrieverQueryEngine(retriever, response_synthesizer=get_response_synthesizer(response_mode="no_text"))
+    response = engine.query(QUESTION)
+    assert [n.node.text for n in response.source_nodes] == [EVIDENCE]
+    stages = response.source_nodes[0].node.metadata["endo_stage_scores"]
+    assert stages["bm25"] == 0.0 and stages["dense"] > 0.3  # no shared word: the embedder found it
+
+    bm25_only = EndoRetriever.from_defaults(documents=docs, backbone=backbone, similarity_top_k=1,
+                                            first_stage="bm25")
+    assert bm25_only.index.dense is None
+    assert [n.node.text for n in bm25_only.retrieve(QUESTION)] != [EVIDENCE]
+
+    lc = LCRetriever(index_dir=tmp_path / "idx", k=1, backbone=backbone)  # the saved index, vectors memory-mapped
+    prompt = ChatPromptTemplate.from_template("Context: {context}\nQuestion: {question}")
+    chain = ({"context": lc | RunnableLambda(lambda ds: ds[0].page_content), "question": RunnablePassthrough()}
+             | prompt | RunnableLambda(lambda p: p.to_string()) | StrOutputParser())
+    assert EVIDENCE in chain.invoke(QUESTION)
+    with pytest.raises(ValueError, match="all-MiniLM-L6-v2"):
+        LCRetriever(index_dir=tmp_path / "idx", k=1, backbone=backbone, embedder="another-embedder")
