@@ -154,7 +154,7 @@ class EndoIndex(IndexStore):
         """The `endo` (or `endo-2hop`) pipeline over this index's model (settings left None from the model's
         profile), made once per method and settings. An index without passage embeddings reads BM25's candidates
         unless a dense first stage is asked for, which then fails saying how to add them."""
-        if first_stage is None and self.dense is None:
+        if first_stage is None and self.passages().vectors is None:  # e.g. one built with first_stage="bm25"
             first_stage = "bm25"
         pipelines = self.__dict__.setdefault("_pipelines", {})
         key = (method, depth, read_tokens, first_stage)

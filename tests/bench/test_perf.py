@@ -260,6 +260,6 @@ def test_the_endo_pipeline_rows_count_its_forwards_and_time_its_stages(tiny):
     by_metric = {r["metric"]: r for r in rows}
     assert by_metric["endo_forwards_per_question"]["value"] == 1.0
     assert {"endo_query_p50_ms", "endo_query_p95_ms", "endo_stage_read_p50_ms", "endo_stage_question_p50_ms",
-            "endo_stage_bm25_p50_ms"} <= set(by_metric) and "endo_stage_hop2_p50_ms" not in by_metric
+            "endo_stage_first_stage_p50_ms"} <= set(by_metric) and "endo_stage_hop2_p50_ms" not in by_metric
     assert all(r["value"] >= 0 and r["method"] == "endo" for r in rows)
     assert not any("cuda" in m for m in by_metric)

@@ -109,12 +109,12 @@ def test_endo_ranks_as_the_first_read_alone_and_endo_2hop_keeps_its_first_hop_sc
 
     corpus, passages = two_hop_corpus(backbone)
     pipe = EndoPipeline(backbone, depth=4)
-    top, bm25 = pipe.candidates(corpus, passages, QUESTION)
+    top, first = pipe.candidates(corpus, passages, QUESTION)  # stage 1's scores of its candidates
     texts = pipe.read_texts(corpus, passages, top, QUESTION)
     order = np.arange(len(top))[::-1] if pipe.best_last else np.arange(len(top))
     read = passage_signals(backbone, [texts[i] for i in order], QUESTION, pipe.heads,
-                           second_hop=bool(pipe.weights.get("hop2")), first_stage=bm25[order])
-    signals = {"bm25": bm25} | {name: s[np.argsort(order)] for name, s in read.items()}
+                           second_hop=bool(pipe.weights.get("hop2")), first_stage=-order.astype(np.float64))
+    signals = dict(first) | {name: s[np.argsort(order)] for name, s in read.items()}
     fused = fuse(signals, pipe.weights)
     rank = np.lexsort((np.arange(len(top)), -fused))
     hits = pipe.search(corpus, passages, QUESTION, k=4)
