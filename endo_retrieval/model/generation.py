@@ -94,7 +94,7 @@ def generate(backbone, prompt_or_messages, max_new_tokens: int = 64, stream: boo
             kwargs.update(temperature=None, top_p=None, top_k=None)
         tokens = hf_tokens(backbone, ids, kwargs)
     guard = RepeatStop(backbone.tokenizer, stop_on_repeat) if stop_on_repeat else None
-    answer = answer_ids(backbone, tokens, guard, stats, compressed=bool(compress_to))
+    answer = answer_ids(backbone, tokens, guard, stats, compressed=bool(compress_to), stream=stream)
     if stream:
         return text_pieces(backbone.tokenizer, answer)
     return backbone.tokenizer.decode(list(answer), skip_special_tokens=True).strip()
@@ -157,7 +157,7 @@ class RepeatStop:
 
     - a run of `ngram` tokens that the answer already holds (greedy decoding of a small model loops: one sentence
       nine times until the token limit): the answer keeps what came before the run, less the unfinished sentence
-      the run began in (unless that is the first sentence);
+      the run began in (unless that is the first sentence, or a stream has shown part of it);
     - a sentence (up to . ! ? before a space, or a line) equal to an earlier one in its words, any shorter than the
       run: the answer keeps what came before it. `finish(answer)` checks the last sentence when decoding ends.
 
@@ -183,7 +183,9 @@ class RepeatStop:
             self.sentences.add(words)
         return False
 
-    def cut(self, answer: list[int]) -> int | None:
+    def cut(self, answer: list[int], shown: int = 0) -> int | None:
+        """`shown`: how many of the answer's tokens a stream has shown already; a repeat's unfinished sentence is
+        dropped only where none of it has been shown."""
         i = len(answer) - 1
         piece = self.tokenizer.decode(answer[i:], skip_special_tokens=True)
         self.pieces.append(piece)
@@ -197,8 +199,10 @@ class RepeatStop:
             run = tuple(answer[-self.ngram:])
             if run in self.runs:
                 begin = len(answer) - self.ngram
+                while begin < i and not self.pieces[begin].strip():  # line breaks that end the sentence before
+                    begin += 1
                 sentence = max(s for s in self.starts if s <= begin)
-                return sentence if sentence > 0 else begin
+                return sentence if 0 < sentence and sentence >= shown else begin
             self.runs.add(run)
         return None
 
@@ -304,11 +308,13 @@ def backend_tokens(backbone, attention, ids: torch.Tensor, max_new_tokens: int) 
 
 # ---- the answer -------------------------------------------------------------------------------------------------
 def answer_ids(backbone, tokens: Iterator[int], guard: RepeatStop | None, stats: dict,
-               compressed: bool = False) -> Iterator[int]:
+               compressed: bool = False, stream: bool = True) -> Iterator[int]:
     """The answer's token ids from a token source: up to the first stop token, and with `guard` up to where the
-    answer starts repeating itself. With a guard, the last `guard.ngram` tokens are held back until the next
-    arrives (a repeat found later takes them back), so a stream never shows the start of a repeat."""
-    eos, hold = backbone.eos_ids(), guard.ngram if guard else 0
+    answer starts repeating itself. With a guard, a stream holds the last `guard.ngram` tokens back until the next
+    arrives (a repeat found later takes them back), so it never shows the start of a repeat; without stream,
+    nothing is given out before the end."""
+    eos = backbone.eos_ids()
+    hold = 0 if guard is None else guard.ngram if stream else float("inf")
     start, answer, shown, stopped = time.perf_counter(), [], 0, "max_new_tokens"
     with _closing(tokens):
         for token in tokens:
@@ -319,15 +325,15 @@ def answer_ids(backbone, tokens: Iterator[int], guard: RepeatStop | None, stats:
                 stopped = "stop_token"
                 break
             answer.append(token)
-            if guard is not None and (keep := guard.cut(answer)) is not None:
-                del answer[keep:]
+            if guard is not None and (keep := guard.cut(answer, shown)) is not None:
+                del answer[max(keep, shown):]
                 stopped = "repeat"
                 break
             while len(answer) - shown > hold:
                 yield answer[shown]
                 shown += 1
     if guard is not None and stopped != "repeat" and (keep := guard.finish(answer)) is not None:
-        del answer[keep:]
+        del answer[max(keep, shown):]
         stopped = "repeat"
     yield from answer[shown:]
     stats.update(new_tokens=len(answer), seconds=round(time.perf_counter() - start, 3), stopped=stopped)

@@ -64,6 +64,18 @@ def test_repeat_stop_drops_the_unfinished_sentence_a_repeat_began_in():
     tok = WordTokenizer()
     answer = tok.ids("The|_band|_played|_in|_Tulsa|.|_It|_played|_in|_Tulsa|.")  # " played in Tulsa." again
     assert tok.decode(run_guard(RepeatStop(tok, ngram=4), answer)) == "The band played in Tulsa."
+    # a run that begins with the line breaks closing a sentence: that sentence stays
+    lines = tok.ids("Tulsa|\n|\n|The|_band|_played|\n|\n|The|_band|_played")
+    assert tok.decode(run_guard(RepeatStop(tok, ngram=5), lines)).strip() == "Tulsa\n\nThe band played"
+
+
+def test_a_stream_keeps_what_it_showed_and_the_whole_answer_drops_the_unfinished_sentence():
+    bb, tok = FakeBackbone(), WordTokenizer()
+    looping = tok.ids("Tulsa|.|\n|The|_band|_played|_in|_Tulsa|_and") + tok.ids("_band|_played|_in|_Tulsa|_and") * 6
+    whole = list(answer_ids(bb, iter(looping), RepeatStop(tok, ngram=4), {"prompt_tokens": 1}, stream=False))
+    assert tok.decode(whole).strip() == "Tulsa."  # cut 10 tokens back, more than a stream holds
+    shown = list(answer_ids(bb, iter(looping), RepeatStop(tok, ngram=4), {"prompt_tokens": 1}, stream=True))
+    assert tok.decode(shown) == "Tulsa.\nThe band played in Tulsa and"  # what it had shown stays; no repeat
 
 
 class FakeBackbone:
