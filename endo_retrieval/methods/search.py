@@ -154,7 +154,8 @@ class EndoIndex(IndexStore):
         """The `endo` (or `endo-2hop`) pipeline over this index's model (settings left None from the model's
         profile), made once per method and settings. An index without passage embeddings reads BM25's candidates
         unless a dense first stage is asked for, which then fails saying how to add them."""
-        if first_stage is None and self.passages().vectors is None:  # e.g. one built with first_stage="bm25"
+        # no vectors to read (built with first_stage="bm25", or from segments): BM25's candidates and weights
+        if first_stage is None and (self.dense is None or (len(self.corpus) and self.passages().vectors is None)):
             first_stage = "bm25"
         pipelines = self.__dict__.setdefault("_pipelines", {})
         key = (method, depth, read_tokens, first_stage)
