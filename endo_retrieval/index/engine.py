@@ -30,7 +30,7 @@ from endo_retrieval.corpus import CorpusMap, split_sentences
 from endo_retrieval.files import atomic_write, read_folder, replacing_folder, writer_lock
 from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
                                            IndexVersionError, sorted_postings)
-from endo_retrieval.index.dense import DEFAULT_EMBEDDER, DenseVectors, EmbedderError
+from endo_retrieval.index.dense import DEFAULT_EMBEDDER, DenseVectors, EmbedderError, load_embedder
 from endo_retrieval.index.passages import PASSAGE_TOKENS, Passages, passage_cuts
 from endo_retrieval.index.indexing import (HandOff, ahead, index_streams, progress_bar, recorded_event, to_host,
                                            whole_chunks)
@@ -103,7 +103,6 @@ class IndexStore:
         self.dense = None if first_stage == "bm25" else DenseVectors(embedder or DEFAULT_EMBEDDER,
                                                                      _embed_device(self.backbone))
         if self.dense is not None:
-            from endo_retrieval.index.dense import load_embedder
             load_embedder(self.dense.embedder, self.dense.device)  # a name that cannot load fails before any work
         self._rw = ReadWriteLock()  # queries share the index, an add or remove has it alone
 

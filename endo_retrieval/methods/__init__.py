@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from endo_retrieval.core import Compressed, Span, capped_question
 from endo_retrieval.methods.base import Method
+from endo_retrieval.model import generation
 
 
 
@@ -77,6 +78,9 @@ def compress(context: str, question: str, budget: int = 1024, method: str = DEFA
     question = capped_question(question)
     backbone = Backbone.of(backbone) if method in REGISTRY else None  # an unknown name fails before any loading
     return get_method(method, backbone=backbone).compress(context, question, budget)
+
+
+generation.COMPRESS = (compress, DEFAULT_METHOD)  # what the model's `compress_to` compresses with (no upward import)
 
 
 __all__ = ["Compressed", "Method", "Span", "METHODS", "REGISTRY", "DEFAULT_METHOD", "SEARCH_METHODS", "get_method",

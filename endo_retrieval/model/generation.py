@@ -387,12 +387,19 @@ def split_question(content: str) -> tuple[str, str]:
     return content[:at], content[at:]
 
 
+# (compress, its default method), set by endo_retrieval.methods when it is imported: `compress_to`'s compressor
+COMPRESS = None
+
+
 def compress_messages(backbone, messages: list[dict], compress_to: int, method: str | None = None,
                       stats: dict | None = None) -> list[dict]:
     """`messages` whose chat prompt fits `compress_to` tokens: when it is longer, the context of the last user
     message (what comes before its question, `split_question`) is compressed by `endo_retrieval.compress` for that
     question to the tokens the rest of the prompt leaves; the time taken is logged and put in `stats`."""
-    from endo_retrieval.methods import DEFAULT_METHOD, compress
+    if COMPRESS is None:  # the methods sit above the model: they register themselves (methods/__init__.py)
+        raise ValueError("compress_to compresses with endo_retrieval's methods: `import endo_retrieval.methods` "
+                         "(the LlamaIndex and LangChain adapters do) before generating with it.")
+    compress, default_method = COMPRESS
 
     if not isinstance(compress_to, int) or isinstance(compress_to, bool) or compress_to < 1:
         raise ValueError(f"compress_to takes a number of prompt tokens >= 1 (None: no compression), got "
@@ -410,7 +417,7 @@ def compress_messages(backbone, messages: list[dict], compress_to: int, method: 
     if room < 32:
         raise BackboneError(f"compress_to={compress_to} leaves {max(room, 0)} tokens for the context once the rest "
                             f"of the prompt ({total - backbone.count_tokens(context)} tokens) is in; raise it.")
-    method = method or DEFAULT_METHOD
+    method = method or default_method
     start = time.perf_counter()
     kept = compress(context, question, budget=room, method=method, backbone=backbone)
     seconds = time.perf_counter() - start
