@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import endo_retrieval.methods  # noqa: F401  registers compress_to's compressor (the methods sit above the model)
 from endo_retrieval.model import generation
 from endo_retrieval.model.generation import RepeatStop, answer_ids
 
