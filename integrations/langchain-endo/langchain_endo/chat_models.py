@@ -157,9 +157,8 @@ class ChatEndo(BaseChatModel):
                 "type": "tool_call"}
         return AIMessage(content="", tool_calls=[call])
 
-    def _pieces(self, messages: list[BaseMessage], stop: list[str] | None, stats: dict, **kwargs: Any
-                ) -> Iterator[str]:
-        """The answer's text as it comes, up to the first stop sequence (closing the model's stream there)."""
+    def _answer(self, messages: list[BaseMessage], stream: bool, stats: dict, **kwargs: Any):
+        """The backbone's answer to `messages` (text, or with stream=True an iterator of its pieces)."""
         options = dict(stop_on_repeat=self.stop_on_repeat or None, compress_to=self.compress_to,
                        compress_method=self.compress_method, stats=stats)
         if self.repetition_penalty != 1.0:
@@ -167,8 +166,13 @@ class ChatEndo(BaseChatModel):
         if self.no_repeat_ngram_size:
             options["no_repeat_ngram_size"] = self.no_repeat_ngram_size
         sampling = self._sampling(kwargs.get("temperature", self.temperature))
-        pieces = self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=True,
-                                         attention=get_backend(self.attention), **sampling, **options)
+        return self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=stream,
+                                       attention=get_backend(self.attention), **sampling, **options)
+
+    def _pieces(self, messages: list[BaseMessage], stop: list[str] | None, stats: dict, **kwargs: Any
+                ) -> Iterator[str]:
+        """The answer's text as it comes, up to the first stop sequence (closing the model's stream there)."""
+        pieces = self._answer(messages, True, stats, **kwargs)
         held = ""  # text that may be the start of a stop sequence, shown once the next pieces say it is not
         with contextlib.closing(pieces):
             for piece in pieces:
@@ -191,8 +195,9 @@ class ChatEndo(BaseChatModel):
                   tool_choice: str | None = None, **kwargs: Any) -> ChatResult:
         message = self._tool_call(messages, tools, tool_choice)
         stats: dict = {}
-        if message is None:
-            text = "".join(self._pieces(messages, stop, stats, **kwargs))
+        if message is None:  # with stop sequences, read as a stream: the model stops at the first
+            text = "".join(self._pieces(messages, stop, stats, **kwargs)) if stop else \
+                self._answer(messages, False, stats, **kwargs)
             message = AIMessage(content=text, response_metadata={"generation": stats})
         return ChatResult(generations=[ChatGeneration(message=message)])
 
