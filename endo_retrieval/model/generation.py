@@ -33,7 +33,8 @@ from endo_retrieval.model.threads import threads_for_cpu_work
 log = logging.getLogger(__name__)
 
 # A CPU prompt longer than this many tokens gets a one-time warning with its measured prefill time and the way to
-# compress it (`compress_to`): a 4,000-token prompt (16,000 characters) took 20-40 s to prefill on 2 busy cores.
+# compress it (`compress_to`): a 4,000-token prompt (16,000 characters) took 5-20 s to read on 2 busy cores
+# (docs/generation.md).
 LONG_CPU_PROMPT = 2048
 _hinted: set[str] = set()
 OPTIONS = ("stop_on_repeat", "repetition_penalty", "no_repeat_ngram_size", "compress_to", "compress_method", "stats")
@@ -243,8 +244,7 @@ def answer_processors(prompt_len: int, penalty: float | None, ngram: int | None)
 def hf_tokens(backbone, ids: torch.Tensor, kwargs: dict) -> Iterator[int]:
     """Hugging Face's generate on a worker thread (holding the model's lock, with the CPU's fitted thread count),
     its new token ids as they come. The prompt is prefilled in one forward: on a CPU, prefilling it in chunks into a
-    cache was 1.2-5x slower (SDPA leaves its causal kernel for an explicit mask; docs/generation.md). Closing the
-    iterator stops the generation at its next step."""
+    cache was 1.2-10x slower (docs/generation.md). Closing the iterator stops the generation at its next step."""
     from transformers import StoppingCriteria, StoppingCriteriaList
     from transformers.generation.streamers import BaseStreamer
 
