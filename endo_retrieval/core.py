@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 # and leaves most of an 8k window to the evidence.
 MAX_QUESTION_CHARS = 8_000
 
+# (compress, its default method), set when endo_retrieval.methods is imported: the model's `compress_to` compresses
+# with it, and the model sits below the methods (kept here, torch-free, so parsing the CLI loads no torch)
+COMPRESS = None
+
 
 @dataclass(frozen=True)
 class Span:

@@ -26,6 +26,7 @@ from typing import Iterator
 
 import torch
 
+from endo_retrieval import core
 from endo_retrieval.model.decode import greedy_tokens, supports_graph_decode
 from endo_retrieval.model.locate import BackboneError
 from endo_retrieval.model.threads import threads_for_cpu_work
@@ -387,19 +388,15 @@ def split_question(content: str) -> tuple[str, str]:
     return content[:at], content[at:]
 
 
-# (compress, its default method), set by endo_retrieval.methods when it is imported: `compress_to`'s compressor
-COMPRESS = None
-
-
 def compress_messages(backbone, messages: list[dict], compress_to: int, method: str | None = None,
                       stats: dict | None = None) -> list[dict]:
     """`messages` whose chat prompt fits `compress_to` tokens: when it is longer, the context of the last user
     message (what comes before its question, `split_question`) is compressed by `endo_retrieval.compress` for that
     question to the tokens the rest of the prompt leaves; the time taken is logged and put in `stats`."""
-    if COMPRESS is None:  # the methods sit above the model: they register themselves (methods/__init__.py)
+    if core.COMPRESS is None:  # the methods sit above the model: they register themselves (methods/__init__.py)
         raise ValueError("compress_to compresses with endo_retrieval's methods: `import endo_retrieval.methods` "
                          "(the LlamaIndex and LangChain adapters do) before generating with it.")
-    compress, default_method = COMPRESS
+    compress, default_method = core.COMPRESS
 
     if not isinstance(compress_to, int) or isinstance(compress_to, bool) or compress_to < 1:
         raise ValueError(f"compress_to takes a number of prompt tokens >= 1 (None: no compression), got "
