@@ -16,6 +16,7 @@ import contextlib
 import sys
 import json
 import os
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Iterable, Iterator
@@ -31,7 +32,7 @@ from endo_retrieval.files import atomic_write, read_folder, replacing_folder, wr
 from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
                                            IndexVersionError, sorted_postings)
 from endo_retrieval.index.dense import DEFAULT_EMBEDDER, DenseVectors, EmbedderError, load_embedder
-from endo_retrieval.index.passages import PASSAGE_TOKENS, Passages, passage_cuts
+from endo_retrieval.index.passages import PASSAGE_TOKENS, PASSAGES_FILE, Passages, passage_cuts
 from endo_retrieval.index.indexing import (HandOff, ahead, index_streams, progress_bar, recorded_event, to_host,
                                            whole_chunks)
 from endo_retrieval.index.rwlock import ReadWriteLock, locked
@@ -204,7 +205,8 @@ class IndexStore:
         missing = self.dense.missing(self.doc_ids)
         if missing:
             self._embed(missing, progress)
-        self._passages = None  # the corpus is the same; its passages now carry vectors
+        if getattr(self, "_passages", None) is not None:  # the corpus is the same; its passages now carry vectors
+            self._passages = (self._passages[0], self._with_vectors(self._passages[1]))
         self.__dict__.pop("_pipelines", None)  # the default first stage changes with them
         return len(missing)
 
@@ -306,9 +308,12 @@ class IndexStore:
     def bm25_scores(self, question: str) -> np.ndarray:
         return self._of_corpus_state("_bm25", SentenceBM25.build).token_scores(question)
 
+    def _corpus_state(self) -> tuple[int, int]:
+        return self.corpus.n_positions, len(self.corpus)  # an add or remove changes it
+
     def _of_corpus_state(self, name: str, build: Callable):
-        """`build(corpus)`, made once per corpus state (an add or remove changes the key) and reused by every query."""
-        key = (self.corpus.n_positions, len(self.corpus))
+        """`build(corpus)`, made once per corpus state and reused by every query."""
+        key = self._corpus_state()
         if getattr(self, name, None) is None or getattr(self, name)[0] != key:
             setattr(self, name, (key, build(self.corpus)))
         return getattr(self, name)[1]
@@ -316,18 +321,19 @@ class IndexStore:
     @locked("read")
     def passages(self):
         """The corpus's candidate passages with BM25 over them (passages.py) and, where the index keeps them, their
-        embeddings for the dense stage; built once per corpus state."""
-        def build(corpus):
-            passages = Passages.build(corpus)
-            if self.dense is not None and not self.dense.missing(self.doc_ids):
-                passages.dense = self.dense
-                passages.vectors = self.dense.matrix(self.doc_ids)
-                if len(passages.vectors) != len(passages):
-                    raise IndexCorruptError(f"The index holds {len(passages.vectors)} passage embeddings for "
-                                            f"{len(passages)} passages; rebuild it.")
-            return passages
+        embeddings for the dense stage; built once per corpus state (or read with a saved index)."""
+        return self._of_corpus_state("_passages", lambda corpus: self._with_vectors(Passages.build(corpus)))
 
-        return self._of_corpus_state("_passages", build)
+    def _with_vectors(self, passages: Passages) -> Passages:
+        """`passages` with the dense stage's embeddings where the index holds them for every document."""
+        passages.dense = passages.vectors = passages.cells = None
+        if self.dense is not None and not self.dense.missing(self.doc_ids):
+            passages.dense = self.dense
+            passages.vectors = self.dense.matrix(self.doc_ids)
+            if len(passages.vectors) != len(passages):
+                raise IndexCorruptError(f"The index holds {len(passages.vectors)} passage embeddings for "
+                                        f"{len(passages)} passages; rebuild it.")
+        return passages
 
     # ---- persistence ---------------------------------------------------------------------------------------
     @locked("read")
@@ -349,6 +355,8 @@ class IndexStore:
                 self.corpus.save(tmp / "corpus.npz")
                 if self.dense is not None:
                     self.dense.save(tmp, self.doc_ids)
+                # the passages' BM25, built here where no question built it, so opening the index reads no text
+                atomic_write(tmp / PASSAGES_FILE, lambda p: self.passages().save(p, self.corpus))
                 atomic_write(tmp / HEADER, lambda p: p.write_text(json.dumps(header, indent=1)))
             self.generation = header["generation"]
         return directory
@@ -365,15 +373,23 @@ class IndexStore:
             with open_file(HEADER) as f:
                 meta = _check_header(f.read(), directory / HEADER, cls.method_names)
             if "segments" in meta:
-                return meta, None, None, None
+                return meta, None, None, None, None
             with open_file(f"features/{INDEX_FILE}") as f:
                 index = FeatureIndex.read(f, directory / "features" / INDEX_FILE)
             with open_file("corpus.npz") as f:
                 corpus = CorpusMap.read(f, directory / "corpus.npz")
-            return meta, index, corpus, DenseVectors.read(open_file, directory)
+            try:
+                with open_file(PASSAGES_FILE) as f:
+                    passages = Passages.read(f, corpus)
+            except FileNotFoundError:  # saved before passages were: built at the first question
+                passages = None
+            except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile) as err:
+                raise IndexCorruptError(f"{directory / PASSAGES_FILE} is damaged ({err}); delete the index folder "
+                                        "and rebuild it with `endo index PATH... --out DIR`.") from None
+            return meta, index, corpus, DenseVectors.read(open_file, directory), passages
 
         try:
-            meta, index, corpus, dense = read_folder(directory, read)
+            meta, index, corpus, dense, passages = read_folder(directory, read)
         except FileNotFoundError as err:
             if err.filename not in (None, HEADER, str(directory)):
                 raise IndexCorruptError(f"the index in {directory} is damaged: {err.filename} is missing; delete "
@@ -412,6 +428,8 @@ class IndexStore:
                                         "embeddings); delete the folder and rebuild the index.")
             dense.device = _embed_device(backbone)
         self.index, self.corpus, self.dense = index, corpus, dense
+        if passages is not None:
+            self._passages = (self._corpus_state(), self._with_vectors(passages))
         self.generation = meta.get("generation", 0)  # 0: saved before generations were counted
         return self
 

@@ -16,6 +16,7 @@ PASSAGE_TOKENS = 256  # a document longer than this is cut into passages of whol
 # recall@2 / @5 / @20 rose from 55.5 / 71.2 / 93.3 to 58.5 / 73.3 / 94.5 (tools/stage1_recall.py; docs/results.md
 # "The first stage indexes stems")
 STEMS = True
+PASSAGES_FILE = "passages.npz"  # the passages and their BM25, saved with the index: opening it reads no text again
 
 @dataclass
 class Passages:
@@ -46,6 +47,29 @@ class Passages:
         bm25 = OkapiPostings.build(texts(), STEMS if stem is None else stem)
         return cls(np.frombuffer(starts, np.int64).copy(), np.frombuffer(ends, np.int64).copy(),
                    corpus.sentence_starts(), bm25)
+
+    def save(self, path, corpus: CorpusMap) -> None:
+        """Write the passages and their BM25 to `path`, with what they were cut from (the corpus state,
+        PASSAGE_TOKENS), so `read` can tell when they are stale."""
+        state = np.asarray([corpus.n_positions, len(corpus), PASSAGE_TOKENS], np.int64)
+        with open(path, "wb") as f:  # a file, not a name: np.savez would add ".npz" to it
+            np.savez(f, state=state, starts=self.starts, ends=self.ends, **self.bm25.arrays())
+
+    @classmethod
+    def read(cls, f, corpus: CorpusMap) -> "Passages | None":
+        """The passages `save` wrote, for `corpus`; None where they were cut another way (another PASSAGE_TOKENS
+        or STEMS: they are built again). ValueError where they do not fit the corpus."""
+        with np.load(f) as saved:
+            state = saved["state"].tolist()
+            bm25 = OkapiPostings.from_arrays({k: saved[k] for k in ("terms", "indptr", "docs", "tf", "doc_len", "idf",
+                                                                     "settings")})
+            starts, ends = saved["starts"], saved["ends"]
+        if state[2] != PASSAGE_TOKENS or bm25.stem != STEMS:
+            return None
+        if state[:2] != [corpus.n_positions, len(corpus)] or not len(starts) == len(ends) == bm25.okapi.corpus_size:
+            raise ValueError(f"the saved passages (of {state[1]} documents, {len(starts)} passages) do not fit the "
+                             f"corpus ({len(corpus)} documents)")
+        return cls(starts, ends, corpus.sentence_starts(), bm25)
 
     def __len__(self) -> int:
         return len(self.starts)

@@ -111,6 +111,36 @@ class OkapiPostings:
         return cls(okapi, terms, np.concatenate(([0], np.cumsum(counts))), docs[order], tf[order].astype(small),
                    okapi.k1 * (1 - okapi.b + okapi.b * okapi.doc_len / okapi.avgdl), stem)
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Everything the model is, as arrays (`from_arrays` reads them back): an index saves them beside its corpus,
+        so opening it does not read every passage again. Terms are runs of word characters, so one newline-joined
+        UTF-8 string holds them all."""
+        okapi = self.okapi
+        return {"terms": np.frombuffer("\n".join(self.terms).encode("utf-8"), np.uint8), "indptr": self.indptr,
+                "docs": self.docs, "tf": self.tf, "doc_len": okapi.doc_len,
+                "idf": np.fromiter((okapi.idf[t] for t in self.terms), np.float64, len(self.terms)),
+                "settings": np.asarray([okapi.k1, okapi.b, okapi.epsilon, float(self.stem)])}
+
+    @classmethod
+    def from_arrays(cls, saved) -> "OkapiPostings":
+        """The model that `arrays` gave, with the same scores."""
+        from rank_bm25 import BM25Okapi
+
+        text = bytes(saved["terms"]).decode("utf-8")
+        terms = text.split("\n") if text else []
+        okapi = BM25Okapi.__new__(BM25Okapi)
+        okapi.k1, okapi.b, okapi.epsilon, stem = (float(v) for v in saved["settings"])
+        okapi.doc_len, okapi.doc_freqs = np.asarray(saved["doc_len"], np.int64), []
+        okapi.corpus_size = len(okapi.doc_len)
+        okapi.avgdl = int(okapi.doc_len.sum()) / max(okapi.corpus_size, 1)
+        okapi.idf = dict(zip(terms, saved["idf"].tolist()))
+        indptr = np.asarray(saved["indptr"])
+        if len(indptr) != len(terms) + 1 or len(saved["docs"]) != indptr[-1] or len(saved["tf"]) != indptr[-1]:
+            raise ValueError(f"saved BM25 postings disagree: {len(terms)} terms, {len(indptr)} row starts, "
+                             f"{len(saved['docs'])} postings")
+        return cls(okapi, {t: i for i, t in enumerate(terms)}, indptr, saved["docs"], saved["tf"],
+                   okapi.k1 * (1 - okapi.b + okapi.b * okapi.doc_len / okapi.avgdl), bool(stem))
+
     def term(self, word: str) -> str:
         """The term a word is indexed under."""
         return stems([word])[0] if self.stem else word

@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 from endo_retrieval.index.dense import EmbedderError
+from endo_retrieval.index.inverted import IndexCorruptError
+from endo_retrieval.index.passages import PASSAGES_FILE, Passages
 from endo_retrieval.methods.pipeline import EndoPipeline, fused_top
 from endo_retrieval.methods.search import Document, EndoIndex
+from endo_retrieval.scoring.bm25 import words
 from endo_retrieval.scoring.fusion import RRF_K
 
 DOCS = {"cat": "A small feline slept on the woven rug all afternoon.",
@@ -67,6 +70,34 @@ def test_vectors_follow_removes_and_saves_and_open_memory_mapped(tiny, tmp_path)
     loaded.save(tmp_path / "idx")
     again = EndoIndex.load(tmp_path / "idx", backbone=tiny)
     assert sorted(again.dense.rows) == sorted(again.doc_ids) and "cat" not in again.dense.rows
+
+
+def test_a_saved_index_opens_with_its_passages_and_bm25_and_reads_no_text_again(tiny, tmp_path, monkeypatch):
+    index = build(tiny)
+    index.save(tmp_path / "idx")
+    question = "quartz found under a river crossing"
+    monkeypatch.setattr(Passages, "build", classmethod(lambda *a, **k: pytest.fail("passages built on open")))
+    loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    saved, built = loaded.passages(), index.passages()
+    np.testing.assert_array_equal(saved.starts, built.starts)
+    np.testing.assert_array_equal(saved.bm25.get_scores(words(question)), built.bm25.get_scores(words(question)))
+    order, scores = stage1(loaded, question, "hybrid")
+    assert order == stage1(index, question, "hybrid")[0] and order[0] == "bridge" and scores["dense"].size
+    monkeypatch.undo()
+    loaded.add_documents([Document("kitten", "A young kitten dozed beside the warm stove.")])  # stale: built again
+    assert len(loaded.passages()) == len(saved) + 1
+
+
+def test_a_damaged_passages_file_is_refused_and_an_index_without_one_builds_them(tiny, tmp_path):
+    build(tiny).save(tmp_path / "idx")
+    passages_file = tmp_path / "idx" / PASSAGES_FILE
+    whole = passages_file.read_bytes()
+    passages_file.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(IndexCorruptError, match="passages.npz is damaged.*rebuild"):
+        EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    passages_file.unlink()  # an index saved before passages were saved with it
+    loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    assert stage1(loaded, "Where did a cat nap?", "hybrid")[0][0] == "cat"
 
 
 def test_an_index_refuses_another_embedder_and_an_unloadable_one_fails_before_any_work(tiny, tmp_path):

@@ -49,6 +49,9 @@ def test_postings_built_from_a_stream_hold_no_per_document_dicts_and_score_as_ra
     assert fast.okapi.doc_freqs == [] and fast.docs.dtype == np.int32 and fast.tf.dtype.itemsize <= 2
     assert fast.okapi.idf == slow.idf and fast.okapi.avgdl == slow.avgdl
     np.testing.assert_array_equal(fast.get_scores(vocab[:7] + ["w3"]), slow.get_scores(vocab[:7] + ["w3"]))
+    saved = OkapiPostings.from_arrays(fast.arrays())  # what an index saves and reads back scores the same
+    assert saved.okapi.idf == slow.idf and saved.stem == fast.stem
+    np.testing.assert_array_equal(saved.get_scores(vocab[:7] + ["w3"]), slow.get_scores(vocab[:7] + ["w3"]))
 
 
 @pytest.mark.parametrize("text", ["The Zephyr bridge, 1990s: e.g. what's new?", "北京 is in 中国 and Tokyo",
