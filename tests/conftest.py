@@ -70,6 +70,36 @@ def make_tiny_model(family: str, folder: Path, layers: int = 4, head_dim: int = 
     return folder
 
 
+def plain_states(bb, ids, layer: int, rotated: bool = True):
+    """Keys and queries (heads, T, d) at `layer` from one forward of the whole model over `ids`: q/k-normed where
+    the family norms them (Gemma 3, Qwen3), and rotated as the layer rotates (unless rotated=False). The plain
+    reference the backbone's own states are held to."""
+    import numpy as np
+    import torch
+
+    states = {}
+    attention = bb.attention_module(layer)
+    hooks = [proj.register_forward_hook(lambda _m, _i, out, kind=kind: states.__setitem__(kind, out))
+             for kind, proj in (("k", attention.k_proj), ("q", attention.q_proj))]
+    try:
+        with torch.inference_mode():
+            bb.model(input_ids=torch.as_tensor(np.asarray(ids))[None])
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def heads(x, norm):
+        x = x.unflatten(-1, (-1, bb.head_dim))[0]
+        return (norm(x) if norm is not None else x).transpose(0, 1).float()
+
+    k = heads(states["k"], getattr(attention, "k_norm", None))
+    q = heads(states["q"], getattr(attention, "q_norm", None))
+    if not rotated:
+        return k, q
+    positions = torch.arange(len(ids))
+    return bb.apply_rope(k, positions, layer), bb.apply_rope(q, positions, layer)
+
+
 @pytest.fixture(scope="session", params=["llama", "mistral", "qwen2", "qwen3"])
 def tiny_backbone(request, tmp_path_factory):
     from endo_retrieval import Backbone

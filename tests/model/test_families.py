@@ -12,6 +12,8 @@ import pytest
 import torch
 import transformers
 
+from conftest import plain_states
+
 from endo_retrieval.attention import AttentionError, Dense, ReAttention
 from endo_retrieval.attention.completion import Completion
 from endo_retrieval.attention.prhs import PrHS
@@ -49,26 +51,6 @@ def all_sliding(tmp_path_factory):
     """Qwen2 whose two layers both attend through a 16-token window."""
     return tiny("qwen2", tmp_path_factory.mktemp("sliding"), layers=2, use_sliding_window=True, sliding_window=WINDOW,
                 max_window_layers=0)
-
-
-def plain_states(bb, ids, layer, rotated=True):
-    """Keys and queries (heads, T, d) at `layer` from one forward of the whole model over `ids`, rotated at their
-    positions (or not)."""
-    states = {}
-    attention = bb.attention_module(layer)
-    hooks = [proj.register_forward_hook(lambda _m, _i, out, kind=kind: states.__setitem__(kind, out))
-             for kind, proj in (("k", attention.k_proj), ("q", attention.q_proj))]
-    try:
-        with torch.inference_mode():
-            bb.model(input_ids=torch.as_tensor(np.asarray(ids))[None])
-    finally:
-        for h in hooks:
-            h.remove()
-    heads = lambda x: x.unflatten(-1, (-1, bb.head_dim))[0].transpose(0, 1).float()
-    positions = torch.arange(len(ids))
-    if not rotated:
-        return heads(states["k"]), heads(states["q"])
-    return (bb.apply_rope(heads(states["k"]), positions, layer), bb.apply_rope(heads(states["q"]), positions, layer))
 
 
 # ---------------------------------------------------------------- the registry

@@ -13,6 +13,8 @@ import pytest
 import torch
 import transformers
 
+from conftest import plain_states
+
 from endo_retrieval.attention import AttentionError, Dense, ReAttention
 from endo_retrieval.attention.completion import Completion
 from endo_retrieval.attention.prhs import PrHS
@@ -35,27 +37,6 @@ def gemma(tmp_path_factory):
         folder)
     tok.save_pretrained(folder)
     return Backbone(folder, device="cpu")
-
-
-def plain_states(bb, ids, layer, rotated=True):
-    """Keys and queries (heads, T, d) at `layer` from one forward of the whole model over `ids` (q/k-normed, and
-    rotated as the layer rotates unless rotated=False)."""
-    states = {}
-    attention = bb.attention_module(layer)
-    hooks = [proj.register_forward_hook(lambda _m, _i, out, kind=kind: states.__setitem__(kind, out))
-             for kind, proj in (("k", attention.k_proj), ("q", attention.q_proj))]
-    try:
-        with torch.inference_mode():
-            bb.model(input_ids=torch.as_tensor(np.asarray(ids))[None])
-    finally:
-        for h in hooks:
-            h.remove()
-    heads = lambda x, norm: norm(x.unflatten(-1, (-1, bb.head_dim))[0]).transpose(0, 1).float()
-    k, q = heads(states["k"], attention.k_norm), heads(states["q"], attention.q_norm)
-    if not rotated:
-        return k, q
-    positions = torch.arange(len(ids))
-    return bb.apply_rope(k, positions, layer), bb.apply_rope(q, positions, layer)
 
 
 def test_gemma3_is_registered_by_its_config_and_gguf_names():
