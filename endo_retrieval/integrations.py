@@ -10,7 +10,8 @@
 - `rerank_passages`: the passages another retriever returned, best first by the retrieval heads' score, alone or
   fused with the first stage's;
 - `long_read`, `pipeline_progress`: where the model's read will take a while (a CPU), a progress bar and, once, a
-  hint naming the settings that read less.
+  hint naming the settings that read less;
+- `GenerationSettings`: the settings of the local LLM adapters (EndoLLM, ChatEndo), one pydantic model both inherit.
 """
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
+from pydantic import BaseModel, Field
 
+from endo_retrieval.attention import get_backend
 from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.index.passages import best_part, part_text
 from endo_retrieval.corpus import CorpusMap
@@ -549,3 +552,39 @@ def pipeline_progress(index, method: str, depth: int | None = None, read_tokens:
     what = f"the {method} pipeline's read of {pipeline.depth} candidates x {pipeline.read_tokens} tokens"
     with long_read(backbone, tokens, what, "; ".join(ways), "retrieve", progress):
         yield
+
+
+# A RAG answer is a sentence or a short paragraph: on HotpotQA questions the default model's answers that end by
+# themselves take at most ~60 tokens (docs/generation.md), and on a CPU every new token costs a forward of the
+# model, so 128 bounds the time of an answer that would not end while leaving room for a few sentences.
+DEFAULT_MAX_NEW_TOKENS = 128
+# an answer ends before repeating a run of this many tokens (about six words) or a sentence it already wrote
+DEFAULT_STOP_ON_REPEAT = 8
+
+
+class GenerationSettings(BaseModel):
+    """How the local LLM adapters generate (LlamaIndex's EndoLLM and LangChain's ChatEndo inherit these fields)."""
+
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0, description="tokens generated at most per call")
+    attention: Any = Field(default=None, description="None (the model's own attention) or a decode-time backend: "
+                              "'reattention', 'prhs', 'completion', 'dense', or an instance such as ReAttention()")
+    stop_on_repeat: int = Field(default=DEFAULT_STOP_ON_REPEAT, ge=0, description="the answer ends before it repeats "
+                                "a run of this many tokens or a sentence it already wrote (0: off)")
+    repetition_penalty: float = Field(default=1.0, gt=0, description="transformers' repetition penalty over the "
+                                      "answer's own tokens (1: none)")
+    no_repeat_ngram_size: int = Field(default=0, ge=0, description="transformers' n-gram block over the answer's own "
+                                      "tokens: no n-gram of this size twice (0: none)")
+    compress_to: int | None = Field(default=None, gt=0, description="a prompt longer than this many tokens has its "
+                                    "context compressed first (endo_retrieval.compress); None: never")
+    compress_method: str | None = Field(default=None, description="the compression method (None: the default)")
+
+    def generation_options(self, stats: dict | None = None) -> dict:
+        """The keyword arguments of `Backbone.generate` these settings give (`stats` filled with what happened)."""
+        options = dict(max_new_tokens=self.max_new_tokens, attention=get_backend(self.attention),
+                       stop_on_repeat=self.stop_on_repeat or None, compress_to=self.compress_to,
+                       compress_method=self.compress_method, stats=stats)
+        if self.repetition_penalty != 1.0:
+            options["repetition_penalty"] = self.repetition_penalty
+        if self.no_repeat_ngram_size:
+            options["no_repeat_ngram_size"] = self.no_repeat_ngram_size
+        return options

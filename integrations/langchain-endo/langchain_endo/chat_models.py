@@ -32,15 +32,8 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from endo_retrieval.attention import get_backend
+from endo_retrieval.integrations import GenerationSettings
 from endo_retrieval.model.backbone import Backbone
-
-# A RAG answer is a sentence or a short paragraph: on HotpotQA questions the default model's answers that end by
-# themselves take at most ~60 tokens (docs/generation.md), and on a CPU every new token costs a forward of the
-# model, so 128 bounds the time of an answer that would not end while leaving room for a few sentences.
-DEFAULT_MAX_NEW_TOKENS = 128
-# an answer ends before repeating a run of this many tokens (about six words) or a sentence it already wrote
-DEFAULT_STOP_ON_REPEAT = 8
 
 
 def _text(message: BaseMessage) -> str:
@@ -78,26 +71,14 @@ def _stop_prefix(text: str, stop: list[str] | None) -> int:
                default=0)
 
 
-class ChatEndo(BaseChatModel):
+class ChatEndo(GenerationSettings, BaseChatModel):
     """The endo backbone (SmolLM2-135M-Instruct unless another is given) as a LangChain chat model."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0)
     temperature: float | None = Field(default=None, ge=0, description="None or 0: greedy (the default); above 0: "
                                       "sample at this temperature (also `invoke(..., temperature=...)`)")
     backbone: Any = Field(default=None, exclude=True, repr=False)
-    attention: Any = Field(default=None, description="None (the model's own attention) or a decode-time backend: "
-                           "'reattention', 'prhs', 'completion', 'dense', or an instance such as ReAttention()")
-    stop_on_repeat: int = Field(default=DEFAULT_STOP_ON_REPEAT, ge=0, description="the answer ends before it repeats "
-                                "a run of this many tokens or a sentence it already wrote (0: off)")
-    repetition_penalty: float = Field(default=1.0, gt=0, description="transformers' repetition penalty over the "
-                                      "answer's own tokens (1: none)")
-    no_repeat_ngram_size: int = Field(default=0, ge=0, description="transformers' n-gram block over the answer's own "
-                                      "tokens: no n-gram of this size twice (0: none)")
-    compress_to: int | None = Field(default=None, gt=0, description="a prompt longer than this many tokens has its "
-                                    "context compressed first (endo_retrieval.compress); None: never")
-    compress_method: str | None = Field(default=None, description="the compression method (None: the default)")
     _backbone: Backbone = PrivateAttr()
 
     def model_post_init(self, __context: Any) -> None:
@@ -159,15 +140,8 @@ class ChatEndo(BaseChatModel):
 
     def _answer(self, messages: list[BaseMessage], stream: bool, stats: dict, **kwargs: Any):
         """The backbone's answer to `messages` (text, or with stream=True an iterator of its pieces)."""
-        options = dict(stop_on_repeat=self.stop_on_repeat or None, compress_to=self.compress_to,
-                       compress_method=self.compress_method, stats=stats)
-        if self.repetition_penalty != 1.0:
-            options["repetition_penalty"] = self.repetition_penalty
-        if self.no_repeat_ngram_size:
-            options["no_repeat_ngram_size"] = self.no_repeat_ngram_size
         sampling = self._sampling(kwargs.get("temperature", self.temperature))
-        return self._backbone.generate(to_chat(messages), max_new_tokens=self.max_new_tokens, stream=stream,
-                                       attention=get_backend(self.attention), **sampling, **options)
+        return self._backbone.generate(to_chat(messages), stream=stream, **sampling, **self.generation_options(stats))
 
     def _pieces(self, messages: list[BaseMessage], stop: list[str] | None, stats: dict, **kwargs: Any
                 ) -> Iterator[str]:
