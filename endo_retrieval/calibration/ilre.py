@@ -25,7 +25,7 @@ import numpy as np
 
 from endo_retrieval.calibration.datasets import load_examples
 from endo_retrieval.methods.ilre import (DEFAULT_AVG_KERNELS, DEFAULT_MAX_KERNELS, ILRe, ILReError, allocate,
-                                         context_scores, prefill)
+                                         check_global_layers, context_scores, prefill)
 from endo_retrieval.model.profiles import ilre_profile_path
 from endo_retrieval.model.backbone import Backbone
 
@@ -219,6 +219,9 @@ def run(args: argparse.Namespace) -> int:
                         "--layers also 'all'.") from None
     if not layers or min(layers) < 0 or max(layers) >= backbone.n_layers:
         raise ILReError(f"--layers must lie in 0..{backbone.n_layers - 1}.")
+    if args.layers == "all":  # l_R is searched among the layers that see the whole past
+        layers = [l for l in layers if backbone.windows[l] is None]
+    check_global_layers(backbone, layers)
     if min(lengths) <= args.budget:
         raise ILReError(f"Every --lengths value must exceed the budget {args.budget}.")
     if args.positions != "frame" and not args.out:

@@ -67,7 +67,8 @@ def ilre_add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=100, help="evidence task: first N questions (default 100)")
     model_argument(parser)
     parser.add_argument("--lengths", default="8192", help="context lengths in tokens, e.g. 8192,32768")
-    parser.add_argument("--layers", default="all", help="candidate layers, e.g. all or 0-14 (default: all)")
+    parser.add_argument("--layers", default="all",
+                        help="candidate layers, e.g. all or 0-14 (default: all, those without a sliding window)")
     parser.add_argument("--key-lengths", default="8,32", help="passkey lengths in digits (default: %(default)s)")
     parser.add_argument("--depths", type=int, default=ilre.N_SEGMENTS,
                         help="how many of the 20 segment starts to use, evenly spread (default: all 20)")

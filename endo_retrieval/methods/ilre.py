@@ -150,6 +150,18 @@ def allocate_reference(scores, budget: int, sink: int = 4, max_kernels=DEFAULT_M
     return np.array(sorted(chosen), dtype=np.int64)
 
 
+def check_global_layers(backbone, layers: list[int]) -> None:
+    """l_R must attend to the whole past: a sliding-window layer's A^C [ILRe Eq. 5] would weigh keys its queries
+    never attended to in training (Gemma 3's sliding heads score gold near chance past their window: docs/models.md,
+    Gemma 3, 'Which heads retrieve')."""
+    sliding = [l for l in layers if backbone.windows[l] is not None]
+    if sliding:
+        whole = [l for l, w in enumerate(backbone.windows) if w is None]
+        raise ILReError(f"layer {', '.join(map(str, sliding))} of {backbone.model_id} attends through a "
+                        f"{backbone.windows[sliding[0]]}-token sliding window; ILRe's l_R must see the whole past: "
+                        f"use one of layers {', '.join(map(str, whole))}.")
+
+
 # ---------------------------------------------------------------- [ILRe Eq. 4-5]: query-to-context attention at l_R
 
 
@@ -300,6 +312,7 @@ class ILRe:
             self.layer = int(profile["layer"])
         if not 0 <= self.layer < self.backbone.n_layers:
             raise ILReError(f"layer must lie in 0..{self.backbone.n_layers - 1}, got {self.layer}.")
+        check_global_layers(self.backbone, [self.layer])
         if self.positions not in POSITIONS:
             raise ILReError(f"positions must be one of {POSITIONS}, got {self.positions!r}.")
         if self.query_tokens < 1 or self.chunk_size < 1 or self.window < 0 or self.sink < 0:

@@ -19,6 +19,7 @@ from endo_retrieval.attention import AttentionError, Dense, ReAttention
 from endo_retrieval.attention.completion import Completion
 from endo_retrieval.attention.prhs import PrHS
 from endo_retrieval.methods.heads import rank_passages
+from endo_retrieval.methods.ilre import ILRe, ILReError
 from endo_retrieval.model import families, memory
 from endo_retrieval.model.backbone import Backbone, BackboneError
 from endo_retrieval.model.reading import ask, ask_parts, read
@@ -55,6 +56,12 @@ def test_it_loads_with_its_windows_rotations_and_bos(gemma):
     assert not torch.allclose(local[:, 1:], glob[:, 1:])
     stacked = bb.apply_rope_layers(torch.stack([x, x]), [FULL_LAYER, SLIDING_LAYER], torch.arange(5))
     torch.testing.assert_close(stacked[0], glob) and torch.testing.assert_close(stacked[1], local)
+
+
+def test_ilre_refuses_a_sliding_layer_as_l_r_and_names_the_global_ones(gemma):
+    with pytest.raises(ILReError, match="layer 1 .* 16-token sliding window.* use one of layers 2"):
+        ILRe(backbone=gemma, layer=1)
+    assert ILRe(backbone=gemma, layer=FULL_LAYER).layer == FULL_LAYER
 
 
 def test_reads_and_query_parts_are_the_models_own_states(gemma):
