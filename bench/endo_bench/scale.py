@@ -13,8 +13,9 @@ The timings over synthetic passages are real timings of the real code; what they
 Each index is opened in a fresh process, which measures RAM (resident anonymous memory before and after opening:
 the index's own; the memory-mapped embeddings are file pages and counted apart), opening time (reading it and
 building BM25 over its passages), stage 1 over --questions questions (BM25, the dense product or cells, the
-fusion, the top depth; the question's MiniLM forward timed apart) and --whole whole questions (`EndoIndex.search`,
-the model's read included). Writes scale.json and scale.md into --out.
+fusion, the top depth; the question's MiniLM forward timed apart), --whole whole questions (`EndoIndex.search`,
+the model's read included) and an update (UPDATE_DOCS documents removed and the passages brought up to date,
+beside building them anew). Writes scale.json and scale.md into --out.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from endo_retrieval.cli.commands import int_list, model_argument
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 SENTENCE_WORDS = (8, 24)  # a synthetic sentence's words
+UPDATE_DOCS = 100  # documents removed to time an update
 PASSAGE_WORDS = 110  # a synthetic passage's words (~118 tokens with its full stops; the real passages average ~130)
 
 
@@ -200,6 +202,20 @@ def measure(folder: str, questions: list[str], whole: int, model: str | None) ->
         index.search(q, k=5, first_stage="hybrid")
         whole_ms.append(1000 * (time.perf_counter() - t))
     sizes = parts(index, passages)
+    # an update: UPDATE_DOCS documents removed, then the passages brought up to date (BM25 merged, the vectors
+    # gathered again), beside cutting them and building BM25 anew (what opening or saving did before)
+    from endo_retrieval.index.passages import Passages
+
+    step = max(10, len(index.corpus) // UPDATE_DOCS)  # a tenth of the documents at most
+    gone = [d.doc_id for d in index.corpus.documents()][::step][:UPDATE_DOCS]
+    t = time.perf_counter()
+    for doc_id in gone:
+        index.remove_document(doc_id)
+    index.passages()
+    update_s = time.perf_counter() - t
+    t = time.perf_counter()
+    Passages.build(index.corpus)
+    rebuild_s = time.perf_counter() - t
     own = after["RssAnon"] - before["RssAnon"] - sys.getsizeof(vectors) - sum(v.nbytes + 112 for v in vectors.values())
     return {"passages": n, "documents": len(index.corpus), "opened_s": opened_s, "ram_bytes": own,
             "ram_file_bytes": after["RssFile"] - before["RssFile"], "parts": sizes,
@@ -208,7 +224,7 @@ def measure(folder: str, questions: list[str], whole: int, model: str | None) ->
             "stage1_ms_p50": float(np.median(first_ms)), "stage1_ms_p95": float(np.percentile(first_ms, 95)),
             "stage1_cpu_ms_p50": float(np.median(first_cpu)), "embed_question_ms_p50": float(np.median(embed_ms)),
             "whole_ms_p50": float(np.median(whole_ms)) if whole_ms else None, "whole_n": len(whole_ms),
-            "stage1_n": len(first_ms)}
+            "stage1_n": len(first_ms), "update_docs": len(gone), "update_s": update_s, "rebuild_s": rebuild_s}
 
 
 def folder_bytes(folder: Path) -> dict[str, int]:
@@ -267,7 +283,8 @@ def write(out: Path, backbone, questions: list[str], rows: list[dict]) -> None:
 
 
 HEADER = ("| passages | text | build s | disk B/passage (embedding) | open s | RAM B/passage besides text | "
-          "stage 1 p50 ms (CPU ms) | question embedding ms | whole question p50 ms | dense |")
+          "stage 1 p50 ms (CPU ms) | question embedding ms | whole question p50 ms | dense | "
+          f"update s ({UPDATE_DOCS} removed) | BM25 rebuilt s |")
 
 
 def table_line(r: dict) -> str:
@@ -275,7 +292,8 @@ def table_line(r: dict) -> str:
     return (f"| {r['passages']:,} | {r['text']} | {r['build_s']:,.0f} | {r['disk_bytes_per_passage']:,.0f} "
             f"({r['disk_embedding_bytes_per_passage']:,.0f}) | {r['opened_s']:,.1f} | "
             f"{r['ram_besides_text_per_passage']:,.0f} | {r['stage1_ms_p50']:.1f} ({r['stage1_cpu_ms_p50']:.1f}) | "
-            f"{r['embed_question_ms_p50']:.1f} | {whole} | {'cells' if r['cells'] else 'exact'} |")
+            f"{r['embed_question_ms_p50']:.1f} | {whole} | {'cells' if r['cells'] else 'exact'} | "
+            f"{r.get('update_s', float('nan')):.2f} | {r.get('rebuild_s', float('nan')):.1f} |")
 
 
 def markdown(result: dict) -> str:

@@ -322,7 +322,11 @@ class IndexStore:
     def passages(self):
         """The corpus's candidate passages with BM25 over them (passages.py) and, where the index keeps them, their
         embeddings for the dense stage; built once per corpus state (or read with a saved index)."""
-        return self._of_corpus_state("_passages", lambda corpus: self._with_vectors(Passages.build(corpus)))
+        def build(corpus):  # after adds and removes the last state's passages are updated, not cut again
+            last = getattr(self, "_passages", None)
+            return self._with_vectors(last[1].updated(corpus) if last is not None else Passages.build(corpus))
+
+        return self._of_corpus_state("_passages", build)
 
     def _with_vectors(self, passages: Passages) -> Passages:
         """`passages` with the dense stage's embeddings where the index holds them for every document."""

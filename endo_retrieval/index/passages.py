@@ -30,23 +30,27 @@ class Passages:
     vectors: np.ndarray | None = None  # the dense stage's embedding of each passage (IndexStore.passages)
     dense: object = None  # the DenseVectors that made them, which embeds a question the same way
     cells: object = None  # dense.Cells over `vectors` where the index holds cells (built at the first question)
+    built_to: int = 0  # the corpus's n_positions when they were cut: a document from there on is new to them
 
     @classmethod
     def build(cls, corpus: CorpusMap, max_tokens: int = PASSAGE_TOKENS, stem: bool | None = None) -> "Passages":
-        starts, ends = array("q"), array("q")
+        starts, ends, bm25 = cut(corpus.documents(), max_tokens, STEMS if stem is None else stem)
+        return cls(starts, ends, corpus.sentence_starts(), bm25, built_to=corpus.n_positions)
 
-        def texts():  # read once by the BM25 build: no list of every passage's text or words is held
-            for doc in corpus.documents():
-                cuts = passage_cuts(doc.sentence_starts, doc.end, max_tokens)
-                starts.extend(cuts[:-1])
-                ends.extend(cuts[1:])
-                for a, b in zip(cuts[:-1], cuts[1:]):  # corpus.span_text(a, b)'s text, without its lookup
-                    own = doc.offsets[a - doc.start: b - doc.start]
-                    yield words(doc.text[int(own[0, 0]): int(own[:, 1].max())])
-
-        bm25 = OkapiPostings.build(texts(), STEMS if stem is None else stem)
-        return cls(np.frombuffer(starts, np.int64).copy(), np.frombuffer(ends, np.int64).copy(),
-                   corpus.sentence_starts(), bm25)
+    def updated(self, corpus: CorpusMap) -> "Passages":
+        """These passages after documents were added to or removed from `corpus` (positions are never reused, so a
+        passage whose document is gone goes, and a document that starts at or past `built_to` is new): only the new
+        documents' words are read; BM25 is merged, not rebuilt (`OkapiPostings.merged`). The same passages and
+        scores as `build(corpus)` (bit for bit after adds only; to float rounding of the idf after removes)."""
+        keep = corpus.locate(self.starts)[0] >= 0
+        docs = [d for d in corpus.documents() if d.start >= self.built_to]
+        if not keep.any() or not docs:  # nothing to merge into, or nothing new to merge
+            return Passages.build(corpus, stem=self.bm25.stem) if not keep.any() else \
+                Passages(self.starts[keep], self.ends[keep], corpus.sentence_starts(),
+                         self.bm25.merged(keep), built_to=corpus.n_positions)
+        starts, ends, new = cut(iter(docs), PASSAGE_TOKENS, self.bm25.stem)
+        return Passages(np.concatenate([self.starts[keep], starts]), np.concatenate([self.ends[keep], ends]),
+                        corpus.sentence_starts(), self.bm25.merged(keep, new), built_to=corpus.n_positions)
 
     def save(self, path, corpus: CorpusMap) -> None:
         """Write the passages and their BM25 to `path`, with what they were cut from (the corpus state,
@@ -69,7 +73,7 @@ class Passages:
         if state[:2] != [corpus.n_positions, len(corpus)] or not len(starts) == len(ends) == bm25.okapi.corpus_size:
             raise ValueError(f"the saved passages (of {state[1]} documents, {len(starts)} passages) do not fit the "
                              f"corpus ({len(corpus)} documents)")
-        return cls(starts, ends, corpus.sentence_starts(), bm25)
+        return cls(starts, ends, corpus.sentence_starts(), bm25, built_to=state[0])
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -82,6 +86,24 @@ class Passages:
         if self.cells:
             return self.cells.scores(self.vectors, query)
         return np.asarray(self.vectors @ query, np.float64)
+
+
+def cut(documents, max_tokens: int, stem: bool) -> tuple[np.ndarray, np.ndarray, OkapiPostings]:
+    """(starts, ends, BM25 over their words) of the passages of `documents` (an iterator, read once): no list of
+    every passage's text or words is held."""
+    starts, ends = array("q"), array("q")
+
+    def texts():
+        for doc in documents:
+            cuts = passage_cuts(doc.sentence_starts, doc.end, max_tokens)
+            starts.extend(cuts[:-1])
+            ends.extend(cuts[1:])
+            for a, b in zip(cuts[:-1], cuts[1:]):  # corpus.span_text(a, b)'s text, without its lookup
+                own = doc.offsets[a - doc.start: b - doc.start]
+                yield words(doc.text[int(own[0, 0]): int(own[:, 1].max())])
+
+    bm25 = OkapiPostings.build(texts(), stem)
+    return np.frombuffer(starts, np.int64).copy(), np.frombuffer(ends, np.int64).copy(), bm25
 
 
 def passage_cuts(sentence_starts: np.ndarray, end: int, max_tokens: int) -> list[int]:

@@ -88,8 +88,6 @@ class OkapiPostings:
         """One pass over the documents' words (an iterator is read once, never held): each document's counts go
         into flat arrays as it is read, then rank-bm25's own `_calc_idf` runs on the document frequencies in
         first-seen order (the order its sum of idfs takes, so the floor and every score are rank-bm25's)."""
-        from rank_bm25 import BM25Okapi
-
         terms: dict[str, int] = {}
         term_ids, tf, distinct, doc_len = array("i"), array("i"), array("i"), array("q")
         for doc in corpus:
@@ -98,18 +96,55 @@ class OkapiPostings:
             tf.extend(freqs.values())
             distinct.append(len(freqs))
             doc_len.append(sum(freqs.values()))
-        ids, tf = np.frombuffer(term_ids, np.int32), np.frombuffer(tf, np.int32)
+        docs = np.repeat(np.arange(len(doc_len), dtype=np.int32), np.frombuffer(distinct, np.int32))
+        return cls._assemble(terms, np.frombuffer(term_ids, np.int32), docs, np.frombuffer(tf, np.int32),
+                             np.frombuffer(doc_len, np.int64).copy(), stem)
+
+    @classmethod
+    def _assemble(cls, terms: dict[str, int], rows: np.ndarray, docs: np.ndarray, tf: np.ndarray,
+                  doc_len: np.ndarray, stem: bool) -> "OkapiPostings":
+        """The model of postings given as (term row, document, count) triples, each term's in document order."""
+        from rank_bm25 import BM25Okapi
+
         okapi = BM25Okapi.__new__(BM25Okapi)  # rank-bm25's model without its per-document dicts
         okapi.k1, okapi.b, okapi.epsilon, okapi.idf, okapi.doc_freqs = 1.5, 0.75, 0.25, {}, []
-        okapi.corpus_size, okapi.doc_len = len(doc_len), np.frombuffer(doc_len, np.int64).copy()
-        okapi.avgdl = int(okapi.doc_len.sum()) / okapi.corpus_size
-        counts = np.bincount(ids, minlength=len(terms))
-        okapi._calc_idf(dict(zip(terms, counts.tolist())))
-        order = np.argsort(ids, kind="stable")
-        docs = np.repeat(np.arange(okapi.corpus_size, dtype=np.int32), np.frombuffer(distinct, np.int32))
+        okapi.corpus_size, okapi.doc_len = len(doc_len), doc_len
+        okapi.avgdl = int(okapi.doc_len.sum()) / max(okapi.corpus_size, 1)  # no documents: every score 0
+        counts = np.bincount(rows, minlength=len(terms))
+        if terms:  # rank-bm25 averages the idfs: none to average without a term
+            okapi._calc_idf(dict(zip(terms, counts.tolist())))
+        order = np.argsort(rows, kind="stable")  # by term; within a term the documents keep their order
         small = np.min_scalar_type(int(tf.max())) if len(tf) else np.uint8  # counts are small: 1 byte mostly
-        return cls(okapi, terms, np.concatenate(([0], np.cumsum(counts))), docs[order], tf[order].astype(small),
-                   okapi.k1 * (1 - okapi.b + okapi.b * okapi.doc_len / okapi.avgdl), stem)
+        norm = okapi.k1 * (1 - okapi.b + okapi.b * okapi.doc_len / (okapi.avgdl or 1))
+        return cls(okapi, terms, np.concatenate(([0], np.cumsum(counts))), docs[order].astype(np.int32),
+                   tf[order].astype(small), norm, stem)
+
+    def merged(self, keep: np.ndarray, new: "OkapiPostings | None" = None) -> "OkapiPostings":
+        """The model of this one's documents where `keep` (a mask over them) followed by `new`'s (if any), without
+        reading any text again: the postings are filtered, renumbered and joined, and the idf recomputed from the new
+        document frequencies (terms no document holds any more go, as a fresh build never sees them). Equal to
+        `build` over the same documents, bit for bit where nothing was removed (the terms keep first-seen order)."""
+        if new is not None and new.stem != self.stem:
+            raise ValueError("merging postings of stems with postings of words")
+        terms = dict(self.terms)
+        alive = keep[self.docs]
+        renumber = np.cumsum(keep, dtype=np.int64).astype(np.int32) - 1
+        rows = [np.repeat(np.arange(len(self.terms), dtype=np.int32), np.diff(self.indptr))[alive]]
+        docs, tf = [renumber[self.docs[alive]]], [self.tf[alive].astype(np.int32)]
+        doc_len = [self.okapi.doc_len[keep]]
+        if new is not None:
+            new_rows = np.fromiter((terms.setdefault(t, len(terms)) for t in new.terms), np.int32, len(new.terms))
+            rows.append(np.repeat(new_rows, np.diff(new.indptr)))
+            docs.append(new.docs + int(keep.sum()))
+            tf.append(new.tf.astype(np.int32))
+            doc_len.append(new.okapi.doc_len)
+        rows, docs, tf = np.concatenate(rows), np.concatenate(docs), np.concatenate(tf)
+        held = np.bincount(rows, minlength=len(terms)) > 0
+        if not held.all():  # drop the terms only removed documents held, keeping the others' order
+            row_of = np.cumsum(held) - 1
+            terms = {t: int(row_of[r]) for t, r in terms.items() if held[r]}
+            rows = row_of[rows].astype(np.int32)
+        return self._assemble(terms, rows, docs, tf, np.concatenate(doc_len), self.stem)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Everything the model is, as arrays (`from_arrays` reads them back): an index saves them beside its corpus,

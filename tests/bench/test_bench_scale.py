@@ -26,6 +26,7 @@ def test_bench_scale_tiny(tmp_path, backbone):
         assert row["stage1_ms_p50"] > 0 and row["whole_ms_p50"] > 0 and row["whole_n"] == 1
         assert row["disk_embedding_bytes_per_passage"] == pytest.approx(1536, abs=10)  # 384 float32, and the header
         assert row["parts"]["corpus_offsets"] > 0 and row["parts"]["bm25_postings"] > 0
+        assert row["update_docs"] >= 1 and row["update_s"] > 0 and row["rebuild_s"] > 0
     assert synthetic["parts"]["dense_cells"] > 0
     table = (out / "scale.md").read_text()
     assert "| 1,500 | synthetic |" in table and "| passages | text | build s |" in table

@@ -8,6 +8,7 @@ import pytest
 
 from endo_retrieval.index.dense import EmbedderError
 from endo_retrieval.index.inverted import IndexCorruptError
+from endo_retrieval.index import passages as passages_module
 from endo_retrieval.index.passages import PASSAGES_FILE, Passages
 from endo_retrieval.methods.pipeline import EndoPipeline, fused_top
 from endo_retrieval.methods.search import Document, EndoIndex
@@ -86,6 +87,29 @@ def test_a_saved_index_opens_with_its_passages_and_bm25_and_reads_no_text_again(
     monkeypatch.undo()
     loaded.add_documents([Document("kitten", "A young kitten dozed beside the warm stove.")])  # stale: built again
     assert len(loaded.passages()) == len(saved) + 1
+
+
+def test_adds_and_removes_update_the_passages_reading_only_the_new_documents(tiny, monkeypatch):
+    index = build(tiny)
+    index.passages()
+    read, cut = [], passages_module.cut
+
+    def recording(docs, *args):
+        docs = list(docs)
+        read.extend(d.doc_id for d in docs)
+        return cut(iter(docs), *args)
+
+    monkeypatch.setattr(passages_module, "cut", recording)
+    index.remove_document("cat")
+    index.add_documents([Document("kitten", "A young kitten dozed beside the warm stove. It purred.")])
+    updated = index.passages()
+    assert read == ["kitten"]
+    fresh = Passages.build(index.corpus)
+    np.testing.assert_array_equal(updated.starts, fresh.starts)
+    question = "Where did the kitten doze near the stove?"
+    np.testing.assert_allclose(updated.bm25.get_scores(words(question)), fresh.bm25.get_scores(words(question)),
+                               rtol=1e-12)
+    assert stage1(index, question, "hybrid")[0][0] == "kitten"
 
 
 def test_a_damaged_passages_file_is_refused_and_an_index_without_one_builds_them(tiny, tmp_path):

@@ -54,6 +54,25 @@ def test_postings_built_from_a_stream_hold_no_per_document_dicts_and_score_as_ra
     np.testing.assert_array_equal(saved.get_scores(vocab[:7] + ["w3"]), slow.get_scores(vocab[:7] + ["w3"]))
 
 
+def test_merged_postings_are_a_fresh_build_of_the_kept_and_new_documents():
+    rng = np.random.default_rng(2)
+    vocab = [f"w{i}" for i in range(60)]
+    docs = lambda n: [list(rng.choice(vocab, size=rng.integers(1, 80))) for _ in range(n)]  # noqa: E731
+    before, added = docs(150) + [["only", "w1"]], docs(50)  # "only": a term one old document holds
+    old, new = OkapiPostings.build(iter(before)), OkapiPostings.build(iter(added))
+    query = vocab[:12] + ["only"]
+    appended, fresh = old.merged(np.ones(151, bool), new), OkapiPostings.build(iter(before + added))
+    assert appended.okapi.idf == fresh.okapi.idf  # adds only: bit for bit, the terms in first-seen order
+    np.testing.assert_array_equal(appended.get_scores(query), fresh.get_scores(query))
+    keep = rng.random(151) > 0.3
+    keep[-1] = False  # the only document holding "only" goes, and the term with it
+    kept = [d for d, k in zip(before, keep) if k]
+    merged = old.merged(keep, new)
+    assert "only" not in merged.terms and set(merged.terms) == set(BM25Okapi(kept + added).idf)
+    np.testing.assert_allclose(merged.get_scores(query), BM25Okapi(kept + added).get_scores(query), rtol=1e-12)
+    np.testing.assert_allclose(old.merged(keep).get_scores(query), BM25Okapi(kept).get_scores(query), rtol=1e-12)
+
+
 @pytest.mark.parametrize("text", ["The Zephyr bridge, 1990s: e.g. what's new?", "北京 is in 中国 and Tokyo",
                                   "ＡＢＣ café naïve", ""])
 def test_words_common_case_is_the_per_word_rule(text, monkeypatch):
