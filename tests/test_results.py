@@ -57,3 +57,18 @@ def test_checks_can_fail(tmp_path, monkeypatch):
     assert "uncited record (cite it from a doc section or delete it): bench/results/perf/orphan.json" in problems
     assert "cited, but no such record: docs/results.md#speed: bench/results/perf/gone.json" in problems
     assert any(p.startswith("not in MANIFEST.json") for p in problems)
+
+
+def test_a_rebuilt_command_writes_the_runs_json_whichever_of_its_files_is_listed():
+    data = {"schema": "endo-bench-corpus/1", "config": {"data": "dev300.json", "systems": ["endo"]}}
+    for record in ("bench/results/x/run.json", "bench/results/x/run.md", "bench/results/x/run.records.jsonl.gz"):
+        assert manifest.command_from_config(record, data).endswith("--out bench/results/x/run.json")
+
+
+def test_a_record_measured_again_is_seen_as_changed_since_its_entrys_commit():
+    entries = json.loads(manifest.MANIFEST.read_text(encoding="utf-8"))["records"]
+    entry = next(e for e in entries if e["path"].endswith(".json"))
+    assert not manifest.changed_since(entry["path"], entry["commit"])
+    first = manifest.subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.split()[0]
+    assert not manifest.changed_since(entry["path"], first)  # a commit without the record: not "changed"

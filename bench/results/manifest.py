@@ -140,6 +140,14 @@ def git_info(record: str) -> tuple[str, str]:
     return (out[0], out[1]) if len(out) == 2 else ("", "")
 
 
+def changed_since(record: str, commit: str) -> bool:
+    """Whether the record's content differs from its version at `commit` (a record `commit` does not hold: no)."""
+    before = subprocess.run(["git", "rev-parse", "-q", "--verify", f"{commit}:{record}"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    now = subprocess.run(["git", "hash-object", record], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return bool(before) and before != now
+
+
 def load_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -234,7 +242,8 @@ def command_from_config(record: str, data: dict) -> str:
     m = re.match(r"endo-bench-(\w+)/", schema)
     if not m or not isinstance(config, dict):
         return ""
-    out = record if record.endswith(".json") else record.split(".records.jsonl")[0] + ".json"
+    # the bench writes X.json with its table X.md and per-question X.records.jsonl beside it: --out names the JSON
+    out = re.sub(r"(\.records\.jsonl(\.gz)?|\.md)$", ".json", record)
     args = [f"endo bench {m.group(1)}"]
     if config.get("model") and not str(config["model"]).startswith("SmolLM2-135M"):
         args.append(f"--model {Path(str(config['model'])).name}")
@@ -258,8 +267,9 @@ def build(old: dict[str, dict] | None = None) -> list[dict]:
     for record, where in cites.items():
         prev = old.get(record, {})
         data = data_of(record)
-        commit, date = git_info(record) if not (prev.get("commit") and prev.get("date")) else (prev["commit"],
-                                                                                               prev["date"])
+        # a record measured again since its entry was written gets the commit and date of its new version
+        kept = prev.get("commit") and prev.get("date") and not changed_since(record, prev["commit"])
+        commit, date = (prev["commit"], prev["date"]) if kept else git_info(record)
         command, source = prev.get("command"), prev.get("command_source")
         if not command:
             command, source = command_from_docs(record, commands), "the citing document"
