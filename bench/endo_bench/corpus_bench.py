@@ -271,7 +271,7 @@ class FirstStage:
 
 def load_embedder(shared: dict) -> None:
     if "embedder" not in shared:
-        from endo_bench.embedding import MiniLMEmbedding
+        from llama_index.postprocessor.endo import MiniLMEmbedding
 
         shared["embedder"] = MiniLMEmbedding()
 

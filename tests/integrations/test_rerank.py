@@ -279,3 +279,19 @@ def test_llamaindex_reranker_over_candidates_longer_than_the_window(backbone, mo
     assert all(k.node.get_content() == passages[int(k.node.node_id[1:])] for k in kept)
     assert kept[0].node.node_id == "p5"
     assert len(read[0]) == len(passages) and sum(len(backbone.encode(t)) for t in read[0]) < backbone.max_position
+
+
+def test_minilm_embedding_is_the_dense_stages_own_and_serves_a_vector_store():
+    from llama_index.core import Document, VectorStoreIndex
+    from llama_index.postprocessor.endo import MiniLMEmbedding
+
+    from endo_retrieval.index.dense import EmbedderError, embed
+
+    model = MiniLMEmbedding()
+    texts = ["The Zephyr bridge crosses the Varna river.", "A small feline slept on the rug."]
+    np.testing.assert_allclose(model.get_text_embedding_batch(texts), embed("all-MiniLM-L6-v2", texts), atol=1e-6)
+    retriever = VectorStoreIndex.from_documents([Document(text=t) for t in texts], embed_model=model).as_retriever(
+        similarity_top_k=1)
+    assert "feline" in retriever.retrieve("Where did a cat nap?")[0].node.get_content()
+    with pytest.raises(EmbedderError, match="Cannot load the embedder"):
+        MiniLMEmbedding(model_name="/no/such/model")
