@@ -43,14 +43,15 @@ class Passages:
         documents' words are read; BM25 is merged, not rebuilt (`OkapiPostings.merged`). The same passages and
         scores as `build(corpus)` (bit for bit after adds only; to float rounding of the idf after removes)."""
         keep = corpus.locate(self.starts)[0] >= 0
+        if not keep.any():  # nothing left to merge into
+            return Passages.build(corpus, stem=self.bm25.stem)
+        starts, ends, new = self.starts[keep], self.ends[keep], None
         docs = [d for d in corpus.documents() if d.start >= self.built_to]
-        if not keep.any() or not docs:  # nothing to merge into, or nothing new to merge
-            return Passages.build(corpus, stem=self.bm25.stem) if not keep.any() else \
-                Passages(self.starts[keep], self.ends[keep], corpus.sentence_starts(),
-                         self.bm25.merged(keep), built_to=corpus.n_positions)
-        starts, ends, new = cut(iter(docs), PASSAGE_TOKENS, self.bm25.stem)
-        return Passages(np.concatenate([self.starts[keep], starts]), np.concatenate([self.ends[keep], ends]),
-                        corpus.sentence_starts(), self.bm25.merged(keep, new), built_to=corpus.n_positions)
+        if docs:
+            more_starts, more_ends, new = cut(iter(docs), PASSAGE_TOKENS, self.bm25.stem)
+            starts, ends = np.concatenate([starts, more_starts]), np.concatenate([ends, more_ends])
+        return Passages(starts, ends, corpus.sentence_starts(), self.bm25.merged(keep, new),
+                        built_to=corpus.n_positions)
 
     def save(self, path, corpus: CorpusMap) -> None:
         """Write the passages and their BM25 to `path`, with what they were cut from (the corpus state,
@@ -65,8 +66,7 @@ class Passages:
         or STEMS: they are built again). ValueError where they do not fit the corpus."""
         with np.load(f) as saved:
             state = saved["state"].tolist()
-            bm25 = OkapiPostings.from_arrays({k: saved[k] for k in ("terms", "indptr", "docs", "tf", "doc_len", "idf",
-                                                                     "settings")})
+            bm25 = OkapiPostings.from_arrays(saved)
             starts, ends = saved["starts"], saved["ends"]
         if state[2] != PASSAGE_TOKENS or bm25.stem != STEMS:
             return None

@@ -68,6 +68,23 @@ def _stemmer():
     return _STEMMERS.english
 
 
+def _okapi(doc_len: np.ndarray, k1: float = 1.5, b: float = 0.75, epsilon: float = 0.25):
+    """rank-bm25's BM25Okapi over documents of these lengths (its defaults), without its per-document dicts and
+    with no idf yet."""
+    from rank_bm25 import BM25Okapi
+
+    okapi = BM25Okapi.__new__(BM25Okapi)
+    okapi.k1, okapi.b, okapi.epsilon, okapi.idf, okapi.doc_freqs = k1, b, epsilon, {}, []
+    okapi.corpus_size, okapi.doc_len = len(doc_len), doc_len
+    okapi.avgdl = int(doc_len.sum()) / max(len(doc_len), 1)  # no documents: every score 0
+    return okapi
+
+
+def _norm(okapi) -> np.ndarray:
+    """k1 (1 - b + b |d| / avgdl) per document: the part of a score's denominator that does not depend on tf."""
+    return okapi.k1 * (1 - okapi.b + okapi.b * okapi.doc_len / (okapi.avgdl or 1))
+
+
 @dataclass
 class OkapiPostings:
     """rank-bm25's Okapi model held as postings. `okapi` is a BM25Okapi with its statistics (idf, k1, b, epsilon,
@@ -104,20 +121,14 @@ class OkapiPostings:
     def _assemble(cls, terms: dict[str, int], rows: np.ndarray, docs: np.ndarray, tf: np.ndarray,
                   doc_len: np.ndarray, stem: bool) -> "OkapiPostings":
         """The model of postings given as (term row, document, count) triples, each term's in document order."""
-        from rank_bm25 import BM25Okapi
-
-        okapi = BM25Okapi.__new__(BM25Okapi)  # rank-bm25's model without its per-document dicts
-        okapi.k1, okapi.b, okapi.epsilon, okapi.idf, okapi.doc_freqs = 1.5, 0.75, 0.25, {}, []
-        okapi.corpus_size, okapi.doc_len = len(doc_len), doc_len
-        okapi.avgdl = int(okapi.doc_len.sum()) / max(okapi.corpus_size, 1)  # no documents: every score 0
+        okapi = _okapi(doc_len)
         counts = np.bincount(rows, minlength=len(terms))
         if terms:  # rank-bm25 averages the idfs: none to average without a term
             okapi._calc_idf(dict(zip(terms, counts.tolist())))
         order = np.argsort(rows, kind="stable")  # by term; within a term the documents keep their order
         small = np.min_scalar_type(int(tf.max())) if len(tf) else np.uint8  # counts are small: 1 byte mostly
-        norm = okapi.k1 * (1 - okapi.b + okapi.b * okapi.doc_len / (okapi.avgdl or 1))
         return cls(okapi, terms, np.concatenate(([0], np.cumsum(counts))), docs[order].astype(np.int32),
-                   tf[order].astype(small), norm, stem)
+                   tf[order].astype(small), _norm(okapi), stem)
 
     def merged(self, keep: np.ndarray, new: "OkapiPostings | None" = None) -> "OkapiPostings":
         """The model of this one's documents where `keep` (a mask over them) followed by `new`'s (if any), without
@@ -159,22 +170,16 @@ class OkapiPostings:
     @classmethod
     def from_arrays(cls, saved) -> "OkapiPostings":
         """The model that `arrays` gave, with the same scores."""
-        from rank_bm25 import BM25Okapi
-
         text = bytes(saved["terms"]).decode("utf-8")
         terms = text.split("\n") if text else []
-        okapi = BM25Okapi.__new__(BM25Okapi)
-        okapi.k1, okapi.b, okapi.epsilon, stem = (float(v) for v in saved["settings"])
-        okapi.doc_len, okapi.doc_freqs = np.asarray(saved["doc_len"], np.int64), []
-        okapi.corpus_size = len(okapi.doc_len)
-        okapi.avgdl = int(okapi.doc_len.sum()) / max(okapi.corpus_size, 1)
+        k1, b, epsilon, stem = (float(v) for v in saved["settings"])
+        okapi = _okapi(np.asarray(saved["doc_len"], np.int64), k1, b, epsilon)
         okapi.idf = dict(zip(terms, saved["idf"].tolist()))
-        indptr = np.asarray(saved["indptr"])
-        if len(indptr) != len(terms) + 1 or len(saved["docs"]) != indptr[-1] or len(saved["tf"]) != indptr[-1]:
+        indptr, docs, tf = (np.asarray(saved[k]) for k in ("indptr", "docs", "tf"))  # an .npz reads at each lookup
+        if len(indptr) != len(terms) + 1 or len(docs) != indptr[-1] or len(tf) != indptr[-1]:
             raise ValueError(f"saved BM25 postings disagree: {len(terms)} terms, {len(indptr)} row starts, "
-                             f"{len(saved['docs'])} postings")
-        return cls(okapi, {t: i for i, t in enumerate(terms)}, indptr, saved["docs"], saved["tf"],
-                   okapi.k1 * (1 - okapi.b + okapi.b * okapi.doc_len / okapi.avgdl), bool(stem))
+                             f"{len(docs)} postings")
+        return cls(okapi, {t: i for i, t in enumerate(terms)}, indptr, docs, tf, _norm(okapi), bool(stem))
 
     def term(self, word: str) -> str:
         """The term a word is indexed under."""
