@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The signals the adaptive fusion is fitted and judged on (endo_retrieval/calibration/signals.py), on one GPU: every
+# labelled set's train split (at most 600 questions each) and test split, three processes side by side.
+#
+# Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), and under /root/parts
+# (tools/device-parts.sh): smollm/ and minilm/ (the two model packages); MODEL=/root/parts/NAME.file for another model.
+#   start:   setsid nohup bash tools/device-fusion.sh run > /root/fusion.log 2>&1 &
+#   collect: bash tools/device-fusion.sh collect   (packs /root/sig into $OUT/signals.tgz)
+# The machine goes back 30 s after a call ends, background work or not: keep a call waiting on the run in flight.
+set -uo pipefail
+res=/root/sig
+if [ "${1:-run}" = collect ]; then tar -C /root -czf "$OUT/signals.tgz" sig fusion.log; ls -la "$OUT"; exit 0; fi
+mkdir -p "$res"
+if [ ! -x /root/site/bin/endo ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/*.whl || exit 1
+fi
+cp -rn /root/parts/minilm/minilm/* /root/parts/smollm/smollm/* /root/site/ 2>/dev/null
+export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_NUM_THREADS=4
+export HF_HUB_OFFLINE=1 JAX_PLATFORMS=cpu
+d=$PWD/.device-data; dom=$d/domains; sci=$d/scifact/scifact.json.gz; hot=$d/hotpotqa
+model=(${MODEL:+--model "$MODEL"})
+collect() { python3 -m endo_retrieval.calibration.signals "$res/${TAG:-default}" "$@" "${model[@]}"; }
+collect "$dom/arguana.json.gz:test" "$dom/arguana.json.gz:train@600" "$hot/dev300.json" "$hot/fit300.json" \
+  > "$res/g1.log" 2>&1 &
+collect "$dom/fiqa2018_pooled.json.gz:test" "$dom/fiqa2018_pooled.json.gz:train@600" "$dom/stackfaq.json.gz:test" \
+  "$dom/stackfaq.json.gz:train@600" > "$res/g2.log" 2>&1 &
+collect "$dom/csn_style_python.json.gz:test" "$dom/csn_style_python.json.gz:train@600" "$dom/conala.json.gz:test" \
+  "$dom/conala.json.gz:train@600" "$sci:test" "$sci:train@600" > "$res/g3.log" 2>&1 &
+if [ -z "${MODEL:-}" ]; then  # the first stages alone, as a user builds them: LlamaIndex BM25, a MiniLM store
+  export TIKTOKEN_CACHE_DIR=/root/site/llama_index/core/_static/tiktoken_cache
+  for s in "$dom/arguana.json.gz" "$dom/fiqa2018_pooled.json.gz" "$dom/stackfaq.json.gz" "$dom/conala.json.gz" \
+           "$dom/csn_style_python.json.gz" "$sci" "$hot/dev300.json"; do
+    spec=$s; [ "${s%.json}" != "$s" ] || spec="$s:test"
+    endo bench corpus --data "$spec" --systems llamaindex-bm25,minilm --out "$res/base_$(basename "${s%%.*}").json"
+  done > "$res/base.log" 2>&1 &
+fi
+wait
+echo finished
