@@ -19,7 +19,7 @@ export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_D
 export HF_HUB_OFFLINE=1 JAX_PLATFORMS=cpu
 d=$PWD/.device-data; dom=$d/domains; sci=$d/scifact/scifact.json.gz; hot=$d/hotpotqa
 model=(${MODEL:+--model "$MODEL"})
-collect() { python3 -m endo_retrieval.calibration.signals "$res/${TAG:-default}" "$@" "${model[@]}"; }
+collect() { (cd /root && python3 -m endo_retrieval.calibration.signals "$res/${TAG:-default}" "$@" "${model[@]}"); }  # the installed wheels, not the tree
 collect "$dom/arguana.json.gz:test" "$dom/arguana.json.gz:train@600" "$hot/dev300.json" "$hot/fit300.json" \
   > "$res/g1.log" 2>&1 &
 collect "$dom/fiqa2018_pooled.json.gz:test" "$dom/fiqa2018_pooled.json.gz:train@600" "$dom/stackfaq.json.gz:test" \
