@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -296,6 +298,47 @@ def _unlock(file) -> None:
     except OSError:  # gone already, or an open file cannot be removed here (Windows): it stays, harmless
         pass
     file.close()  # closing drops the flock
+
+
+# ---- checksums of saved files ------------------------------------------------------------------------------------
+SEAL = "header_sha256"  # the last field of a sealed JSON header: the SHA-256 of the JSON before it
+_SEAL_TAIL = re.compile(rb', "header_sha256": "([0-9a-f]{64})"\}\s*$')
+
+
+def sha256_of(f: BinaryIO, block: int = 1 << 23) -> str:
+    """SHA-256 of an open binary file from its start, `block` bytes at a time: read through the file, not a memory
+    map of it, so checking a large array maps none of its pages into the process."""
+    f.seek(0)
+    h, buffer = hashlib.sha256(), bytearray(block)
+    view = memoryview(buffer)
+    while n := f.readinto(buffer):
+        h.update(view[:n])
+    return h.hexdigest()
+
+
+def sealed_json(fields: dict) -> bytes:
+    """`fields` as a JSON object whose last field, SEAL, is the SHA-256 of the JSON of the others: a header that
+    checks itself, with no re-serialisation on read (`read_sealed_json`)."""
+    body = json.dumps(fields)
+    return f'{body[:-1]}, "{SEAL}": "{hashlib.sha256(body.encode()).hexdigest()}"}}'.encode()
+
+
+def read_sealed_json(raw: bytes) -> dict:
+    """The fields `sealed_json` wrote, checked against their SHA-256; a JSON object without SEAL (written before
+    headers were sealed) is returned unchecked. ValueError naming what is wrong otherwise."""
+    fields = json.loads(raw.decode("utf-8"))
+    if not isinstance(fields, dict):
+        raise ValueError("not a JSON object")
+    tail_at = max(0, len(raw) - len(SEAL) - 96)
+    seal = _SEAL_TAIL.search(raw, tail_at)
+    if seal is None:
+        if SEAL in fields:
+            raise ValueError(f"{SEAL} is {fields[SEAL]!r}, not the SHA-256 of the header")
+        return fields
+    if hashlib.sha256(raw[: seal.start()] + b"}").hexdigest() != seal.group(1).decode():
+        raise ValueError("header checksum mismatch")
+    fields.pop(SEAL, None)
+    return fields
 
 
 def check_json(obj, where: str) -> None:

