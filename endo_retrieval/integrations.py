@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -31,6 +31,8 @@ from pydantic import BaseModel, Field
 
 from endo_retrieval.attention import get_backend
 from endo_retrieval.methods.search import Document, EndoIndex
+from endo_retrieval.index.hits import (best_per_document, check_whole_documents,  # noqa: F401 (the adapters' import)
+                                      whole_document)
 from endo_retrieval.index.passages import best_part, part_text
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.scoring.bm25 import words
@@ -125,24 +127,6 @@ def check_document_options(return_passages: bool, return_document: bool) -> None
                          "return_passages=True the best passages (several may share a document); ask for one.")
 
 
-def check_whole_documents(index) -> None:
-    """A retriever asked for whole documents needs their text on this process (an `EndoIndex`)."""
-    if getattr(index, "corpus", None) is None:
-        raise ValueError(f"return_document=True needs the documents' text, which this index "
-                         f"({type(index).__name__}) does not hold on this process; open the folder with EndoIndex.")
-
-
-def whole_document(index, span: Span) -> Span:
-    """The hit as its whole document: the document's text (character offsets 0 to its length), its score and
-    signals those of its best passage, whose character offsets in the document are `endo_passage_start` and
-    `endo_passage_end` in the metadata (so `text[endo_passage_start:endo_passage_end]` is the passage)."""
-    check_whole_documents(index)
-    doc = index.corpus.doc(span.doc_id)
-    return replace(span, start=doc.start, end=doc.end, char_start=0, char_end=len(doc.text), text=doc.text,
-                   metadata={**span.metadata, "endo_passage_start": span.char_start,
-                             "endo_passage_end": span.char_end}, whole_document=True)
-
-
 def check_pipeline_settings(index: EndoIndex, method: str | None, depth: int | None, read_tokens: int | None,
                             first_stage: str | None = None) -> None:
     """A retriever's `depth` / `read_tokens`, checked when it is built (a bad value fails there, not at the first
@@ -157,14 +141,6 @@ def check_pipeline_settings(index: EndoIndex, method: str | None, depth: int | N
     if first_stage not in (None, "bm25") and index.dense is None:
         raise ValueError(f"first_stage={first_stage!r} needs passage embeddings, which this index does not hold (it "
                          "was built with first_stage='bm25'): call index.add_embeddings(), or rebuild it.")
-
-
-def best_per_document(spans: Sequence[Span]) -> list[Span]:
-    """The first (best) span of each document, in the given order."""
-    best: dict[str, Span] = {}
-    for span in spans:
-        best.setdefault(span.doc_id, span)
-    return list(best.values())
 
 
 def provenance(span: Span) -> dict:

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import warnings
 from pathlib import Path
 
 from endo_retrieval.index.text_files import read_text_file, read_text_files, text_files
 from endo_retrieval.index.passages import PASSAGE_TOKENS, passage_cuts
 from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, S3_METHODS, SEARCH_METHODS, compress
 from endo_retrieval.files import set_aside, writer_lock
+from endo_retrieval.cli.saved import bm25_hits, read_header, read_saved, typed_ids
 
 
 def _method_help() -> str:
@@ -29,9 +32,12 @@ def model_argument(p) -> None:
 # ---- endo index --------------------------------------------------------------------------------------------
 def index_add_arguments(p) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="text files or folders (.txt, .md, .rst); a file's "
-                   "document id is its path relative to the current folder when it lies inside it, else its absolute "
-                   "path, both with symlinks resolved, so the same file typed two ways is one document")
+                   "document id is its path under the folder given (--root), whatever the current folder, so the "
+                   "same file typed two ways, or from another folder, is one document")
     p.add_argument("--out", required=True, metavar="DIR", help="index folder (written atomically)")
+    p.add_argument("--root", metavar="DIR", help="name each document by its path under DIR (default: the folder "
+                   "given, or the one holding all the paths given; with --append, the folder the index already "
+                   "names their documents under)")
     p.add_argument("--append", action="store_true", help="update the index already in DIR instead of replacing it: "
                    "new files are added, changed ones re-indexed, unchanged ones skipped, and the documents of files "
                    "under the given folders that were deleted or can no longer be read are removed")
@@ -54,7 +60,7 @@ def index_add_arguments(p) -> None:
 
 
 def index_run(args) -> int:
-    from endo_retrieval.methods.search import Document, EndoIndex  # torch: off the CLI's fast path
+    from endo_retrieval.methods.search import EndoIndex  # torch: off the CLI's fast path
 
     files, skipped = read_text_files(text_files(args.paths))
     for path, why in skipped:
@@ -67,8 +73,8 @@ def index_run(args) -> int:
         raise ValueError(f"none of the {len(skipped)} file(s) can be read as text (listed above); nothing was "
                          "written.")
     out = Path(args.out)
-    docs = [Document(document_id(f.path), f.text, {"path": str(f.path.resolve())}) for f in files]
     if args.ray is not None:
+        docs = file_documents(files, document_root(args.paths, args.root))
         from endo_retrieval import distributed  # torch, and Ray only when asked for
         from endo_retrieval.index import segments  # torch
 
@@ -84,11 +90,13 @@ def index_run(args) -> int:
         return 0
     with writer_lock(out):  # from load to save: a second writer gets IndexBusyError, no append is lost
         if not args.append:
+            docs = file_documents(files, document_root(args.paths, args.root))
             idx = EndoIndex(args.model, method=args.method, first_stage=args.first_stage, embedder=args.embedder)
             idx.add_documents(docs)  # a progress bar when standard error is a terminal
             idx.save(out)
         else:
             idx = EndoIndex.load(out, args.model, embedder=args.embedder)
+            docs = file_documents(files, document_root(args.paths, args.root, idx.corpus))
             gone = stale_documents(idx, args.paths, docs, skipped)
             done = idx.update_documents(docs)
             for doc_id in gone:
@@ -106,11 +114,57 @@ def index_run(args) -> int:
     return 0
 
 
-def document_id(path: Path) -> str:
-    """A file's document id: its path relative to the current folder when it lies inside it, else its absolute
-    path, both resolved (symlinks, `..`), so `notes/a.txt`, `./notes/a.txt` and `/home/me/notes/a.txt` are one."""
-    full, here = path.resolve(), Path.cwd().resolve()
-    return str(full.relative_to(here)) if full.is_relative_to(here) else str(full)
+def file_documents(files, root: Path) -> list:
+    """The files as documents, each named by its path under `root` (`document_id`) and recording its resolved path
+    in metadata "path", by which a later run finds it again."""
+    from endo_retrieval.methods.search import Document  # torch: off the CLI's fast path
+
+    return [Document(document_id(f.path, root), f.text, {"path": str(f.path.resolve())}) for f in files]
+
+
+def document_id(path: Path, root: Path) -> str:
+    """A file's document id: its path under `root`, symlinks and `..` resolved, so `notes/a.txt`, `./notes/a.txt`
+    and `/home/me/notes/a.txt` are one document whatever the current folder."""
+    return path.resolve().relative_to(root).as_posix()
+
+
+def document_root(paths: list[str], root: str | None = None, corpus=None) -> Path:
+    """The folder the documents of `paths` are named under: `root` when given (every path must lie under it); else,
+    appending to an index (`corpus`), the one folder its documents under these paths are named under, so ids stay
+    as they are; else the folder given (a file's own folder), or the deepest one holding all the paths given."""
+    given = [Path(p).resolve() for p in paths]
+    if root is not None:
+        folder = Path(root).expanduser().resolve()
+        outside = [p for p in paths if not Path(p).resolve().is_relative_to(folder)]
+        if outside:
+            raise ValueError(f"--root {root}: {outside[0]} does not lie under it; pass a folder that holds every path "
+                             "given.")
+        return folder
+    folders = [p if p.is_dir() else p.parent for p in given]
+    named = {document_root_of(d.doc_id, d.metadata.get("path")) for d in (corpus.documents() if corpus else ())
+             if isinstance(d.metadata.get("path"), str) and any(Path(d.metadata["path"]).is_relative_to(p)
+                                                                  for p in given)}
+    if len(named) == 1 and None not in named and all(f.is_relative_to(next(iter(named))) for f in folders):
+        return next(iter(named))
+    return Path(os.path.commonpath(folders))
+
+
+def document_root_of(doc_id: str, path: str | None) -> Path | None:
+    """The folder a file's document is named under (its path less its id), or None where the id is not a path under
+    a folder (an absolute path, a name given from Python)."""
+    if not isinstance(path, str) or doc_id.startswith("/") or not path.endswith("/" + doc_id):
+        return None
+    return Path(path[:-len(doc_id) - 1] or "/")
+
+
+def naming(corpus) -> dict[str, int]:
+    """How the index names its documents: folder -> how many are named by their path under it ("" for those named
+    otherwise: given from Python, or absolute paths)."""
+    counts: dict[str, int] = {}
+    for d in corpus.documents():
+        root = document_root_of(d.doc_id, d.metadata.get("path"))
+        counts[str(root) if root else ""] = counts.get(str(root) if root else "", 0) + 1
+    return counts
 
 
 def stale_documents(index, paths: list[str], docs, skipped: list[tuple[Path, str]]) -> list[str]:
@@ -168,22 +222,34 @@ def remove_add_arguments(p) -> None:
 
 
 def remove_run(args) -> int:
+    folder = Path(args.index)
+    ids = removed_ids(folder, args.ids)  # an unknown id answers before the model loads
     from endo_retrieval.methods.search import EndoIndex  # torch: off the CLI's fast path
 
-    folder = Path(args.index)
     with writer_lock(folder):  # from load to save, as `endo index --append`
         idx = EndoIndex.load(folder, args.model)
-        ids = {typed: typed if typed in idx.corpus else document_id(Path(typed)) for typed in args.ids}
-        missing = [typed for typed, doc_id in ids.items() if doc_id not in idx.corpus]
-        if missing:
-            raise ValueError(f"{folder} holds no document {', '.join(map(repr, missing))}, so nothing was removed; "
-                             f"list its ids with `endo info {folder} --documents`.")
-        for doc_id in dict.fromkeys(ids.values()):
+        ids = removed_ids(folder, args.ids, idx.corpus)  # again under the lock: a writer may have changed it
+        for doc_id in ids:
             idx.remove_document(doc_id)  # the path the Python API and the framework adapters' deletes take
         idx.save(folder)
-    print(f"removed {len(set(ids.values()))} document(s) -> {folder}, generation {idx.generation}; it holds "
+    print(f"removed {len(ids)} document(s) -> {folder}, generation {idx.generation}; it holds "
           f"{index_summary(idx, folder)}")
     return 0
+
+
+def removed_ids(folder: Path, typed: list[str], corpus=None) -> list[str]:
+    """The documents the typed ids name (`saved.typed_ids`; `corpus`: the index's, else read from `folder` without
+    the model), each once; ValueError naming those it holds no document for."""
+    if corpus is None:
+        corpus = read_saved(folder).corpus
+        if corpus is None:  # an index in segments: checked once it is loaded
+            return list(typed)
+    ids = typed_ids(corpus, typed)
+    missing = [t for t, doc_id in ids.items() if doc_id is None]
+    if missing:
+        raise ValueError(f"{folder} holds no document {', '.join(map(repr, missing))}, so nothing was removed; list "
+                         f"its ids with `endo info {folder} --documents`.")
+    return list(dict.fromkeys(ids.values()))
 
 
 # ---- endo info DIR ---------------------------------------------------------------------------------------------
@@ -191,28 +257,8 @@ def index_info(folder: Path, documents: bool = False) -> dict:
     """What the index in `folder` answers as now, read without the model: its committed generation, documents,
     passages and size, and the leftovers of a killed write. ValueError saying what to do where there is no index
     or it is damaged."""
-    from endo_retrieval.corpus import CorpusMap
-    from endo_retrieval.files import IndexCorruptError, read_folder, set_aside
-
-    def read(open_file):
-        with open_file("endo-index.json") as f:
-            meta = json.loads(f.read().decode("utf-8"))
-        if not isinstance(meta, dict) or "segments" in meta:
-            return meta, None
-        with open_file("corpus.npz") as f:
-            return meta, CorpusMap.read(f, folder / "corpus.npz")
-
-    try:
-        meta, corpus = read_folder(folder, read)
-    except FileNotFoundError:
-        raise ValueError(f"{folder} holds no endo index; build one with `endo index PATH... --out {folder}`."
-                         ) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise IndexCorruptError(f"{folder / 'endo-index.json'} is damaged ({err}); delete the folder and rebuild "
-                                "the index with `endo index PATH... --out DIR`.") from None
-    if not isinstance(meta, dict) or meta.get("format") != "endo-index":
-        raise IndexCorruptError(f"{folder} holds no endo index ({folder / 'endo-index.json'} is not one); rebuild "
-                                "it with `endo index PATH... --out DIR`.")
+    saved = read_saved(folder)
+    meta, corpus = saved.meta, saved.corpus
     served = folder if folder.exists() else set_aside(folder)  # mid-swap, or killed there: the old state
     info = {"index": str(folder), "model": meta.get("model"), "model_hash": meta.get("model_hash"),
             "method": meta.get("method"), "generation": meta.get("generation", 0)}
@@ -220,7 +266,7 @@ def index_info(folder: Path, documents: bool = False) -> dict:
         info |= {"documents": len(corpus),
                  "passages": sum(len(passage_cuts(d.sentence_starts, d.end, PASSAGE_TOKENS)) - 1
                                  for d in corpus.documents()),
-                 "tokens": corpus.n_tokens}
+                 "tokens": corpus.n_tokens, "named_under": naming(corpus)}
         ids = [d.doc_id for d in corpus.documents()]
     else:  # a manifest of segments (`endo index --ray`)
         parts = meta["segments"] if isinstance(meta["segments"], list) else []
@@ -247,6 +293,8 @@ def info_index_run(args) -> int:
             "method": info["method"], "generation": f"{info['generation']} (committed)",
             "documents": f"{info['documents']:,}", "passages": f"{info['passages']:,}" if info["passages"] is not None
             else "- (an index in segments)", "tokens": f"{info['tokens']:,}", "bytes": f"{info['bytes']:,} on disk"}
+    if info.get("named_under") is not None:
+        rows["ids"] = naming_line(info["named_under"])
     for key, value in rows.items():
         print(f"{key:>10}: {value}")
     if info["leftovers"]:
@@ -255,14 +303,31 @@ def info_index_run(args) -> int:
     return 0
 
 
+def naming_line(named: dict[str, int]) -> str:
+    """`endo info DIR`'s line on how documents are named: the folders their ids are paths under."""
+    if not named:
+        return "- (no documents)"
+    parts = [(f"paths under {root}" if root else "given ids or absolute paths") + (f" ({n:,})" if len(named) > 1
+                                                                                   else "")
+             for root, n in sorted(named.items(), key=lambda kv: -kv[1])]
+    return "; ".join(parts)
+
+
 # ---- endo query ------------------------------------------------------------------------------------------------
 def query_add_arguments(p) -> None:
     p.add_argument("index", metavar="DIR", help="an index folder made by `endo index`")
     p.add_argument("question")
-    p.add_argument("--k", type=int, default=4, help="number of evidence spans (default 4; 0 prints nothing, or [] "
-                   "with --json, as the adapters return [] for k=0)")
-    p.add_argument("--budget", type=int, default=None, help="token budget over all spans (default 128 per span)")
-    p.add_argument("--method", default=None, choices=SEARCH_METHODS, help="default: the index's own")
+    p.add_argument("--k", type=int, default=4, help="number of hits, each from another document unless --passages "
+                   "(default 4; 0 prints nothing, or [] with --json, as the adapters return [] for k=0)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--passages", action="store_true", help="the k best passages, several of one document "
+                       "possible (the adapters' return_passages=True)")
+    shape.add_argument("--whole", action="store_true", help="each hit's whole document, ranked by its best passage "
+                       "(the adapters' return_document=True)")
+    p.add_argument("--budget", type=int, default=None, help="token budget over all hits, each passage cut to its "
+                   "best part (default: whole passages)")
+    p.add_argument("--method", default=None, choices=SEARCH_METHODS, help="default: the index's own; bm25 ranks the "
+                   "passages by BM25 alone and answers from the folder without loading the model")
     p.add_argument("--depth", type=int, default=None, help="endo: candidates the model reads (default: the model's "
                    "fitted value: 20 or 30 on a GPU, on a CPU the 135M model's 12; fewer is faster)")
     p.add_argument("--read-tokens", type=int, default=None, help="endo: tokens read of each candidate (default: "
@@ -281,27 +346,67 @@ def span_json(s) -> dict:
 
 
 def query_run(args) -> int:
-    check_index_folder(Path(args.index))  # the arguments first: a mistake answers before the model loads
+    folder = Path(args.index)
+    check_index_folder(folder)  # the arguments first: a mistake answers before the model loads
     check_question(args.question)
     if args.k == 0:  # nothing asked: nothing to read (the adapters' k=0 rule)
         if args.json:
             print("[]")
         return 0
-    from endo_retrieval.integrations import pipeline_progress  # torch: off the CLI's fast path
+    shape = "whole" if args.whole else "passages" if args.passages else "document"
+    hits = bm25_query(args, folder, shape)
+    if hits is None:
+        hits = model_query(args, shape)
+    print_hits(hits, args.json)
+    return 0
+
+
+def bm25_query(args, folder: Path, shape: str) -> list | None:
+    """The hits of `--method bm25` (or an index built for bm25) read from the folder without the model; None where
+    the search needs the model (another method, or an index in segments)."""
+    if (args.method or read_header(folder).get("method")) != "bm25":
+        return None
+    tuned = [f for f, v in (("--depth", args.depth), ("--read-tokens", args.read_tokens),
+                            ("--first-stage", args.first_stage)) if v is not None]
+    if tuned:
+        raise ValueError(f"{', '.join(tuned)} tune the endo pipeline; bm25 reads no candidates (drop them, or "
+                         "pass --method endo).")
+    saved = read_saved(folder, passages=True)
+    if saved.corpus is None:
+        return None
+    hits = bm25_hits(saved, args.question, args.k, args.budget, shape)
+    if len(hits) < args.k:
+        warnings.warn(f"{len(hits)} of the {args.k} hits asked for: only {len(hits)} "
+                      f"{'passages' if shape == 'passages' else 'documents'} share a word with the question.")
+    return hits
+
+
+def model_query(args, shape: str) -> list:
+    """The hits of the index's method with its model loaded (the shared adapters' search: `search_hits`)."""
+    from endo_retrieval.integrations import search_hits  # torch: off the CLI's fast path
     from endo_retrieval.methods.search import EndoIndex
 
     index = EndoIndex.load(args.index, args.model)
-    method = index.check_method(args.method)
-    with pipeline_progress(index, method, args.depth, args.read_tokens):  # a bar on a terminal, a hint when slow
-        hits = index.search(args.question, k=args.k, budget=args.budget, method=method, depth=args.depth,
-                            read_tokens=args.read_tokens, first_stage=args.first_stage)
-    if args.json:
+    return search_hits(index, args.question, args.k, args.budget, args.method, return_passages=shape == "passages",
+                       return_document=shape == "whole", depth=args.depth, read_tokens=args.read_tokens,
+                       first_stage=args.first_stage)
+
+
+def print_hits(hits: list, as_json: bool) -> None:
+    """The hits as JSON, or for a reader: a line per hit, then its text indented with its line breaks (code keeps
+    its lines; runs of blank lines are one)."""
+    if as_json:
         print(json.dumps([span_json(h) for h in hits], indent=2, ensure_ascii=False))
-        return 0
+        return
     for rank, h in enumerate(hits, 1):
-        print(f"[{rank}] {h.doc_id} chars {h.char_start}-{h.char_end}  score {h.score:.3f}  "
-              f"({'+'.join(h.signals)})\n    {' '.join(h.text.split())}")
-    return 0
+        print(f"[{rank}] {h.doc_id} chars {h.char_start}-{h.char_end}  score {h.score:.3f}  ({'+'.join(h.signals)})")
+        print(indented(h.text))
+
+
+def indented(text: str, margin: str = "    ") -> str:
+    lines = [line.rstrip() for line in text.strip("\n").splitlines()]
+    kept = [line for i, line in enumerate(lines) if line or (i and lines[i - 1])]
+    return "\n".join(margin + line if line else "" for line in kept)
 
 
 # ---- endo compress ---------------------------------------------------------------------------------------------

@@ -69,7 +69,8 @@ def text_files(paths: list[str]) -> list[Path]:
         elif p.is_file():
             out.append(p)
         else:
-            raise FileNotFoundError(f"{p} does not exist; pass text files or folders of .txt/.md files.")
+            raise FileNotFoundError(f"{p} does not exist; pass text files or folders of "
+                                    f"{'/'.join(sorted(TEXT_SUFFIXES))} files.")
     if not out:
         raise ValueError(f"No text files found under {', '.join(paths)} (looked for {sorted(TEXT_SUFFIXES)}).")
     return out

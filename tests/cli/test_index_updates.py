@@ -43,7 +43,7 @@ def snapshot(root: Path) -> dict:
 
 @pytest.fixture
 def notes(tmp_path, monkeypatch):
-    """A folder of two notes, with the current folder above it (ids are relative to it)."""
+    """A folder of two notes indexed from the folder above it (ids are paths under the folder given)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes").mkdir()
     for name in ("ship", "cafe"):
@@ -62,7 +62,7 @@ def test_appending_the_same_folder_twice_succeeds_and_changes_nothing(notes, tmp
     assert snapshot(tmp_path) == before  # not a byte changed, and no lock file left
     assert info()["generation"] == 1
     rc, out, _ = endo("info", "ix", "--documents")
-    assert out.split() == ["notes/cafe.txt", "notes/ship.txt"]  # one document per file, however it was typed
+    assert out.split() == ["cafe.txt", "ship.txt"]  # one document per file, however it was typed
 
 
 def test_a_changed_file_is_found_by_its_new_text_and_not_by_its_old(notes, tmp_path):
@@ -73,7 +73,7 @@ def test_a_changed_file_is_found_by_its_new_text_and_not_by_its_old(notes, tmp_p
     assert out.startswith("added 1, replaced 1, unchanged 1, removed 0 -> ix, generation 2;")
     rc, out, _ = endo("query", "ix", "What is the vault combination?", "--json", "--k", "4")
     hits = json.loads(out)
-    assert any(h["doc_id"] == "notes/cafe.txt" and "4417" in h["text"] for h in hits)
+    assert any(h["doc_id"] == "cafe.txt" and "4417" in h["text"] for h in hits)
     rc, out, _ = endo("query", "ix", "When does the cafe serve espresso?", "--json", "--k", "4")
     assert not any("espresso" in h["text"] for h in json.loads(out))  # the old text is gone from the index
     assert info()["documents"] == 3 and sorted(os.listdir(tmp_path)) == ["ix", "notes"]
@@ -88,19 +88,19 @@ def test_a_deleted_or_now_unreadable_file_is_removed_and_other_documents_stay(no
     rc, out, err = endo("index", "notes", "--out", "ix", "--append")
     assert rc == 0 and "warning: skipping notes/cafe.txt: binary" in err
     assert out.startswith("added 1, replaced 0, unchanged 0, removed 2 -> ix, generation 3;")
-    assert endo("info", "ix", "--documents")[1].split() == ["other.txt", "notes/new.md"]  # other.txt: not under notes
+    assert endo("info", "ix", "--documents")[1].split() == ["other.txt", "new.md"]  # other.txt: not under notes
 
 
 def test_remove_takes_documents_out_by_any_spelling_and_refuses_unknown_ids(notes, tmp_path):
     before = snapshot(tmp_path)
-    rc, _, err = endo("remove", "ix", "notes/ship.txt", "no-such-doc")
+    rc, _, err = endo("remove", "ix", "ship.txt", "no-such-doc")
     assert rc == 2 and "holds no document 'no-such-doc', so nothing was removed; list its ids with `endo info ix " \
                        "--documents`" in err
     assert snapshot(tmp_path) == before
-    rc, out, err = endo("remove", "ix", str(notes / "ship.txt"))  # the absolute path names the relative id
+    rc, out, err = endo("remove", "ix", str(notes / "ship.txt"))  # the file's path names its id
     assert rc == 0, err
     assert out.startswith("removed 1 document(s) -> ix, generation 2; it holds 1 documents")
-    assert endo("info", "ix", "--documents")[1].split() == ["notes/cafe.txt"]
+    assert endo("info", "ix", "--documents")[1].split() == ["cafe.txt"]
     assert sorted(os.listdir(tmp_path)) == ["ix", "notes"]
 
 

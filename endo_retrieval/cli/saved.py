@@ -1,0 +1,119 @@
+"""A saved index read without its model: the corpus map and the passages with their BM25 are on disk, so `endo query
+--method bm25`, `endo info DIR` and `endo remove`'s check of its ids answer without importing torch (which alone
+takes seconds on a small CPU) or loading the model."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from endo_retrieval.core import Span, capped_question
+from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.files import IndexCorruptError, read_folder
+from endo_retrieval.index.hits import whole_document
+from endo_retrieval.index.passages import PASSAGES_FILE, Passages, best_part, part_text
+from endo_retrieval.scoring.bm25 import words
+
+SHAPES = ("document", "passages", "whole")  # a hit per document (its best passage), the best passages, whole documents
+
+
+@dataclass
+class Saved:
+    """What a saved index holds on disk: its header, and unless it is a manifest of segments (`endo index --ray`),
+    its corpus map and (when asked for) its passages."""
+
+    folder: Path
+    meta: dict
+    corpus: CorpusMap | None
+    passages: Passages | None = None
+
+
+def read_saved(folder: Path, passages: bool = False) -> Saved:
+    """The index in `folder`, one committed state of it, read without the model. ValueError saying what to do where
+    there is no index or it is damaged. `passages`: read them too (cut again, without the model, where they were
+    saved another way)."""
+    def read(open_file):
+        with open_file("endo-index.json") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+        if not isinstance(meta, dict) or "segments" in meta:
+            return meta, None, None
+        with open_file("corpus.npz") as f:
+            corpus = CorpusMap.read(f, folder / "corpus.npz")
+        if not passages:
+            return meta, corpus, None
+        try:
+            with open_file(PASSAGES_FILE) as f:
+                return meta, corpus, Passages.read(f, corpus) or Passages.build(corpus)
+        except FileNotFoundError:  # saved before passages were
+            return meta, corpus, Passages.build(corpus)
+
+    try:
+        meta, corpus, cut = read_folder(folder, read)
+    except FileNotFoundError:
+        raise ValueError(f"{folder} holds no endo index; build one with `endo index PATH... --out {folder}`.") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise IndexCorruptError(f"{folder / 'endo-index.json'} is damaged ({err}); delete the folder and rebuild "
+                                "the index with `endo index PATH... --out DIR`.") from None
+    except (KeyError, EOFError, OSError) as err:
+        raise IndexCorruptError(f"{folder / PASSAGES_FILE} is damaged ({err}); delete the folder and rebuild the "
+                                "index with `endo index PATH... --out DIR`.") from None
+    if not isinstance(meta, dict) or meta.get("format") != "endo-index":
+        raise IndexCorruptError(f"{folder} holds no endo index ({folder / 'endo-index.json'} is not one); rebuild "
+                                "it with `endo index PATH... --out DIR`.")
+    return Saved(folder, meta, corpus, cut)
+
+
+def read_header(folder: Path) -> dict:
+    """The header of the index in `folder` (its model, method, generation), alone; {} where it cannot be read (the
+    full read says why)."""
+    def read(open_file):
+        with open_file("endo-index.json") as f:
+            return json.loads(f.read().decode("utf-8"))
+
+    try:
+        meta = read_folder(folder, read)
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def bm25_hits(saved: Saved, question: str, k: int, budget: int | None = None, shape: str = "document"
+              ) -> list[Span]:
+    """The index's passages ranked by BM25 over their stems alone (the `endo` pipeline's first stage), best first:
+    the best passage of each of the k best documents, the k best passages (`shape="passages"`), or the k best
+    documents whole (`"whole"`). Only passages that share a word with the question come back. `budget`: at most
+    that many tokens in all, each passage cut to its best part, as the pipeline cuts them."""
+    question = capped_question(question)
+    corpus, passages = saved.corpus, saved.passages
+    query = words(question)
+    scores = passages.bm25.get_scores(query) if query else np.zeros(len(passages))
+    order = np.lexsort((np.arange(len(scores)), -scores))  # best first, ties in corpus order
+    order = order[scores[order] > 0]
+    if shape != "passages":  # each document's first passage in that order is its best
+        _, first = np.unique(corpus.locate(passages.starts[order])[0], return_index=True)
+        order = order[np.sort(first)]
+    hits = [passage_span(corpus, passages, int(i), float(scores[i]), set(query), budget, k) for i in order[:k]]
+    return [whole_document(saved, h) for h in hits] if shape == "whole" else hits
+
+
+def passage_span(corpus: CorpusMap, passages: Passages, i: int, score: float, question_words: set[str],
+                 budget: int | None, k: int) -> Span:
+    """Passage i as a hit scored `score`; under a `budget` of k passages, its best part of budget // k tokens."""
+    a, b = int(passages.starts[i]), int(passages.ends[i])
+    parts = [(a, b)] if budget is None else best_part(corpus, passages.sentences, a, b, question_words,
+                                                     max(1, budget // k))
+    doc_id, c0, _, _ = corpus.span_text(parts[0][0], parts[0][1])
+    _, _, c1, _ = corpus.span_text(parts[-1][0], parts[-1][1])
+    doc = corpus.doc(doc_id)
+    text = part_text(corpus, parts) if len(parts) > 1 else doc.text[c0:c1]
+    return Span(parts[0][0], parts[-1][1], c0, c1, text, score, ("bm25",), doc_id, doc.metadata,
+                whole_document=(parts[0][0], parts[-1][1]) == (doc.start, doc.end))
+
+
+def typed_ids(corpus: CorpusMap, typed: list[str]) -> dict[str, str | None]:
+    """The document each typed name names (None: none): an id as the index lists it, or a file's path however it is
+    typed (relative to this folder, ./, absolute), found by the resolved path its document records."""
+    by_path = {d.metadata.get("path"): d.doc_id for d in corpus.documents()}
+    return {t: t if t in corpus else by_path.get(str(Path(t).expanduser().resolve())) for t in typed}
