@@ -103,20 +103,51 @@ def search_hits(index: EndoIndex, question: str, k: int, budget: int | None = No
 def _search_hits(index, question: str, k: int, budget, method: str, where, return_passages: bool,
                  pipeline: dict) -> list[Span]:
     if return_passages:
+        if method in PIPELINE_METHODS:  # the pipeline ranks the candidates it read: at least k of them
+            pipeline = {**pipeline, "depth": max(k, index.pipeline(method, **pipeline).depth)}
         return index.search(question, k, budget, method, where, **pipeline)
-    if method in PIPELINE_METHODS:  # the pipelines score every candidate in one read
-        # one read scores every candidate, so ask for all of them at once; a budget of b * n // k over n passages
-        # cuts each to b // k tokens, as when k passages are asked
-        n = max(k, index.pipeline(method, **pipeline).depth)
-        passages = index.search(question, n, None if budget is None else budget * n // k, method, where, **pipeline)
-        return best_per_document(passages)[:k]
+    if method in PIPELINE_METHODS:
+        return _pipeline_hits(index, question, k, budget, method, where, pipeline)
     ask, before = k, None
     while True:  # a document may hold several of the best spans: widen the ask until k documents are found
         spans = index.search(question, ask, budget, method, where)
         found = best_per_document(spans)
         if len(found) >= k or spans == before or (budget is not None and len(spans) < ask):
-            return found[:k]  # enough, or nothing more to find (under the budget when one is given)
+            if len(found) < k:  # nothing more to find (under the budget when one is given)
+                _fewer(k, found, f"the budget of {budget} tokens holds no more" if budget is not None and
+                       len(spans) < ask else "no more documents match the question")
+            return found[:k]
         ask, before = 2 * ask, spans
+
+
+FILL_ROUNDS = 3  # reads of twice as many candidates each (x8 in all) while the best passages hold too few documents
+
+
+def _pipeline_hits(index, question: str, k: int, budget, method: str, where, pipeline: dict) -> list[Span]:
+    """The best passage of each of the k best documents by the pipeline. One read scores every candidate, so all of
+    them are asked for at once; where they come from fewer than k documents (a long document holds many of the
+    best passages), the model reads twice as many candidates, and the documents it finds there follow those
+    already found, until k are found, every candidate was read, or FILL_ROUNDS (then a warning says so)."""
+    depth = max(k, index.pipeline(method, **pipeline).depth)
+    found: list[Span] = []
+    for _ in range(FILL_ROUNDS + 1):
+        # a budget of b * depth // k over depth passages cuts each to b // k tokens, as k passages would be
+        passages = index.search(question, depth, None if budget is None else budget * depth // k, method, where,
+                                **{**pipeline, "depth": depth})
+        found = best_per_document(found + passages)
+        if len(found) >= k:
+            return found[:k]
+        if len(passages) < depth:  # every candidate (that `where` accepts) was read
+            _fewer(k, found, "the index holds no more documents" + (" that the filter accepts" if where else ""))
+            return found
+        depth *= 2
+    _fewer(k, found, f"the best {depth // 2} passages come from these documents only; pass a larger depth to read "
+           "deeper")
+    return found
+
+
+def _fewer(k: int, found: Sequence[Span], why: str) -> None:
+    log.warning("%d of the %d documents asked for: %s.", len(found), k, why)
 
 
 def check_document_options(return_passages: bool, return_document: bool) -> None:

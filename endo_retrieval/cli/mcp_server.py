@@ -76,8 +76,10 @@ class IndexHolder:
             return self._index
 
     def search(self, question: str, k: int, budget: int | None) -> list:
-        with self._lock:
-            return self.index().search(question, k=k, budget=budget, method=self.method)
+        from endo_retrieval.integrations import search_hits  # torch, as above
+
+        with self._lock:  # the k best passages: the pipeline reads at least k candidates
+            return search_hits(self.index(), question, k, budget, self.method, return_passages=True, progress=False)
 
     def add(self, docs: list[Document]) -> list[str]:
         with self._lock, writer_lock(self.folder) if self.folder else contextlib.nullcontext():

@@ -456,16 +456,22 @@ def test_fit_reranker_section_reads_with_the_reranker_and_saves_into_the_profile
 def test_depth_and_read_tokens_reach_the_pipeline_in_both_adapters_and_bad_ones_fail_when_built(tiny, tmp_path):
     from llama_index.retrievers.endo import EndoRetriever
 
-    # with 2 candidates read, at most 2 documents can come back (the default reads every passage of this corpus)
+    # 2 candidates read where one document is asked for; where k are, k at least (k means k)
     assert len(li_retriever(tiny, similarity_top_k=4).retrieve(QUESTION)) == 4
     shallow = li_retriever(tiny, similarity_top_k=4, depth=2, read_tokens=16)
-    assert len(shallow.retrieve(QUESTION)) <= 2
+    depths, search = [], shallow.index.search
+    shallow.index.search = lambda *args, **kw: depths.append(kw["depth"]) or search(*args, **kw)
+    assert len(shallow.retrieve(QUESTION)) == 4 and depths[0] == 4  # then deeper where 4 held fewer documents
+    assert len(li_retriever(tiny, similarity_top_k=1, depth=2).retrieve(QUESTION)) == 1
     assert shallow.index.pipeline("endo", 2, 16).read_tokens == 16
     shallow.persist(tmp_path / "li")
     reloaded = EndoRetriever.from_persist_dir(tmp_path / "li", backbone=tiny)
     assert (reloaded.depth, reloaded.read_tokens) == (2, 16)
     assert len(lc_retriever(tiny, k=4).invoke(QUESTION)) == 4
-    assert len(lc_retriever(tiny, k=4, depth=2).invoke(QUESTION)) <= 2
+    shallow = lc_retriever(tiny, k=1, depth=2)
+    depths, search = [], shallow._index.search
+    shallow._index.search = lambda *args, **kw: depths.append(kw["depth"]) or search(*args, **kw)
+    assert len(shallow.invoke(QUESTION)) == 1 and depths == [2]
     for bad in ({"depth": 0}, {"read_tokens": 2}):
         with pytest.raises(ValueError, match="depth|read_tokens"):
             li_retriever(tiny, **bad)
