@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 from endo_retrieval.attention import get_backend
 from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.index.hits import (best_per_document, check_whole_documents,  # noqa: F401 (the adapters' import)
-                                      whole_document)
+                                      whole_document, with_section)
 from endo_retrieval.index.passages import best_part, part_text
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.scoring.bm25 import words
@@ -97,6 +97,7 @@ def search_hits(index: EndoIndex, question: str, k: int, budget: int | None = No
     method = index.check_method(method)
     with pipeline_progress(index, method, depth, read_tokens, progress, first_stage):
         hits = _search_hits(index, question, k, budget, method, where, return_passages, pipeline)
+    hits = [with_section(index, h) for h in hits]  # a file's hit names its file, title and section
     return [whole_document(index, h) for h in hits] if return_document else hits
 
 

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
 from endo_retrieval.index.text_files import read_text_file, read_text_files, text_files
-from endo_retrieval.index.passages import PASSAGE_TOKENS, passage_cuts
 from endo_retrieval.methods import DEFAULT_METHOD, REGISTRY, S3_METHODS, SEARCH_METHODS, compress
 from endo_retrieval.files import set_aside, writer_lock
 from endo_retrieval.cli.saved import bm25_hits, read_header, read_saved, typed_ids
@@ -60,8 +61,47 @@ def index_add_arguments(p) -> None:
 
 
 def index_run(args) -> int:
+    files, skipped = readable_files(args)
+    out = Path(args.out)
+    if args.ray is not None:
+        return ray_index_run(args, files, skipped, out)
     from endo_retrieval.methods.search import EndoIndex  # torch: off the CLI's fast path
 
+    with writer_lock(out):  # from load to save: a second writer gets IndexBusyError, no append is lost
+        with phase(lambda: f"model {idx.backbone.model_id} loaded ({idx.backbone.device.type})"
+                           + (f", {out} read" if args.append else "")):
+            idx = EndoIndex.load(out, args.model, embedder=args.embedder) if args.append else \
+                EndoIndex(args.model, method=args.method, first_stage=args.first_stage, embedder=args.embedder)
+        docs = file_documents(files, document_root(args.paths, args.root, idx.corpus if args.append else None))
+        if not args.append:
+            with phase(lambda: f"{len(docs)} document(s) indexed{indexed_what(idx)}"):
+                idx.add_documents(docs)  # a progress bar when standard error is a terminal
+            with phase(f"written to {out}"):
+                idx.save(out)
+        else:
+            gone = stale_documents(idx, args.paths, docs, skipped)
+            with phase(lambda: f"{len(done['added']) + len(done['replaced'])} new or changed document(s) of "
+                               f"{len(docs)} indexed{indexed_what(idx)}"):
+                done = idx.update_documents(docs)
+            for doc_id in gone:
+                idx.remove_document(doc_id)
+            if done["added"] or done["replaced"] or gone:
+                with phase(f"written to {out}"):
+                    idx.save(out)
+    if not args.append:
+        print(f"indexed {len(docs)} document(s) -> {out}; it holds {index_summary(idx, out)}")
+    else:
+        changed = done["added"] or done["replaced"] or gone
+        print(f"added {len(done['added'])}, replaced {len(done['replaced'])}, unchanged {len(done['unchanged'])}, "
+              f"removed {len(gone)} -> {out}, generation {idx.generation}"
+              f"{'' if changed else ' (nothing changed, nothing written)'}; it holds {index_summary(idx, out)}")
+    print_read_report(files, skipped)
+    return 0
+
+
+def readable_files(args) -> tuple[list, list[tuple[Path, str]]]:
+    """The files under `args.paths` read as text, and (path, why) of those that cannot be, each warned of; a
+    ValueError, before the model loads, when --strict meets one or none is readable."""
     files, skipped = read_text_files(text_files(args.paths))
     for path, why in skipped:
         print(f"endo index: warning: skipping {path}: {why}", file=sys.stderr)
@@ -72,46 +112,42 @@ def index_run(args) -> int:
     if not files:
         raise ValueError(f"none of the {len(skipped)} file(s) can be read as text (listed above); nothing was "
                          "written.")
-    out = Path(args.out)
-    if args.ray is not None:
-        docs = file_documents(files, document_root(args.paths, args.root))
-        from endo_retrieval import distributed  # torch, and Ray only when asked for
-        from endo_retrieval.index import segments  # torch
+    print(f"endo index: {len(files)} file(s) read ({sum(len(f.text) for f in files):,} characters)", file=sys.stderr)
+    return files, skipped
 
-        # every method: an index for endo or bm25 only tokenises, but its segments are what ShardedIndex opens as
-        # shards (the pipeline's stage 1 where the corpus lives; docs/scale.md)
-        distributed.connect(args.ray or None)
-        distributed.RayIndexer(args.workers, setup=distributed.ModelRecipe(args.model), method=args.method
-                               ).build(out, docs, append=args.append)
-        parts = segments.listed_committed(out)
-        print(f"indexed {len(docs)} document(s) on Ray workers -> {out} ({len(parts)} segment(s), "
-              f"{sum(p['tokens'] for p in parts)} tokens in all)")
-        print_read_report(files, skipped)
-        return 0
-    with writer_lock(out):  # from load to save: a second writer gets IndexBusyError, no append is lost
-        if not args.append:
-            docs = file_documents(files, document_root(args.paths, args.root))
-            idx = EndoIndex(args.model, method=args.method, first_stage=args.first_stage, embedder=args.embedder)
-            idx.add_documents(docs)  # a progress bar when standard error is a terminal
-            idx.save(out)
-        else:
-            idx = EndoIndex.load(out, args.model, embedder=args.embedder)
-            docs = file_documents(files, document_root(args.paths, args.root, idx.corpus))
-            gone = stale_documents(idx, args.paths, docs, skipped)
-            done = idx.update_documents(docs)
-            for doc_id in gone:
-                idx.remove_document(doc_id)
-            if done["added"] or done["replaced"] or gone:
-                idx.save(out)
-    if not args.append:
-        print(f"indexed {len(docs)} document(s) -> {out}; it holds {index_summary(idx, out)}")
-    else:
-        changed = done["added"] or done["replaced"] or gone
-        print(f"added {len(done['added'])}, replaced {len(done['replaced'])}, unchanged {len(done['unchanged'])}, "
-              f"removed {len(gone)} -> {out}, generation {idx.generation}"
-              f"{'' if changed else ' (nothing changed, nothing written)'}; it holds {index_summary(idx, out)}")
+
+def ray_index_run(args, files, skipped, out: Path) -> int:
+    from endo_retrieval import distributed  # torch, and Ray only when asked for
+    from endo_retrieval.index import segments  # torch
+
+    docs = file_documents(files, document_root(args.paths, args.root))
+    # every method: an index for endo or bm25 only tokenises, but its segments are what ShardedIndex opens as
+    # shards (the pipeline's stage 1 where the corpus lives; docs/scale.md)
+    distributed.connect(args.ray or None)
+    distributed.RayIndexer(args.workers, setup=distributed.ModelRecipe(args.model), method=args.method
+                           ).build(out, docs, append=args.append)
+    parts = segments.listed_committed(out)
+    print(f"indexed {len(docs)} document(s) on Ray workers -> {out} ({len(parts)} segment(s), "
+          f"{sum(p['tokens'] for p in parts)} tokens in all)")
     print_read_report(files, skipped)
     return 0
+
+
+@contextlib.contextmanager
+def phase(what):
+    """One line on standard error once a phase of `endo index` is done: what it did (`what`, or what it returns)
+    and how long it took; a phase that fails says nothing (its error does)."""
+    start = time.perf_counter()
+    yield
+    print(f"endo index: {what() if callable(what) else what} in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr)
+
+
+def indexed_what(idx) -> str:
+    """What indexing did beside tokenising: the feature postings, the passages' embeddings."""
+    done = ["S3 feature postings"] if idx.holds_features else []
+    done += ["passage embeddings"] if idx.dense is not None else []
+    return f" ({' and '.join(done)})" if done else ""
 
 
 def file_documents(files, root: Path) -> list:
@@ -191,8 +227,7 @@ def index_summary(index, folder: Path) -> str:
     """What a saved index holds for its method: documents, the passages the `endo` pipeline ranks, tokens and bytes
     on disk, and the S3 feature postings where it has them (an index for endo or bm25 has none)."""
 
-    # cut as Passages.build cuts them, without building its BM25
-    passages = sum(len(passage_cuts(d.sentence_starts, d.end, PASSAGE_TOKENS)) - 1 for d in index.corpus.documents())
+    passages = len(index.passages())  # built when the index was saved
     holds = [f"{len(index):,} documents", f"{passages:,} passages", f"{index.corpus.n_tokens:,} tokens"]
     if index.method in S3_METHODS:
         postings = index.index.n_postings
@@ -257,15 +292,14 @@ def index_info(folder: Path, documents: bool = False) -> dict:
     """What the index in `folder` answers as now, read without the model: its committed generation, documents,
     passages and size, and the leftovers of a killed write. ValueError saying what to do where there is no index
     or it is damaged."""
-    saved = read_saved(folder)
+    saved = read_saved(folder, passages=True)
     meta, corpus = saved.meta, saved.corpus
     served = folder if folder.exists() else set_aside(folder)  # mid-swap, or killed there: the old state
     info = {"index": str(folder), "model": meta.get("model"), "model_hash": meta.get("model_hash"),
             "method": meta.get("method"), "generation": meta.get("generation", 0)}
     if corpus is not None:
         info |= {"documents": len(corpus),
-                 "passages": sum(len(passage_cuts(d.sentence_starts, d.end, PASSAGE_TOKENS)) - 1
-                                 for d in corpus.documents()),
+                 "passages": len(saved.passages),
                  "tokens": corpus.n_tokens, "named_under": naming(corpus)}
         ids = [d.doc_id for d in corpus.documents()]
     else:  # a manifest of segments (`endo index --ray`)
@@ -399,7 +433,9 @@ def print_hits(hits: list, as_json: bool) -> None:
         print(json.dumps([span_json(h) for h in hits], indent=2, ensure_ascii=False))
         return
     for rank, h in enumerate(hits, 1):
-        print(f"[{rank}] {h.doc_id} chars {h.char_start}-{h.char_end}  score {h.score:.3f}  ({'+'.join(h.signals)})")
+        section = f" § {h.metadata['section']}" if h.metadata.get("section") else ""
+        print(f"[{rank}] {h.doc_id}{section}  chars {h.char_start}-{h.char_end}  score {h.score:.3f}  "
+              f"({'+'.join(h.signals)})")
         print(indented(h.text))
 
 

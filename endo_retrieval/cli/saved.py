@@ -12,7 +12,7 @@ import numpy as np
 from endo_retrieval.core import Span, capped_question
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.files import IndexCorruptError, read_folder
-from endo_retrieval.index.hits import whole_document
+from endo_retrieval.index.hits import whole_document, with_section
 from endo_retrieval.index.passages import PASSAGES_FILE, Passages, best_part, part_text
 from endo_retrieval.scoring.bm25 import words
 
@@ -94,7 +94,8 @@ def bm25_hits(saved: Saved, question: str, k: int, budget: int | None = None, sh
     if shape != "passages":  # each document's first passage in that order is its best
         _, first = np.unique(corpus.locate(passages.starts[order])[0], return_index=True)
         order = order[np.sort(first)]
-    hits = [passage_span(corpus, passages, int(i), float(scores[i]), set(query), budget, k) for i in order[:k]]
+    hits = [with_section(saved, passage_span(corpus, passages, int(i), float(scores[i]), set(query), budget, k))
+            for i in order[:k]]
     return [whole_document(saved, h) for h in hits] if shape == "whole" else hits
 
 

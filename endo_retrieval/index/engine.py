@@ -32,7 +32,7 @@ from endo_retrieval.files import atomic_write, read_folder, replacing_folder, wr
 from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
                                            IndexVersionError, sorted_postings)
 from endo_retrieval.index.dense import DEFAULT_EMBEDDER, DenseVectors, EmbedderError, load_embedder
-from endo_retrieval.index.passages import PASSAGE_TOKENS, PASSAGES_FILE, Passages, passage_cuts
+from endo_retrieval.index.passages import PASSAGE_TOKENS, PASSAGES_FILE, Passages, document_cuts
 from endo_retrieval.index.indexing import (HandOff, ahead, index_streams, progress_bar, recorded_event, to_host,
                                            whole_chunks)
 from endo_retrieval.index.rwlock import ReadWriteLock, locked
@@ -189,7 +189,7 @@ class IndexStore:
         texts = []
         for doc_id in doc_ids:
             doc = self.corpus.doc(doc_id)
-            cuts = passage_cuts(doc.sentence_starts, doc.end, PASSAGE_TOKENS)
+            cuts = document_cuts(doc, PASSAGE_TOKENS)
             texts.append([self.corpus.span_text(a, b)[3] for a, b in zip(cuts[:-1], cuts[1:])])
         self.dense.add(doc_ids, texts, sys.stderr.isatty() if progress is None else progress)
 

@@ -1,11 +1,13 @@
-"""What a search hands back, shaped for a reader: one hit per document, a hit as its whole document. Light to
-import (no torch): the command line shapes the hits it reads from a saved index without loading the model."""
+"""What a search hands back, shaped for a reader: one hit per document, a hit as its whole document, the section a
+hit lies in. Light to import (no torch): the command line shapes the hits it reads from a saved index without loading
+the model."""
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Sequence
 
 from endo_retrieval.core import Span
+from endo_retrieval.index.sections import section_metadata
 
 
 def best_per_document(spans: Sequence[Span]) -> list[Span]:
@@ -33,3 +35,14 @@ def check_whole_documents(index) -> None:
     if getattr(index, "corpus", None) is None:
         raise ValueError(f"return_document=True needs the documents' text, which this index "
                          f"({type(index).__name__}) does not hold on this process; open the folder with EndoIndex.")
+
+
+def with_section(index, span: Span) -> Span:
+    """The hit with where it lies in its file in its metadata (`sections.section_metadata`: "file_name", "title",
+    "section"), where its document was read from one; the document's own metadata keeps its keys. `index`: anything
+    holding the documents as `.corpus`; without one (a pool of readers) the hit as it is."""
+    corpus = getattr(index, "corpus", None)
+    if corpus is None or span.doc_id not in corpus:
+        return span
+    where = section_metadata(corpus.doc(span.doc_id), span.char_start)
+    return replace(span, metadata={**where, **span.metadata}) if where else span

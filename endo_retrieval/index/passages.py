@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.index.sections import file_path, headings, markup, paragraph_starts, token_positions
 from endo_retrieval.scoring.bm25 import OkapiPostings, words
 
 PASSAGE_TOKENS = 256  # a document longer than this is cut into passages of whole sentences up to this many tokens
@@ -95,7 +96,7 @@ def cut(documents, max_tokens: int, stem: bool) -> tuple[np.ndarray, np.ndarray,
 
     def texts():
         for doc in documents:
-            cuts = passage_cuts(doc.sentence_starts, doc.end, max_tokens)
+            cuts = document_cuts(doc, max_tokens)
             starts.extend(cuts[:-1])
             ends.extend(cuts[1:])
             for a, b in zip(cuts[:-1], cuts[1:]):  # corpus.span_text(a, b)'s text, without its lookup
@@ -106,14 +107,41 @@ def cut(documents, max_tokens: int, stem: bool) -> tuple[np.ndarray, np.ndarray,
     return np.frombuffer(starts, np.int64).copy(), np.frombuffer(ends, np.int64).copy(), bm25
 
 
-def passage_cuts(sentence_starts: np.ndarray, end: int, max_tokens: int) -> list[int]:
+def passage_cuts(sentence_starts: np.ndarray, end: int, max_tokens: int, paragraphs: np.ndarray | None = None
+                 ) -> list[int]:
     """Bounds [start, ..., end] of a document's passages: each as many whole sentences as fit in `max_tokens`
-    (a longer sentence is a passage of its own, cut every `max_tokens`)."""
+    (a longer sentence is a passage of its own, cut every `max_tokens`). `paragraphs` (starts of paragraphs, among
+    the sentence starts): a passage ends before the last paragraph that starts in the second half of its room, where
+    one does."""
     cuts = [int(sentence_starts[0])]
     while end - cuts[-1] > max_tokens:
         fits = sentence_starts[(sentence_starts > cuts[-1]) & (sentence_starts <= cuts[-1] + max_tokens)]
+        if paragraphs is not None:
+            late = paragraphs[(paragraphs > cuts[-1] + max_tokens // 2) & (paragraphs <= cuts[-1] + max_tokens)]
+            fits = late if len(late) else fits
         cuts.append(int(fits[-1]) if len(fits) else cuts[-1] + max_tokens)
     return cuts + [int(end)]
+
+
+def document_cuts(doc, max_tokens: int) -> list[int]:
+    """Bounds [start, ..., end] of the passages of `doc` (a corpus Document): a document read from a file
+    (sections.py) is cut at its headings, each section into passages that end at paragraphs where they can, and no
+    passage starts inside a heading (between its text and its underline); any other document as `passage_cuts`."""
+    if file_path(doc.metadata) is None:
+        return passage_cuts(doc.sentence_starts, doc.end, max_tokens)
+    found = headings(doc.text, markup(doc.metadata))
+    heads = token_positions(doc, [h.start for h in found])
+    # a heading's other lines (its underline; its title under an overline) start sentences where no passage may start
+    inner = token_positions(doc, [h.start + i + 1 for h in found for i, c in enumerate(doc.text[h.start:h.end])
+                                  if c == "\n"])
+    starts = np.setdiff1d(doc.sentence_starts, np.setdiff1d(inner, heads))
+    paragraphs = token_positions(doc, paragraph_starts(doc.text))
+    bounds = np.unique(np.concatenate(([doc.start], heads, [doc.end])))
+    cuts = []
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        own = np.union1d([a], starts[(starts > a) & (starts < b)])
+        cuts += passage_cuts(own, b, max_tokens, paragraphs[(paragraphs > a) & (paragraphs < b)])[:-1]
+    return cuts + [int(doc.end)]
 
 
 def best_part(corpus: CorpusMap, sentences: np.ndarray, a: int, b: int, question_words: set[str], max_tokens: int

@@ -116,3 +116,18 @@ def test_an_index_named_from_another_folder_keeps_its_names(docs, tmp_path, monk
     assert f"ids: paths under {tmp_path}" in endo("info", str(tmp_path / "old"))[1]
     rc, _, err = endo("index", str(docs), "--out", str(tmp_path / "old"), "--append", "--root", str(docs / "sub"))
     assert rc == 2 and "does not lie under it" in err
+
+
+def test_indexing_says_one_line_a_phase_and_a_missing_folder_names_every_suffix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "ship.txt").write_text(DOCS["ship"], encoding="utf-8")
+    rc, out, err = endo("index", "notes", "--out", "ix", "--method", "bm25")
+    assert rc == 0 and out.startswith("indexed 1 document(s) -> ix;")
+    lines = err.splitlines()  # not a terminal: no bar, a line a phase
+    assert [line.split(":")[0] for line in lines] == ["endo index"] * 4
+    assert lines[0] == f"endo index: 1 file(s) read ({len(DOCS['ship']):,} characters)"
+    assert "loaded (cpu) in " in lines[1] and "1 document(s) indexed in " in lines[2]
+    assert lines[3].startswith("endo index: written to ix in ")
+    rc, _, err = endo("index", "missing", "--out", "ix2")
+    assert rc == 2 and "missing does not exist; pass text files or folders of .md/.rst/.text/.txt files" in err

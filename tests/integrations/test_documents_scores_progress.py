@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -239,3 +241,12 @@ def test_a_read_found_slow_logs_the_hint_after_it(fresh_hints, monkeypatch, capl
     with integrations.long_read(bb, 100, "reranking 3 passages", "read_tokens=128", "rerank", progress=False):
         time.sleep(0.1)
     assert any("took" in r.getMessage() and "read_tokens=128" in r.getMessage() for r in caplog.records)
+
+
+# ---- quiet by default ------------------------------------------------------------------------------------------------
+def test_the_minilm_embedding_loads_without_a_word():
+    pytest.importorskip("sentence_transformers")
+    code = ("from llama_index.postprocessor.endo import MiniLMEmbedding\n"
+            "print(len(MiniLMEmbedding().get_text_embedding('The ship is based in Gdansk.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (done.stdout, done.stderr) == ("384\n", "")  # no "Loading weights" bar, no LOAD REPORT
