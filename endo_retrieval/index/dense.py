@@ -98,7 +98,7 @@ class DenseVectors:
         self.centroids: np.ndarray | None = None  # the cells' centroids, from ANN_MIN passages on (`Cells`)
         self.cells: dict[str, np.ndarray] = {}  # doc id -> its passages' cells (int32), while there are centroids
         self._whole: tuple[tuple[str, ...], np.ndarray] | None = None  # the saved matrix, while nothing changed
-        self.check_s = 0.0  # seconds opening spent on the files' checksums (`read`)
+        self.check_s = 0.0  # seconds opening spent checking dense.json's fields and the files' checksums (`read`)
 
     def add(self, doc_ids: list[str], passage_texts: list[list[str]], progress: bool = False) -> None:
         """Embed every passage of the documents in one batched pass (one progress bar), then keep them per document."""
@@ -196,11 +196,9 @@ class DenseVectors:
 
     @classmethod
     def _read(cls, open_file, folder: Path, device: str) -> "DenseVectors | None":
-        clock = time.perf_counter()
-        meta = _read_meta(open_file, folder)
+        meta, checked = _read_meta(open_file, folder)
         if meta is None:
             return None
-        checked = time.perf_counter() - clock
         with _opened(open_file, folder, VECTORS_FILE, meta.embedder) as f:
             checked += _check_sha256(f, folder / VECTORS_FILE, meta)
             matrix = _read_matrix(f, folder / VECTORS_FILE, meta)
@@ -296,8 +294,9 @@ def deferred_damage() -> Iterator[_Deferred]:
         _DEFERRED.reset(token)
 
 
-def _read_meta(open_file, folder: Path) -> DenseMeta | None:
-    """dense.json, checked; None where the index has no dense stage (no dense file at all)."""
+def _read_meta(open_file, folder: Path) -> tuple[DenseMeta | None, float]:
+    """(dense.json, checked; None where the index has no dense stage, no dense file at all), and the seconds its
+    checks took (its seal's hash, a few ms at a million passages, counted with the reading)."""
     path = folder / META_FILE
     try:
         with open_file(META_FILE) as f:
@@ -307,13 +306,14 @@ def _read_meta(open_file, folder: Path) -> DenseMeta | None:
             raise  # the folder was replaced while read: files.read_folder reads it again
         if _exists(open_file, folder, VECTORS_FILE) or _exists(open_file, folder, CELLS_FILE):
             raise DenseDamage(path, "missing") from None
-        return None
+        return None, 0.0
     try:
         fields = read_sealed_json(raw)
     except ValueError as err:  # not UTF-8, not JSON, not an object, a seal that does not match
         raise DenseDamage(path, f"damaged ({type(err).__name__}: {err})") from None
+    clock = time.perf_counter()
     try:
-        return DenseMeta.model_validate(fields)
+        return DenseMeta.model_validate(fields), time.perf_counter() - clock
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(map(str, first["loc"]))
@@ -378,7 +378,7 @@ def _read_cells(f, path: Path, meta: DenseMeta) -> tuple[np.ndarray, np.ndarray]
     try:
         with np.load(f, allow_pickle=False) as saved:
             centroids, cells = saved["centroids"], saved["cells"]
-    except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile) as err:
+    except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile, NotImplementedError, MemoryError) as err:
         raise DenseDamage(path, damaged.format(type(err).__name__), meta.embedder) from None
     n = sum(meta.counts)
     if not (centroids.dtype == np.float32 and centroids.ndim == 2 and len(centroids) and centroids.shape[1] == meta.dim

@@ -1,11 +1,14 @@
 """Damaged index files and hostile documents, from a seeded generator: every damaged index is refused with an
-IndexCorruptError that says what to do, or answers exactly as the undamaged one; every document is indexed or refused
-with a ValueError; nothing else escapes.
+IndexCorruptError that says what to do, answers exactly as the undamaged one, or (a dense-stage file) answers as the
+undamaged one with BM25's candidates when they are asked for, with a warning naming the file; every document is
+indexed or refused with a ValueError; nothing else escapes.
 
-The default run tries FUZZ_CASES index files and documents (fixed seed, ~2,000 in all); more with
+The index is the full one: S3 feature postings and the dense stage (all-MiniLM-L6-v2, with cells), and the files
+damaged are whatever its folder holds, so a file a new stage adds is fuzzed without a change here (a file type no
+damage below knows how to edit fails `change_field`, saying so). The default run tries every file with each of the
+five kinds of damage (EVERY_FILE_CASES copies), then INDEX_CASES random ones (FUZZ_CASES documents); more with
 `ENDO_FUZZ_CASES=N` or `pytest -m fuzz` (20x, another seed each run of the nightly job: ENDO_FUZZ_SEED).
 """
-import hashlib
 import io
 import json
 import math
@@ -13,28 +16,84 @@ import os
 import random
 import resource
 import shutil
+import warnings
 
 import numpy as np
 import pytest
 
 from endo_retrieval import Document
-from endo_retrieval.index.inverted import INDEX_FILE, MAGIC, IndexCorruptError
+from endo_retrieval.files import SEAL, read_sealed_json, sealed_json, sha256_of
+from endo_retrieval.index.inverted import MAGIC, IndexCorruptError
 
-from tiny import QUESTIONS, answers, docs, load, new_index
+from tiny import QUESTIONS, answers, docs, load, new_index, tiny_engine
 
 FUZZ_CASES = int(os.environ.get("ENDO_FUZZ_CASES", 1500))
+INDEX_CASES = FUZZ_CASES // 5  # random damaged copies of the index (each opened and asked: ~70 ms on a 2-core CPU)
+EVERY_FILE_CASES = 120  # every file of the index x KINDS, spread evenly
 SEED = int(os.environ.get("ENDO_FUZZ_SEED", 22))
-FILES = ["endo-index.json", f"features/{INDEX_FILE}", "corpus.npz"]
+KINDS = ["flip", "truncate", "empty", "missing", "field"]
 BAD = [None, "x", "", -1, 0, 1.5, math.nan, 2**64, 10**30, True, [], {}, [1, "a"], {"a": 1}, "\x00\udc80"[0]]
+
+
+# Two gaps outside the dense stage, counted apart (`known_gap`) until they are closed; test_the_known_gap_* fail
+# once one is, to have it removed here. passages.npz records no checksum and its reader checks no array's type or
+# shape: one of its arrays changed to another valid one (another dtype or shape) escapes as a TypeError, IndexError,
+# KeyError or ValueError, or answers otherwise, in about 2 of 5 such copies. A flipped compression method in
+# corpus.npz or passages.npz escapes as zipfile's NotImplementedError, which their readers do not catch.
+def known_gap(name: str, kind: str, err: Exception) -> bool:
+    return (name == "passages.npz" and kind == "field"
+            or name in ("corpus.npz", "passages.npz") and isinstance(err, NotImplementedError))
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
+    """(folder, the answers of the index saved there, its answers with BM25's candidates): an s3-hybrid index
+    with the dense stage, cells included (from one passage on, here), searched by s3-hybrid and by `endo` (a heads
+    profile made for the tiny model)."""
+    from endo_retrieval import EndoIndex
+
+    bb, bank = tiny_engine()
     folder = tmp_path_factory.mktemp("clean") / "ix"
-    idx = new_index()
-    idx.add_documents(docs("mill", "vault", "ship"))
-    idx.save(folder)
-    return folder, answers(load(folder), QUESTIONS[:1])
+    profile = folder.parent / "heads.json"
+    profile.write_text(json.dumps({"model_hash": bb.model_hash, "heads": [[1, 0]], "fusion": {"weights": {}}}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ENDO_HEADS_PROFILE", str(profile))
+        with pytest.MonkeyPatch.context() as cells:  # from one passage on: the folder holds dense_cells.npz
+            cells.setattr("endo_retrieval.index.dense.ANN_MIN", 1)
+            idx = EndoIndex(bb, method="s3-hybrid", saes=bank, chunk_size=64, first_stage="hybrid")
+            idx.add_documents(docs("mill", "vault", "ship"))
+            idx.save(folder)
+        clean = load(folder)
+        yield folder, both_answers(clean), endo_answers(clean, "bm25")
+
+
+def files_of(folder) -> list[str]:
+    """Every file the index folder holds, at any depth."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+def test_the_fuzzed_index_holds_every_stage(saved):
+    held = files_of(saved[0])
+    assert {"endo-index.json", "corpus.npz", "passages.npz", "dense.npy", "dense.json", "dense_cells.npz"} <= set(held)
+    assert any(name.startswith("features/") for name in held)
+
+
+# ---- answers -----------------------------------------------------------------------------------------------------
+_EMBEDDED = {}
+
+
+def endo_answers(index, first_stage=None) -> tuple:
+    """The `endo` pipeline's two best passages for the first question (its MiniLM forward computed once per
+    embedder: it does not depend on the index)."""
+    if index.dense is not None:
+        dense, query = index.dense, index.dense.query
+        dense.query = lambda q: _EMBEDDED.setdefault((dense.embedder, q), query(q))
+    return tuple((s.doc_id, s.start, s.end, round(s.score, 6))
+                 for s in index.search(QUESTIONS[0], k=2, method="endo", first_stage=first_stage))
+
+
+def both_answers(index) -> tuple:
+    return answers(index, QUESTIONS[:1]), endo_answers(index)
 
 
 # ---- damage ------------------------------------------------------------------------------------------------------
@@ -48,53 +107,119 @@ def flip(data: bytes, rng) -> bytes:
     return bytes(data)
 
 
-def mutate(obj, rng, depth=0):
-    """A JSON value with one field replaced by a value of the wrong type or range, or removed."""
+def mutate(obj, rng, depth=0, types_only=False):
+    """A JSON value with one field replaced by a value of the wrong type or range (`types_only`: of another type),
+    or removed."""
+    def bad(value):
+        return rng.choice([v for v in BAD if type(v) is not type(value) or not types_only and v != value])
+
     if isinstance(obj, dict) and obj and depth < 4:
         key = rng.choice(sorted(obj))
         if isinstance(obj[key], (dict, list)) and obj[key] and rng.random() < 0.5:
-            return {**obj, key: mutate(obj[key], rng, depth + 1)}
+            return {**obj, key: mutate(obj[key], rng, depth + 1, types_only)}
         if rng.random() < 0.2:
             return {k: v for k, v in obj.items() if k != key}
-        return {**obj, key: rng.choice([v for v in BAD if v != obj[key] or type(v) is not type(obj[key])])}
+        return {**obj, key: bad(obj[key])}
     if isinstance(obj, list) and obj and depth < 4:
         i = rng.randrange(len(obj))
         out = list(obj)
-        out[i] = mutate(obj[i], rng, depth + 1) if isinstance(obj[i], (dict, list)) else rng.choice(BAD)
+        out[i] = mutate(obj[i], rng, depth + 1, types_only) if isinstance(obj[i], (dict, list)) else bad(obj[i])
         return out
-    return rng.choice(BAD)
+    return bad(obj)
+
+
+def json_field(data: bytes, rng) -> bytes:
+    """A JSON header with a field of the wrong type or range. One sealed by its own checksum is sealed again, so
+    its field checks answer, not the seal; its field gets another type only, as a value of the right type under a
+    matching seal is a header written so (an embedder named "x" is an index embedded by a model of that name)."""
+    if rng.random() < 0.1:
+        return b"\xff" + data
+    if SEAL.encode() in data:
+        return sealed_json(mutate(read_sealed_json(data), rng, types_only=True))
+    return json.dumps(mutate(json.loads(data), rng)).encode()
 
 
 def feature_header(data: bytes, rng) -> bytes:
     """The feature index with its JSON header mutated and both checksums made to match again."""
+    import hashlib
+
     n = int.from_bytes(data[8:16], "little")
     header = mutate(json.loads(data[48:48 + n]), rng)
     new = json.dumps(header).encode()
     return MAGIC + len(new).to_bytes(8, "little") + hashlib.sha256(new).digest() + new + data[48 + n:]
 
 
-def corpus_header(data: bytes, rng) -> bytes:
-    """The corpus map with its JSON header mutated, written as a valid .npz again."""
+def npz_field(data: bytes, rng) -> bytes:
+    """An .npz with one array's header changed (its dtype or shape) or, for a JSON header kept as bytes (the
+    corpus map's `header`), a field of it; written as a valid .npz again."""
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         arrays = dict(z)
-    header = json.loads(arrays["header"].tobytes())
-    if rng.random() < 0.3:  # the arrays instead of the header
-        name = rng.choice(["offsets", "sentence_starts"])
-        arrays[name] = rng.choice([arrays[name][:-1], arrays[name] + 10**6, arrays[name].astype(np.float32),
-                                   np.zeros((3, 3), np.int64)])
+    name = rng.choice(sorted(arrays))
+    if name == "header" and rng.random() < 0.7:
+        header = mutate(json.loads(arrays["header"].tobytes()), rng)
+        arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
     else:
-        header = mutate(header, rng)
-    arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+        a = arrays[name]
+        numeric = a.dtype.kind in "iufb"
+        changes = [lambda: a[:-1], lambda: a.reshape(-1, 1), lambda: np.zeros((3, 3), np.int64),
+                   lambda: a.astype(np.float32 if a.dtype != np.float32 else np.float64) if numeric else a[::-1],
+                   lambda: a.astype(np.int64) + 10**6 if numeric else a[:0]]
+        arrays[name] = rng.choice(changes)()
     out = io.BytesIO()
     np.savez(out, **arrays)
     return out.getvalue()
 
 
-def damage(folder, rng) -> str:
-    name = rng.choice(FILES)
+def npy_field(data: bytes, rng) -> bytes:
+    """An .npy with a field of its array header changed (the shape, the dtype or the order), the data as it was."""
+    f = io.BytesIO(data)
+    major, _ = np.lib.format.read_magic(f)
+    read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read(f)
+    payload = data[f.tell():]
+    header = {"shape": shape, "fortran_order": fortran, "descr": np.lib.format.dtype_to_descr(dtype)}
+    field = rng.choice(["shape", "fortran_order", "descr"])
+    header[field] = {"shape": rng.choice([(shape[0] - 1, *shape[1:]), (shape[0], shape[1] + 1), shape[::-1],
+                                          (shape[0] * 2, shape[1] // 2), (max(1, shape[0]),)]),
+                     "fortran_order": not fortran,
+                     "descr": rng.choice(["<f8", "<f2", ">f4", "<i4", "|u1"])}[field]
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(out, header)
+    return out.getvalue() + payload
+
+
+def change_field(name: str, data: bytes, rng) -> bytes:
+    """A header field of the file changed, as its format has them. A file type not known here fails: teach it."""
+    if name.endswith(".json"):
+        return json_field(data, rng)
+    if name.endswith(".npz"):
+        return npz_field(data, rng)
+    if name.endswith(".npy"):
+        return npy_field(data, rng)
+    if data.startswith(MAGIC):
+        return feature_header(data, rng)
+    raise AssertionError(f"{name}: the fuzz test knows no header field of this file type; add one to change_field")
+
+
+def reseal(folder) -> None:
+    """Sealed JSON headers that record files' SHA-256 (dense.json) record them as they are now: a changed array
+    header then meets the checks of its shape and type, not the checksum."""
+    for path in folder.rglob("*.json"):
+        try:
+            fields = read_sealed_json(path.read_bytes())
+        except ValueError:
+            continue
+        if path.read_bytes().rstrip().endswith(b'"}') and isinstance(fields.get("sha256"), dict):
+            for name in fields["sha256"]:
+                if (path.parent / name).exists():
+                    with open(path.parent / name, "rb") as f:
+                        fields["sha256"][name] = sha256_of(f)
+            path.write_bytes(sealed_json(fields))
+
+
+def damage(folder, name: str, kind: str, rng) -> None:
     path = folder / name
     data = path.read_bytes()
-    kind = rng.choice(["flip", "flip", "truncate", "empty", "missing", "garbage", "structured", "structured"])
     if kind == "flip":
         path.write_bytes(flip(data, rng))
     elif kind == "truncate":
@@ -105,47 +230,115 @@ def damage(folder, rng) -> str:
         path.unlink()
     elif kind == "garbage":
         path.write_bytes(data + bytes(rng.randrange(256) for _ in range(rng.randint(1, 64))))
-    elif name == "endo-index.json":
-        header = json.loads(data)
-        path.write_bytes(json.dumps(mutate(header, rng)).encode() if rng.random() < 0.9 else b"\xff" + data)
-    elif name == "corpus.npz":
-        path.write_bytes(corpus_header(data, rng))
     else:
-        path.write_bytes(feature_header(data, rng))
-    return f"{kind} {name}"
+        path.write_bytes(change_field(name, data, rng))
+        if not name.endswith(".json"):
+            reseal(folder)
 
 
-def check_damaged_copies(saved, tmp_path, n: int, seed: int) -> dict:
-    folder, expected = saved
-    rng, outcomes = random.Random(seed), {"refused": 0, "same answers": 0}
-    for case in range(n):
+def outcome(copy, name: str, expected: tuple, bm25: tuple) -> str:
+    """What a damaged copy does: refused on open or at the question (an IndexCorruptError naming the file or the
+    index and saying what to do), answered as before, or, for a dense-stage file, refused unless BM25's candidates
+    are asked for, which answer as before with a warning naming the file."""
+    try:
+        index = load(copy)
+    except IndexCorruptError as err:
+        return refused(err, copy, name)
+    try:
+        got = both_answers(index)
+    except IndexCorruptError as err:
+        refused(err, copy, name)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with_bm25 = endo_answers(index, "bm25")
+            except IndexCorruptError as again:
+                return refused(again, copy, name)
+        assert with_bm25 == bm25, f"{err}; with BM25's candidates asked for, other answers"
+        assert any(name in str(w.message) and "dense first stage is off" in str(w.message) for w in caught), \
+            f"{err}; with BM25's candidates asked for, no warning naming {name}"
+        return "refused, warned with bm25"
+    assert got == expected, "loaded but answers differently"
+    return "same answers"
+
+
+def refused(err: IndexCorruptError, copy, name: str) -> str:
+    """The refusal is one line that names the file (or the index folder) and says what to do."""
+    message = str(err)
+    assert "\n" not in message and ("rebuild" in message.lower() or "build one" in message), message
+    assert name.split("/")[-1] in message or str(copy) in message, message
+    return "refused"
+
+
+def check_damaged_copies(saved, tmp_path, cases) -> dict:
+    """`cases`: (file, kind, rng) to damage a fresh copy of the saved index with; the count of each outcome."""
+    folder, expected, bm25 = saved
+    outcomes = {}
+    for case, (name, kind, rng) in enumerate(cases):
         copy = tmp_path / f"c{case % 4}"
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(folder, copy)
-        what = damage(copy, rng)
+        damage(copy, name, kind, rng)
         try:
-            got = answers(load(copy), QUESTIONS[:1])
-        except IndexCorruptError as err:
-            assert "rebuild" in str(err).lower() or "build one" in str(err), f"case {case} ({what}): {err}"
-            outcomes["refused"] += 1
-            continue
+            got = outcome(copy, name, expected, bm25)
         except Exception as err:  # noqa: BLE001 - the point: nothing but IndexCorruptError may escape
-            pytest.fail(f"case {case} ({what}): {type(err).__name__}: {err}")
-        assert got == expected, f"case {case} ({what}) loaded but answers differently"
-        outcomes["same answers"] += 1
+            if not known_gap(name, kind, err):
+                pytest.fail(f"case {case} ({kind} {name}): {type(err).__name__}: {err}")
+            got = f"known gap ({kind} {name})"
+        outcomes[got] = outcomes.get(got, 0) + 1
+        if got == "same answers":
+            outcomes.setdefault("answered as before after", []).append(f"{kind} {name}")
     return outcomes
 
 
+def test_every_file_of_the_index_with_every_kind_of_damage(saved, tmp_path):
+    """EVERY_FILE_CASES copies, each file of the folder damaged each of the five ways, evenly: none answers
+    differently without an error or a warning, none escapes with another exception."""
+    folder = saved[0]
+    rng = random.Random(SEED)
+    pairs = [(name, kind) for name in files_of(folder) for kind in KINDS]
+    cases = [(*pairs[i % len(pairs)], rng) for i in range(max(EVERY_FILE_CASES, len(pairs)))]
+    outcomes = check_damaged_copies(saved, tmp_path, cases)
+    print(f"{len(cases)} damaged copies over {len(files_of(folder))} files: {outcomes}")
+    assert outcomes.get("refused, warned with bm25")  # the dense stage's files were among them
+    assert outcomes.get("same answers", 0) < len(cases) // 10
+
+
+@pytest.mark.xfail(strict=True, reason="passages.npz is not checked yet (`known_gap`); once it is, remove the gap")
+def test_the_known_gap_of_passages_arrays_is_still_open(saved, tmp_path):
+    rng = random.Random(0)
+    outcomes = check_damaged_copies(saved, tmp_path, [("passages.npz", "field", rng)] * 20)
+    assert not any(name.startswith("known gap") for name in outcomes), outcomes
+
+
+@pytest.mark.xfail(strict=True, reason="zipfile's NotImplementedError is not caught (`known_gap`); once it is, "
+                                       "remove the gap")
+@pytest.mark.parametrize("name", ["corpus.npz", "passages.npz"])
+def test_the_known_gap_of_a_zip_compression_method_is_still_open(saved, tmp_path, name):
+    shutil.copytree(saved[0], tmp_path / "ix")
+    data = bytearray((tmp_path / "ix" / name).read_bytes())
+    data[data.index(b"PK\x01\x02") + 10] = 99  # the first member's compression method, in the central directory
+    (tmp_path / "ix" / name).write_bytes(bytes(data))
+    with pytest.raises(IndexCorruptError):
+        both_answers(load(tmp_path / "ix"))
+
+
+def random_cases(folder, n: int, seed: int):
+    rng, names = random.Random(seed), files_of(folder)
+    for _ in range(n):
+        yield rng.choice(names), rng.choice(KINDS + ["flip", "garbage", "field"]), rng
+
+
 def test_damaged_index_files_are_refused_or_answer_as_before(saved, tmp_path):
-    outcomes = check_damaged_copies(saved, tmp_path, FUZZ_CASES, SEED)
-    print(f"{FUZZ_CASES} damaged copies: {outcomes}")
-    assert outcomes["refused"] > FUZZ_CASES // 2  # the generator damages, mostly
+    outcomes = check_damaged_copies(saved, tmp_path, random_cases(saved[0], INDEX_CASES, SEED))
+    print(f"{INDEX_CASES} damaged copies: {outcomes}")
+    assert outcomes.get("same answers", 0) < INDEX_CASES // 3  # the generator damages, mostly
 
 
 def test_the_known_bad_headers_are_one_clean_error(saved, tmp_path):
     """A header value of the wrong type and a flipped byte in endo-index.json: an IndexCorruptError, not a
     TypeError or a UnicodeDecodeError."""
-    folder, _ = saved
+    folder = saved[0]
     head = json.loads((folder / "endo-index.json").read_text())
     for bad in [{**head, "sae_layers": [0, "1"]}, {**head, "chunk_size": "64"}, {**head, "model_hash": 5}]:
         shutil.copytree(folder, tmp_path / "ix", dirs_exist_ok=True)
@@ -163,8 +356,9 @@ def test_the_known_bad_headers_are_one_clean_error(saved, tmp_path):
 def test_nightly_many_more_damaged_copies(saved, tmp_path, request):
     if "fuzz" not in (request.config.getoption("-m") or ""):
         pytest.skip("the long run: pytest -m fuzz")
-    n = FUZZ_CASES * 20
-    print(f"{n} damaged copies (seed {SEED + 1}): {check_damaged_copies(saved, tmp_path, n, SEED + 1)}")
+    n = INDEX_CASES * 20
+    print(f"{n} damaged copies (seed {SEED + 1}): "
+          f"{check_damaged_copies(saved, tmp_path, random_cases(saved[0], n, SEED + 1))}")
 
 
 # ---- documents -----------------------------------------------------------------------------------------------------
