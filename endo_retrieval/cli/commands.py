@@ -65,6 +65,8 @@ def index_run(args) -> int:
     out = Path(args.out)
     if args.ray is not None:
         return ray_index_run(args, files, skipped, out)
+    if args.append and unchanged(args, files, skipped, out):
+        return 0
     from endo_retrieval.methods.search import EndoIndex  # torch: off the CLI's fast path
 
     with writer_lock(out):  # from load to save: a second writer gets IndexBusyError, no append is lost
@@ -79,9 +81,9 @@ def index_run(args) -> int:
             with phase(f"written to {out}"):
                 idx.save(out)
         else:
-            gone = stale_documents(idx, args.paths, docs, skipped)
+            gone = stale_documents(idx.corpus, args.paths, {d.metadata["path"]: d.doc_id for d in docs}, skipped)
             with phase(lambda: f"{len(done['added']) + len(done['replaced'])} new or changed document(s) of "
-                               f"{len(docs)} indexed{indexed_what(idx)}"):
+                               f"{len(docs)} indexed{indexed_what(idx) if done['added'] or done['replaced'] else ''}"):
                 done = idx.update_documents(docs)
             for doc_id in gone:
                 idx.remove_document(doc_id)
@@ -114,6 +116,34 @@ def readable_files(args) -> tuple[list, list[tuple[Path, str]]]:
                          "written.")
     print(f"endo index: {len(files)} file(s) read ({sum(len(f.text) for f in files):,} characters)", file=sys.stderr)
     return files, skipped
+
+
+def unchanged(args, files, skipped: list[tuple[Path, str]], out: Path) -> bool:
+    """`endo index --append` where the index holds every file as it is and none is gone: says so as the full run
+    would, read from the folder without loading the model; False where there is work to do, or a --model, an
+    --embedder or S3 postings to check (the full run does it)."""
+    if args.model or args.embedder or read_header(out).get("method") in S3_METHODS:
+        return False
+    try:
+        corpus = read_saved(out).corpus
+    except ValueError:  # no index there: the full run says so
+        return False
+    if corpus is None:  # an index in segments
+        return False
+    root, now = document_root(args.paths, args.root, corpus), {}
+    for f in files:
+        doc_id, path = document_id(f.path, root), str(f.path.resolve())
+        if doc_id not in corpus or (corpus.doc(doc_id).text, corpus.doc(doc_id).metadata) != (f.text, {"path": path}):
+            return False
+        now[path] = doc_id
+    if len(set(now.values())) < len(files) or stale_documents(corpus, args.paths, now, skipped):
+        return False
+    info = index_info(out)
+    holds = summary(info["documents"], info["passages"], info["tokens"], info["bytes"], info["method"])
+    print(f"added 0, replaced 0, unchanged {len(files)}, removed 0 -> {out}, generation {info['generation']} "
+          f"(nothing changed, nothing written); it holds {holds}")
+    print_read_report(files, skipped)
+    return True
 
 
 def ray_index_run(args, files, skipped, out: Path) -> int:
@@ -203,15 +233,14 @@ def naming(corpus) -> dict[str, int]:
     return counts
 
 
-def stale_documents(index, paths: list[str], docs, skipped: list[tuple[Path, str]]) -> list[str]:
-    """The indexed documents this run replaces by removing them (by their metadata "path", the resolved file):
-    a file's document under another id (an index made when ids were the path as typed), and a file under one of
-    `paths` that was deleted or can no longer be read."""
+def stale_documents(corpus, paths: list[str], now: dict[str, str], skipped: list[tuple[Path, str]]) -> list[str]:
+    """The indexed documents this run replaces by removing them (by their metadata "path", the resolved file; `now`:
+    this run's documents, resolved path -> id): a file's document under another id (renamed by --root), and a file
+    under one of `paths` that was deleted or can no longer be read."""
     roots = [Path(p).resolve() for p in paths]
-    now = {d.metadata["path"]: d.doc_id for d in docs}
     unreadable = {str(path.resolve()) for path, _ in skipped}
     out = []
-    for d in index.corpus.documents():
+    for d in corpus.documents():
         path = d.metadata.get("path")
         if not isinstance(path, str):  # not from a file (a document added from Python)
             continue
@@ -226,15 +255,21 @@ def stale_documents(index, paths: list[str], docs, skipped: list[tuple[Path, str
 def index_summary(index, folder: Path) -> str:
     """What a saved index holds for its method: documents, the passages the `endo` pipeline ranks, tokens and bytes
     on disk, and the S3 feature postings where it has them (an index for endo or bm25 has none)."""
-
-    passages = len(index.passages())  # built when the index was saved
-    holds = [f"{len(index):,} documents", f"{passages:,} passages", f"{index.corpus.n_tokens:,} tokens"]
+    postings = None
     if index.method in S3_METHODS:
-        postings = index.index.n_postings
         features = sum(f.stat().st_size for f in (folder / "features").rglob("*") if f.is_file())
-        holds.append(f"{postings:,} postings ({features / max(postings, 1):.2f} bytes/posting)")
+        postings = (index.index.n_postings, features)
     on_disk = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    return f"{', '.join(holds)}, {on_disk:,} bytes on disk (method {index.method})"
+    return summary(len(index), len(index.passages()), index.corpus.n_tokens, on_disk, index.method, postings)
+
+
+def summary(documents: int, passages: int, tokens: int, on_disk: int, method: str,
+            postings: tuple[int, int] | None = None) -> str:
+    """`index_summary`'s words: `postings` (their count, their bytes) where the index holds S3 feature postings."""
+    holds = [f"{documents:,} documents", f"{passages:,} passages", f"{tokens:,} tokens"]
+    if postings:
+        holds.append(f"{postings[0]:,} postings ({postings[1] / max(postings[0], 1):.2f} bytes/posting)")
+    return f"{', '.join(holds)}, {on_disk:,} bytes on disk (method {method})"
 
 
 def print_read_report(files, skipped: list[tuple[Path, str]]) -> None:
@@ -388,16 +423,14 @@ def query_run(args) -> int:
             print("[]")
         return 0
     shape = "whole" if args.whole else "passages" if args.passages else "document"
-    hits = bm25_query(args, folder, shape)
-    if hits is None:
-        hits = model_query(args, shape)
-    print_hits(hits, args.json)
+    hits, corpus = bm25_query(args, folder, shape) or model_query(args, shape)
+    print_hits(hits, args.json, corpus)
     return 0
 
 
-def bm25_query(args, folder: Path, shape: str) -> list | None:
-    """The hits of `--method bm25` (or an index built for bm25) read from the folder without the model; None where
-    the search needs the model (another method, or an index in segments)."""
+def bm25_query(args, folder: Path, shape: str) -> tuple[list, object] | None:
+    """The hits of `--method bm25` (or an index built for bm25) read from the folder without the model, and the
+    corpus they come from; None where the search needs the model (another method, or an index in segments)."""
     if (args.method or read_header(folder).get("method")) != "bm25":
         return None
     tuned = [f for f, v in (("--depth", args.depth), ("--read-tokens", args.read_tokens),
@@ -412,23 +445,25 @@ def bm25_query(args, folder: Path, shape: str) -> list | None:
     if len(hits) < args.k:
         warnings.warn(f"{len(hits)} of the {args.k} hits asked for: only {len(hits)} "
                       f"{'passages' if shape == 'passages' else 'documents'} share a word with the question.")
-    return hits
+    return hits, saved.corpus
 
 
-def model_query(args, shape: str) -> list:
-    """The hits of the index's method with its model loaded (the shared adapters' search: `search_hits`)."""
+def model_query(args, shape: str) -> tuple[list, object]:
+    """The hits of the index's method with its model loaded (the shared adapters' search: `search_hits`), and the
+    corpus they come from."""
     from endo_retrieval.integrations import search_hits  # torch: off the CLI's fast path
     from endo_retrieval.methods.search import EndoIndex
 
     index = EndoIndex.load(args.index, args.model)
     return search_hits(index, args.question, args.k, args.budget, args.method, return_passages=shape == "passages",
                        return_document=shape == "whole", depth=args.depth, read_tokens=args.read_tokens,
-                       first_stage=args.first_stage)
+                       first_stage=args.first_stage), getattr(index, "corpus", None)
 
 
-def print_hits(hits: list, as_json: bool) -> None:
+def print_hits(hits: list, as_json: bool, corpus=None) -> None:
     """The hits as JSON, or for a reader: a line per hit, then its text indented with its line breaks (code keeps
-    its lines; runs of blank lines are one)."""
+    its lines and, where the hit starts inside a line's indent, its first line's indent; runs of blank lines are
+    one)."""
     if as_json:
         print(json.dumps([span_json(h) for h in hits], indent=2, ensure_ascii=False))
         return
@@ -436,7 +471,16 @@ def print_hits(hits: list, as_json: bool) -> None:
         section = f" § {h.metadata['section']}" if h.metadata.get("section") else ""
         print(f"[{rank}] {h.doc_id}{section}  chars {h.char_start}-{h.char_end}  score {h.score:.3f}  "
               f"({'+'.join(h.signals)})")
-        print(indented(h.text))
+        print(indented(line_indent(corpus, h) + h.text))
+
+
+def line_indent(corpus, hit) -> str:
+    """The blanks between the start of the line a hit starts in and the hit, where only blanks lie there."""
+    if corpus is None or hit.doc_id not in corpus:
+        return ""
+    text = corpus.doc(hit.doc_id).text
+    before = text[text.rfind("\n", 0, hit.char_start) + 1:hit.char_start]
+    return before if not before.strip() else ""
 
 
 def indented(text: str, margin: str = "    ") -> str:

@@ -93,6 +93,9 @@ def test_ids_stay_put_whatever_the_current_folder(docs, tmp_path, monkeypatch):
         rc, out, err = endo("index", str(docs), "--out", str(tmp_path / "ix"), "--append")
         assert rc == 0, err
         assert out.startswith("added 0, replaced 0, unchanged 4, removed 0 ->")
+    # nothing to do: said from the folder without the model, in the words the model-loaded run uses
+    fast, status = fresh("index", str(docs), "--out", str(tmp_path / "ix"), "--append", cwd="/")
+    assert status == "exit=0 torch=False" and fast == out
     monkeypatch.chdir(tmp_path)
     rc, out, _ = endo("index", "docs/sub", "--out", "ix", "--append")  # a subfolder: its documents keep their ids
     assert out.startswith("added 0, replaced 0, unchanged 1, removed 0 ->")
