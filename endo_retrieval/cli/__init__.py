@@ -36,6 +36,8 @@ COMMANDS = {
     "prepare": ("endo_retrieval.cli.prepare", "prepare_",
                 "make everything the default pipeline needs for a model, from your documents, no labels"),
     "mcp": ("endo_retrieval.cli.mcp_server", "", "serve an index to agents over the Model Context Protocol (stdio)"),
+    "serve": ("endo_retrieval.cli.serve", "", "answer `endo query --json` over HTTP from one long-lived process (the "
+              "model loads once)"),
 }
 
 

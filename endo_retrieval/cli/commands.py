@@ -428,36 +428,37 @@ def query_run(args) -> int:
     return 0
 
 
-def bm25_query(args, folder: Path, shape: str) -> tuple[list, object] | None:
-    """The hits of `--method bm25` (or an index built for bm25) read from the folder without the model, and the
-    corpus they come from; None where the search needs the model (another method, or an index in segments)."""
-    if (args.method or read_header(folder).get("method")) != "bm25":
+def bm25_query(args, folder: Path, shape: str, saved=None) -> tuple[list, object] | None:
+    """The hits of `--method bm25` (or an index built for bm25) read from the folder without the model (`saved`:
+    read already), and the corpus they come from; None where the search needs the model (another method, or an
+    index in segments)."""
+    if (args.method or (saved.meta if saved else read_header(folder)).get("method")) != "bm25":
         return None
     tuned = [f for f, v in (("--depth", args.depth), ("--read-tokens", args.read_tokens),
                             ("--first-stage", args.first_stage)) if v is not None]
     if tuned:
         raise ValueError(f"{', '.join(tuned)} tune the endo pipeline; bm25 reads no candidates (drop them, or "
                          "pass --method endo).")
-    saved = read_saved(folder, passages=True)
+    saved = read_saved(folder, passages=True) if saved is None else saved
     if saved.corpus is None:
         return None
     hits = bm25_hits(saved, args.question, args.k, args.budget, shape)
     if len(hits) < args.k:
-        warnings.warn(f"{len(hits)} of the {args.k} hits asked for: only {len(hits)} "
-                      f"{'passages' if shape == 'passages' else 'documents'} share a word with the question.")
+        warnings.warn(f"{len(hits)} of the {args.k} hits asked for: no other "
+                      f"{'passage' if shape == 'passages' else 'document'} shares a word with the question.")
     return hits, saved.corpus
 
 
-def model_query(args, shape: str) -> tuple[list, object]:
-    """The hits of the index's method with its model loaded (the shared adapters' search: `search_hits`), and the
-    corpus they come from."""
+def model_query(args, shape: str, index=None, progress: bool | None = None) -> tuple[list, object]:
+    """The hits of the index's method with its model loaded (`index`: loaded already; the shared adapters' search,
+    `search_hits`), and the corpus they come from."""
     from endo_retrieval.integrations import search_hits  # torch: off the CLI's fast path
     from endo_retrieval.methods.search import EndoIndex
 
-    index = EndoIndex.load(args.index, args.model)
+    index = EndoIndex.load(args.index, args.model) if index is None else index
     return search_hits(index, args.question, args.k, args.budget, args.method, return_passages=shape == "passages",
                        return_document=shape == "whole", depth=args.depth, read_tokens=args.read_tokens,
-                       first_stage=args.first_stage), getattr(index, "corpus", None)
+                       first_stage=args.first_stage, progress=progress), getattr(index, "corpus", None)
 
 
 def print_hits(hits: list, as_json: bool, corpus=None) -> None:
