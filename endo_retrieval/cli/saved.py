@@ -83,20 +83,30 @@ def bm25_hits(saved: Saved, question: str, k: int, budget: int | None = None, sh
               ) -> list[Span]:
     """The index's passages ranked by BM25 over their stems alone (the `endo` pipeline's first stage), best first:
     the best passage of each of the k best documents, the k best passages (`shape="passages"`), or the k best
-    documents whole (`"whole"`). Only passages that share a word with the question come back. `budget`: at most
+    documents whole (`"whole"`). Only passages that hold a word of the question come back. `budget`: at most
     that many tokens in all, each passage cut to its best part, as the pipeline cuts them."""
     question = capped_question(question)
     corpus, passages = saved.corpus, saved.passages
     query = words(question)
     scores = passages.bm25.get_scores(query) if query else np.zeros(len(passages))
     order = np.lexsort((np.arange(len(scores)), -scores))  # best first, ties in corpus order
-    order = order[scores[order] > 0]
+    order = order[sharing(passages.bm25, query)[order]]
     if shape != "passages":  # each document's first passage in that order is its best
         _, first = np.unique(corpus.locate(passages.starts[order])[0], return_index=True)
         order = order[np.sort(first)]
     hits = [with_section(saved, passage_span(corpus, passages, int(i), float(scores[i]), set(query), budget, k))
             for i in order[:k]]
     return [whole_document(saved, h) for h in hits] if shape == "whole" else hits
+
+
+def sharing(bm25, query: list[str]) -> np.ndarray:
+    """Which passages hold a word of the query (a score's sign says nothing of it: in a corpus of one or two
+    documents every idf is below zero)."""
+    found = np.zeros(bm25.okapi.corpus_size, dtype=bool)
+    for term in {bm25.term(w) for w in query} & bm25.terms.keys():
+        row = bm25.terms[term]
+        found[bm25.docs[bm25.indptr[row]:bm25.indptr[row + 1]]] = True
+    return found
 
 
 def passage_span(corpus: CorpusMap, passages: Passages, i: int, score: float, question_words: set[str],
