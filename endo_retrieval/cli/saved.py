@@ -4,6 +4,7 @@ takes seconds on a small CPU) or loading the model."""
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,9 @@ def read_saved(folder: Path, passages: bool = False) -> Saved:
                 return meta, corpus, Passages.read(f, corpus) or Passages.build(corpus)
         except FileNotFoundError:  # saved before passages were
             return meta, corpus, Passages.build(corpus)
+        except (ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+            raise IndexCorruptError(f"{folder / PASSAGES_FILE} is damaged ({err}); delete the folder and rebuild "
+                                    "the index with `endo index PATH... --out DIR`.") from None
 
     try:
         meta, corpus, cut = read_folder(folder, read)
@@ -56,9 +60,6 @@ def read_saved(folder: Path, passages: bool = False) -> Saved:
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise IndexCorruptError(f"{folder / 'endo-index.json'} is damaged ({err}); delete the folder and rebuild "
                                 "the index with `endo index PATH... --out DIR`.") from None
-    except (KeyError, EOFError, OSError) as err:
-        raise IndexCorruptError(f"{folder / PASSAGES_FILE} is damaged ({err}); delete the folder and rebuild the "
-                                "index with `endo index PATH... --out DIR`.") from None
     if not isinstance(meta, dict) or meta.get("format") != "endo-index":
         raise IndexCorruptError(f"{folder} holds no endo index ({folder / 'endo-index.json'} is not one); rebuild "
                                 "it with `endo index PATH... --out DIR`.")
