@@ -444,8 +444,8 @@ def bm25_query(args, folder: Path, shape: str, saved=None) -> tuple[list, object
         return None
     hits = bm25_hits(saved, args.question, args.k, args.budget, shape)
     if len(hits) < args.k:
-        warnings.warn(f"{len(hits)} of the {args.k} hits asked for: no other "
-                      f"{'passage' if shape == 'passages' else 'document'} shares a word with the question.")
+        warnings.warn(f"{len(hits)} of the {args.k} hits asked for: no {'more ' if hits else ''}"
+                      f"{'passages' if shape == 'passages' else 'documents'} hold a word of the question.")
     return hits, saved.corpus
 
 
