@@ -41,6 +41,7 @@ from endo_retrieval.methods import heads as retrieval_heads  # looked up per cal
 from endo_retrieval.methods.heads import PASSAGE_SEPARATOR
 from endo_retrieval.core import Span
 from endo_retrieval.model.backbone import Backbone
+from endo_retrieval.scoring.adaptive import AdaptiveWeights
 from endo_retrieval.scoring.fusion import fuse as fused
 from endo_retrieval.model.profiles import heads_profile, heads_profile_path
 
@@ -264,9 +265,10 @@ def rerank_passages(passages: Sequence[str], question: str, top_n: int, backbone
     heads = passage_heads_scores(passages, question, backbone, best_last, read_tokens=read_tokens, progress=progress)
     scores = heads
     if fuse:
-        weights = weights or reranker_weights(Backbone.of(backbone), first_stage)
-        scores = fused({"first_stage": first_stage_signal(first_stage_scores, len(passages)), "heads": heads},
-                       weights)
+        signals = {"first_stage": first_stage_signal(first_stage_scores, len(passages)), "heads": heads}
+        rule = None if weights else reranker_rule(Backbone.of(backbone), first_stage)
+        scores = rule.fuse(signals) if rule else fused(signals, weights or reranker_weights(Backbone.of(backbone),
+                                                                                              first_stage))
     return [(int(i), float(scores[i])) for i in np.argsort(-scores, kind="stable")[:top_n]]
 
 
@@ -315,6 +317,19 @@ def check_rerank_weights(weights) -> dict[str, float]:
         raise ValueError(f"Reranker weights must be {{'first_stage': w, 'heads': v}}, two numbers >= 0 and not both "
                          f"0 (e.g. w in [0, 1] and v = 1 - w), got {weights!r}.")
     return {name: float(w) for name, w in weights.items()}
+
+
+def reranker_rule(backbone, first_stage: str = DEFAULT_FIRST_STAGE) -> AdaptiveWeights | None:
+    """The adaptive fusion (scoring/adaptive.py) the model's profile holds for reranking after `first_stage`, fitted
+    across domains by `endo calibrate-fusion`; None where it holds none (the fixed weights then)."""
+    entry = ((heads_profile(backbone) or {}).get("reranker") or {}).get(first_stage) or {}
+    if not isinstance(entry, dict) or not entry.get("adaptive"):
+        return None
+    try:
+        return AdaptiveWeights.from_json(entry["adaptive"])
+    except ValueError as err:
+        raise ValueError(f"The reranker entry {first_stage!r} of {heads_profile_path(backbone)} is damaged ({err}); "
+                         "fit it again (endo calibrate-fusion) or pass weights.") from None
 
 
 def reranker_weights(backbone, first_stage: str = DEFAULT_FIRST_STAGE) -> dict[str, float]:

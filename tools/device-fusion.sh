@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The signals the adaptive fusion is fitted and judged on (endo_retrieval/calibration/signals.py), on one GPU: every
-# labelled set's train split (at most 600 questions each) and test split, three processes side by side.
+# labelled set's train split (at most 200 questions each) and test split (at most 300), four processes side by side.
 #
 # Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), and under /root/parts
 # (tools/device-parts.sh): smollm/ and minilm/ (the two model packages); MODEL=/root/parts/NAME.file for another model.
@@ -19,19 +19,22 @@ export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_D
 export HF_HUB_OFFLINE=1 JAX_PLATFORMS=cpu
 d=$PWD/.device-data; dom=$d/domains; sci=$d/scifact/scifact.json.gz; hot=$d/hotpotqa
 model=(${MODEL:+--model "$MODEL"})
+signals=1; [ "${BASE:-1}" != only ] || signals=0
 collect() { (cd /root && python3 -m endo_retrieval.calibration.signals "$res/${TAG:-default}" "$@" "${model[@]}"); }  # the installed wheels, not the tree
-collect "$dom/arguana.json.gz:test" "$dom/arguana.json.gz:train@600" "$hot/dev300.json" "$hot/fit300.json" \
+[ $signals = 0 ] || collect "$dom/arguana.json.gz:train@200" "$dom/arguana.json.gz:test@300" "$hot/dev300.json" \
   > "$res/g1.log" 2>&1 &
-collect "$dom/fiqa2018_pooled.json.gz:test" "$dom/fiqa2018_pooled.json.gz:train@600" "$dom/stackfaq.json.gz:test" \
-  "$dom/stackfaq.json.gz:train@600" > "$res/g2.log" 2>&1 &
-collect "$dom/csn_style_python.json.gz:test" "$dom/csn_style_python.json.gz:train@600" "$dom/conala.json.gz:test" \
-  "$dom/conala.json.gz:train@600" "$sci:test" "$sci:train@600" > "$res/g3.log" 2>&1 &
-if [ -z "${MODEL:-}" ]; then  # the first stages alone, as a user builds them: LlamaIndex BM25, a MiniLM store
+[ $signals = 0 ] || collect "$dom/fiqa2018_pooled.json.gz:train@200" "$dom/fiqa2018_pooled.json.gz:test@300" \
+  "$hot/fit300.json@200" > "$res/g2.log" 2>&1 &
+[ $signals = 0 ] || collect "$dom/stackfaq.json.gz:train@200" "$sci:train@200" "$dom/stackfaq.json.gz:test@300" \
+  "$sci:test" > "$res/g3.log" 2>&1 &
+[ $signals = 0 ] || collect "$dom/csn_style_python.json.gz:train@200" "$dom/conala.json.gz:train@200" \
+  "$dom/csn_style_python.json.gz:test@300" "$dom/conala.json.gz:test@300" > "$res/g4.log" 2>&1 &
+if [ -z "${MODEL:-}" ] && [ "${BASE:-1}" != 0 ]; then  # the first stages alone, as a user builds them: LlamaIndex BM25, a MiniLM store
   export TIKTOKEN_CACHE_DIR=/root/site/llama_index/core/_static/tiktoken_cache
   for s in "$dom/arguana.json.gz" "$dom/fiqa2018_pooled.json.gz" "$dom/stackfaq.json.gz" "$dom/conala.json.gz" \
            "$dom/csn_style_python.json.gz" "$sci" "$hot/dev300.json"; do
     spec=$s; [ "${s%.json}" != "$s" ] || spec="$s:test"
-    endo bench corpus --data "$spec" --systems llamaindex-bm25,minilm --out "$res/base_$(basename "${s%%.*}").json"
+    endo bench corpus --data "$spec" --limit 300 --systems llamaindex-bm25,minilm --out "$res/base_$(basename "$s" | cut -d. -f1).json"
   done > "$res/base.log" 2>&1 &
 fi
 wait

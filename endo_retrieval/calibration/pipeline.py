@@ -26,7 +26,8 @@ from endo_retrieval.model.profiles import heads_profile_path
 from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.calibration.heads import cached_arrays, steps
 from endo_retrieval.calibration.zero_label import near_best
-from endo_retrieval.methods.pipeline import EndoPipeline, fused_top
+from endo_retrieval.index.first_stage import fused_top
+from endo_retrieval.methods.pipeline import EndoPipeline
 
 STAGES = ("bm25", "heads", "hop2")
 ORDERS = {"best-last": True, "first-stage": False}

@@ -23,6 +23,9 @@ from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.scoring.bm25 import words
 
 PIPE_SIGNALS = ("bm25", "dense", "heads", "hop2")
+# the reads the signals come from: stage 1's dense share and depth (a GPU's; a CPU reads the first CPU_DEPTH), the
+# first stage's documents a reranker reads
+SHARE, DEPTH, CPU_DEPTH, RERANK = 0.5, 20, 12, 20
 
 
 def _doc_best(scores: np.ndarray, doc_of: np.ndarray, n_docs: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -40,8 +43,8 @@ def corpus_index(bb, titles: list[str], texts: list[str]) -> EndoIndex:
     return index
 
 
-def collect(bb, index: EndoIndex, questions: list[dict], out: Path, share: float = 0.5, depth: int = 20,
-            cpu_depth: int = 12, rerank: int = 20, progress=None) -> Path:
+def collect(bb, index: EndoIndex, questions: list[dict], out: Path, share: float = SHARE, depth: int = DEPTH,
+            cpu_depth: int = CPU_DEPTH, rerank: int = RERANK, progress=None) -> Path:
     """Write one record a question (module docstring) to `out` (.jsonl.gz)."""
     from endo_retrieval.integrations import passage_heads_scores
 
@@ -90,32 +93,39 @@ def load(path: Path) -> list[dict]:
     return rows
 
 
+def collect_specs(bb, specs: list[str], folder: Path, share: float = SHARE) -> list[Path]:
+    """One signals file a labelled set `SPEC[@LIMIT]` (`corpus_questions`' specs: a HotpotQA file, or a BEIR-layout
+    PATH:SPLIT), its first LIMIT questions where given, written under `folder`; the index of a corpus is built once
+    for all its splits."""
+    from endo_retrieval.calibration.datasets import corpus_questions
+
+    folder.mkdir(parents=True, exist_ok=True)
+    built, written = {}, []
+    for given in specs:
+        spec, _, limit = given.partition("@")
+        path, _, split = spec.partition(":")
+        name = Path(path).name.split(".")[0] + (f"_{split}" if split else "")
+        titles, texts, questions = corpus_questions(spec, int(limit) if limit else None)
+        if path not in built:
+            built[path] = corpus_index(bb, titles, texts)
+        written.append(collect(bb, built[path], questions, folder / f"{name}.jsonl.gz", share=share))
+    return written
+
+
 def main(argv=None) -> None:
-    """python -m endo_retrieval.calibration.signals OUT_DIR SPEC[@LIMIT]... [--model M] [--share S]: one file a
-    SPEC (a corpus-retrieval set, `corpus_questions`), its first LIMIT questions where given."""
+    """python -m endo_retrieval.calibration.signals OUT_DIR SPEC[@LIMIT]... [--model M] [--share S]"""
     import argparse
 
-    from endo_retrieval.calibration.datasets import corpus_questions
     from endo_retrieval.model.backbone import Backbone
 
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("specs", nargs="+")
     p.add_argument("--model", default=None)
-    p.add_argument("--share", type=float, default=0.5)
+    p.add_argument("--share", type=float, default=SHARE)
     args = p.parse_args(argv)
-    bb = Backbone.of(args.model)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    built = {}  # one index a corpus file, for each of its splits
-    for given in args.specs:
-        spec, _, limit = given.partition("@")
-        path, _, split = spec.partition(":")
-        name = Path(path).name.split(".")[0] + (f"_{split}" if split else "")
-        titles, texts, questions = corpus_questions(spec, int(limit) if limit else None)
-        if path not in built:
-            built = {path: corpus_index(bb, titles, texts)}
-        collect(bb, built[path], questions, Path(args.out) / f"{name}.jsonl.gz", share=args.share)
-        print(f"wrote {name}", flush=True)
+    for path in collect_specs(Backbone.of(args.model), args.specs, Path(args.out), args.share):
+        print(f"wrote {path.name}", flush=True)
 
 
 if __name__ == "__main__":

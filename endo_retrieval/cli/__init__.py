@@ -33,6 +33,8 @@ COMMANDS = {
                         "choose the retrieval heads and fit the fused ranking"),
     "calibrate-pipeline": ("endo_retrieval.cli.calibrate", "pipeline_", "fit the endo pipeline's depth, reading and "
                            "fusion on labelled questions"),
+    "calibrate-fusion": ("endo_retrieval.cli.calibrate", "fusion_", "fit the fusion that adapts to each question "
+                         "across labelled domains (the hybrid first stage's and the rerankers')"),
     "prepare": ("endo_retrieval.cli.prepare", "prepare_",
                 "make everything the default pipeline needs for a model, from your documents, no labels"),
     "mcp": ("endo_retrieval.cli.mcp_server", "", "serve an index to agents over the Model Context Protocol (stdio)"),

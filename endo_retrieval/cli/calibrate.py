@@ -1,5 +1,5 @@
-"""`endo train-sae`, `endo train-phi`, `endo calibrate-ilre|heads|pipeline`: each command's arguments; its work is
-the calibration module's `run(args)`."""
+"""`endo train-sae`, `endo train-phi`, `endo calibrate-ilre|heads|pipeline|fusion`: each command's arguments; its
+work is the calibration module's `run(args)`."""
 from __future__ import annotations
 
 import argparse
@@ -133,6 +133,25 @@ def pipeline_run(args):
         raise ValueError("One --data set fits the depth, reading and BM25 weights; several are for --first-stage.")
     args.data = args.data[0]
     return pipeline.run(args)
+
+
+def fusion_add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--signals", nargs="+", default=[], metavar="FILE",
+                   help="signals files to fit on, one a domain's train split (written by an earlier --data run, or "
+                        "by `python -m endo_retrieval.calibration.signals`)")
+    p.add_argument("--data", nargs="+", default=[], metavar="SPEC[@N]",
+                   help="labelled sets to read with the model first: a HotpotQA JSON file or a BEIR-layout "
+                        "PATH:SPLIT (e.g. scifact.json.gz:train), its first N questions with @N; one a domain")
+    p.add_argument("--work", default="endo-fusion-signals", help="folder for the signals --data collects")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="profile to update (default: the model's heads profile)")
+    model_argument(p)
+
+
+def fusion_run(args):
+    from endo_retrieval.calibration import fusion_rule  # torch (the fit): off the CLI's fast path
+
+    return fusion_rule.run(args)
 
 
 train_sae_run, train_phi_run, ilre_run, heads_run = train_sae.run, train_phi.run, ilre.run, heads.run

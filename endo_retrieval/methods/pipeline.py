@@ -35,14 +35,14 @@ from endo_retrieval.index.passages import Passages, best_part, part_text
 from endo_retrieval.methods.heads import bridge_terms, profile_heads, read_passages
 from endo_retrieval.model.profiles import heads_profile
 from endo_retrieval.scoring.bm25 import OkapiPostings, words
-from endo_retrieval.scoring.fusion import RRF_K, fuse, rrf, standardise
+from endo_retrieval.index.first_stage import DENSE_SHARE, FIRST_STAGES, first_stage as make_first_stage
+from endo_retrieval.scoring.adaptive import AdaptiveWeights
+from endo_retrieval.scoring.fusion import fuse, rrf, standardise
 
 # the pipeline's settings where the model's profile has none (the shipped profile holds the values fitted on data)
 DEFAULTS = {"depth": 20, "read_tokens": 128, "best_last": True, "weights": {"bm25": 0.5, "heads": 0.5}}
 # a first stage's own settings where the profile's `first_stages` entry has none: the dense ranking's share of the
 # fusion, and the final weights (the profile's BM25 weights split between BM25 and the cosine where not fitted)
-FIRST_STAGES = ("hybrid", "bm25", "dense")
-DENSE_SHARE = {"hybrid": 0.5, "bm25": 0.0, "dense": 1.0}
 STAGE_SCORES = ("bm25", "dense", "heads", "hop2")
 # `endo-2hop`'s settings where the profile has no `pipeline2hop` section (not fitted yet): first-hop passages the
 # bridge is taken from and read again (`anchors`), bridge terms taken from each (`terms`), the next first-hop
@@ -93,102 +93,6 @@ def bridge_reach(bm25: OkapiPostings):
     return leads
 
 
-def fused_top(bm25: np.ndarray, dense: np.ndarray | None, share: float, n: int, keep: np.ndarray | None = None
-              ) -> np.ndarray:
-    """The `n` best passages by weighted reciprocal-rank fusion, (1 - share) / (RRF_K + BM25 rank) + share /
-    (RRF_K + dense rank), ranks from 0 over every allowed passage, best first (ties: corpus order); share 0 or 1 is
-    one ranking alone. `keep`: a mask of the passages allowed (ranked among themselves).
-
-    The result is that of sorting both rankings whole (`fused_top_plain`, which a test holds it to), without the
-    sorts, which took most of stage 1 at a million passages: only each ranking's best `m` are sorted, and a passage
-    among them that is not among the other ranking's best gets its exact rank there by counting when it
-    could reach the top n (threshold algorithm). A passage outside both heads scores at most 1 / (RRF_K + m)."""
-    allowed = None if keep is None else np.flatnonzero(keep)
-    rankings = [(1.0 - share, bm25), (share, dense)] if dense is not None else [(1.0, bm25)]
-    rankings = [(w, s if allowed is None else s[allowed]) for w, s in rankings if w > 0]
-    size = len(rankings[0][1])
-    m = max(1024, 4 * n)  # > RRF_K + 2 n: the n-th fused score beats every passage outside the heads (below)
-    if len(rankings) == 1:
-        top = _Ranking(rankings[0][1]).best(n) if size else np.zeros(0, np.int64)
-    elif m >= size:
-        top = fused_top_plain([s for _, s in rankings], [w for w, _ in rankings], n)
-    else:
-        top = _fused_heads(rankings, n, m)
-    return top if allowed is None else allowed[top]
-
-
-def fused_top_plain(scores: list[np.ndarray], weights: list[float], n: int) -> np.ndarray:
-    """The definition: every ranking sorted whole, the fused scores sorted whole."""
-    fused = np.zeros(len(scores[0]))
-    for w, s in zip(weights, scores):
-        rank = np.empty(len(s))
-        rank[np.argsort(-s, kind="stable")] = np.arange(len(s))
-        fused += w / (RRF_K + rank)
-    return np.lexsort((np.arange(len(fused)), -fused))[:n]
-
-
-class _Ranking:
-    """One ranking's scores with the passages above its lowest score apart (`pool`, in corpus order): BM25 gives
-    most passages 0 and the dense stage -inf where it did not look, so what is partitioned and counted is mostly
-    that smaller pool (np.partition also crawls over many equal values)."""
-
-    def __init__(self, s: np.ndarray):
-        self.s, self.low = s, s.min()
-        if np.count_nonzero(s == self.low) > 1:
-            self.pool = np.flatnonzero(s > self.low)
-            self.values = s[self.pool]
-        else:  # no lowest score shared: the pool is every passage (NaN equals no score)
-            self.low, self.pool, self.values = np.nan, np.arange(len(s)), s
-
-    def best(self, m: int) -> np.ndarray:
-        """`np.argsort(-s, kind="stable")[:m]` (the m best, ties by position) with a partition and a sort of m."""
-        if m >= len(self.s):
-            return np.argsort(-self.s, kind="stable")
-        if len(self.pool) >= m:
-            t = np.partition(self.values, len(self.pool) - m)[len(self.pool) - m]  # the m-th largest score
-            above, ties = self.pool[self.values > t], self.pool[self.values == t]
-        else:
-            above, ties = self.pool, np.flatnonzero(self.s == self.low)
-        best = np.concatenate([above, ties[: m - len(above)]])
-        return best[np.lexsort((best, -self.s[best]))]
-
-    def rank(self, i: int) -> int:
-        """Passage i's rank: those scored higher, and those tied before it."""
-        v, before = self.s[i], int(np.searchsorted(self.pool, i))
-        if v == self.low:
-            return len(self.pool) + i - before
-        return int(np.count_nonzero(self.values > v) + np.count_nonzero(self.values[:before] == v))
-
-
-def _fused_heads(rankings: list[tuple[float, np.ndarray]], n: int, m: int) -> np.ndarray:
-    """`fused_top_plain` from each ranking's best m. A candidate's rank where it is outside the head is at least m,
-    so its fused score is at most the sum with rank m there (`upper`); the candidates best by that bound get their
-    missing ranks counted (`_Ranking.rank`) until the n best are all exact, whose scores and order are then the
-    plain ones: any other candidate's true score is at most its bound, and one outside every head at most the sum
-    of w / (RRF_K + m) (< the n-th score when m > RRF_K + 2n, as the larger weight's own top n each score >=
-    w / (RRF_K + n))."""
-    ranked = [_Ranking(s) for _, s in rankings]
-    heads = [r.best(m) for r in ranked]
-    cand = np.unique(np.concatenate(heads))
-    rank = np.full((len(rankings), len(cand)), -1.0)  # -1: outside that ranking's head, not counted yet
-    for r, head in enumerate(heads):
-        rank[r, np.searchsorted(cand, head)] = np.arange(m)
-    while True:
-        upper = np.zeros(len(cand))
-        for (w, _), ranks in zip(rankings, rank):  # the plain path's sum, in its order: equal bit for bit
-            upper += w / (RRF_K + np.where(ranks < 0, m, ranks))
-        top = np.lexsort((cand, -upper))[:n]
-        missing = [(r, i) for i in top for r in range(len(rankings)) if rank[r, i] < 0]
-        if not missing:
-            break
-        for r, i in missing:
-            rank[r, i] = ranked[r].rank(int(cand[i]))
-    outside = sum(w / (RRF_K + m) for w, _ in rankings)
-    if len(top) == n and upper[top[-1]] <= outside:  # not reached for m > RRF_K + 2n; kept as a guard
-        return fused_top_plain([s for _, s in rankings], [w for w, _ in rankings], n)
-    return cand[top]
-
-
 @dataclass
 class EndoPipeline:
     """The `endo` ranking of a corpus's passages for a question (see the module docstring). Settings left None come
@@ -215,6 +119,9 @@ class EndoPipeline:
     # question behind it, then the second hop's two), where one part at a time takes five; the same scores
     # (`methods.heads`). None: BATCHED_READS
     batched_reads: bool | None = None
+    # the fusion's weights per question (scoring/adaptive.py), where the first stage's fit holds a rule and no
+    # `weights` are given; False: the fixed weights always
+    adaptive: AdaptiveWeights | bool | None = None
 
     def __post_init__(self):
         self.heads = [tuple(map(int, h)) for h in (self.heads or profile_heads(self.backbone))]
@@ -234,6 +141,13 @@ class EndoPipeline:
             self.dense_share = float(stage.get("dense_share", DENSE_SHARE[self.first_stage]))
         if self.two_hop is None:
             self.two_hop = bool(stage.get("two_hop", False))
+        if self.adaptive is None and self.weights is None and stage.get("adaptive"):
+            try:
+                self.adaptive = AdaptiveWeights.from_json(stage["adaptive"])
+            except ValueError as err:
+                raise ValueError(f"The {self.first_stage!r} fusion rule of the model's heads profile is damaged "
+                                 f"({err}); fit it again (endo calibrate-fusion) or pass weights.") from None
+        self.adaptive = self.adaptive or None
         if self.weights is None and stage.get("weights"):
             self.weights = dict(stage["weights"])
         if self.weights is None and self.first_stage != "bm25" and "weights" in fitted:
@@ -271,30 +185,21 @@ class EndoPipeline:
         scores, "dense": their cosine with the question where the dense stage ran}); `where(metadata)`: only
         passages of the documents it accepts."""
         stage = first_stage or self.first_stage
-        query = words(question)
-        scores = {"bm25": passages.bm25.get_scores(query) if query else np.zeros(len(passages))}
-        vectors = getattr(passages, "vectors", None)
-        if stage != "bm25" and vectors is None and not (first_stage or self.first_stage_asked):
+        if stage != "bm25" and getattr(passages, "vectors", None) is None and not (first_stage or
+                                                                                  self.first_stage_asked):
             stage = "bm25"  # passages without embeddings, no dense stage asked for: BM25's candidates
-        if stage != "bm25":
-            if getattr(passages, "vectors", None) is None:
-                raise ValueError(f"first_stage={stage!r} needs the passages' embeddings, which this index does not "
-                                 "hold (it was built with first_stage='bm25'): call index.add_embeddings() and save "
-                                 "it, or rebuild it; first_stage='bm25' searches it as it is.")
-            vector = passages.dense.query(question)
-            scores["dense"] = passages.dense_scores(corpus, vector)
-        n = depth or self.depth
-        if where is not None:  # a document's passages stay when `where` accepts its metadata (index -1: none)
-            accepted = np.array([bool(where(d.metadata)) for d in corpus.documents()] + [False])
-            keep = accepted[corpus.locate(passages.starts)[0]]
-        else:
-            keep = None
-        share = {"bm25": 0.0, "dense": 1.0}.get(stage, self.dense_share)
-        top = fused_top(scores["bm25"], scores.get("dense"), share, n, keep)
-        out = {name: s[top] for name, s in scores.items()}
-        if "dense" in out and not np.isfinite(out["dense"]).all():  # a candidate outside the cells searched
-            out["dense"] = np.where(np.isfinite(out["dense"]), out["dense"], passages.vectors[top] @ vector)
-        return top, out
+        share = self.dense_share if stage == self.first_stage else None
+        return make_first_stage(stage, share).candidates(corpus, passages, question, depth or self.depth, where)
+
+    @property
+    def reads_hop2(self) -> bool:
+        """Whether a score of the second read is fused (its two forwards are skipped where not)."""
+        return bool(self.weights.get("hop2")) or (self.adaptive is not None and "hop2" in self.adaptive.stages)
+
+    def fuse(self, signals: dict[str, np.ndarray]) -> np.ndarray:
+        """The candidates' fused score: the adaptive rule's weights for this question where there is one, else the
+        fixed `weights` (`fusion.fuse`: the weighted sum of the standardised stage scores)."""
+        return self.adaptive.fuse(signals) if self.adaptive is not None else fuse(signals, self.weights)
 
     def read_texts(self, corpus: CorpusMap, passages: Passages, top: np.ndarray, question: str) -> list[str]:
         """What the model reads of each candidate (`best_part`), pieces of one passage joined by ' ... '."""
@@ -318,7 +223,7 @@ class EndoPipeline:
         signals, reading = dict(first), None
         if len(top):  # stage 1's order is what the second read's evidence is chosen by, beside the heads
             reading = read_passages(self.backbone, [texts[i] for i in order], question, self.heads,
-                                    second_hop=bool(self.weights.get("hop2")), int8=self.int8,
+                                    second_hop=self.reads_hop2, int8=self.int8,
                                     first_stage=-order.astype(np.float64), batched=self.batched_reads)
             for name, s in reading.signals.items():
                 signals[name] = np.empty(len(top))
@@ -431,7 +336,7 @@ class EndoPipeline:
         top, signals, ms, first = self.first_hop(corpus, passages, question, where=where)
         if not len(top):  # no document passes `where`
             return []
-        fused = fuse(signals, self.weights)
+        fused = self.fuse(signals)
         scores = [{name: round(float(s[r]), 6) for name, s in signals.items()} | {"fused": float(fused[r])}
                   for r in range(len(top))]
         if self.two_hop:

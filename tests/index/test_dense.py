@@ -13,7 +13,8 @@ from endo_retrieval.index.dense import CELLS_FILE, META_FILE, VECTORS_FILE, Embe
 from endo_retrieval.index.inverted import IndexCorruptError
 from endo_retrieval.index import passages as passages_module
 from endo_retrieval.index.passages import PASSAGES_FILE, Passages
-from endo_retrieval.methods.pipeline import EndoPipeline, fused_top
+from endo_retrieval.index.first_stage import fused_top
+from endo_retrieval.methods.pipeline import EndoPipeline
 from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.scoring.bm25 import words
 from endo_retrieval.scoring.fusion import RRF_K
@@ -117,12 +118,19 @@ def test_adds_and_removes_update_the_passages_reading_only_the_new_documents(tin
 
 def test_a_damaged_passages_file_is_refused_and_an_index_without_one_builds_them(tiny, tmp_path):
     build(tiny).save(tmp_path / "idx")
-    passages_file = tmp_path / "idx" / PASSAGES_FILE
+    passages_file, header = tmp_path / "idx" / PASSAGES_FILE, tmp_path / "idx" / "endo-index.json"
+    with open(passages_file, "rb") as f:
+        assert json.loads(header.read_text())["sha256"] == {PASSAGES_FILE: sha256_of(f)}
+    assert EndoIndex.load(tmp_path / "idx", backbone=tiny).passages().check_s > 0
     whole = passages_file.read_bytes()
     passages_file.write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(IndexCorruptError, match="passages.npz is damaged.*rebuild"):
+    with pytest.raises(IndexCorruptError, match="passages.npz is damaged .checksum mismatch.*rebuild"):
         EndoIndex.load(tmp_path / "idx", backbone=tiny)
-    passages_file.unlink()  # an index saved before passages were saved with it
+    passages_file.unlink()  # the header records it: missing is damage
+    with pytest.raises(IndexCorruptError, match="passages.npz is missing.*rebuild"):
+        EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    old = {k: v for k, v in json.loads(header.read_text()).items() if k != "sha256"}
+    header.write_text(json.dumps(old))  # an index saved before passages were saved with it
     loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)
     assert stage1(loaded, "Where did a cat nap?", "hybrid")[0][0] == "cat"
 
@@ -217,6 +225,9 @@ def damage_dense(folder, how: str) -> str:
         vectors.unlink()
     elif how == "dense.json removed":
         meta.unlink()
+    elif how == "every dense file removed":  # the header still records the dense stage
+        vectors.unlink()
+        meta.unlink()
     else:  # a field of the wrong type, the header sealed again: its type check, not the checksum, refuses it
         fields = read_sealed_json(meta.read_bytes())
         meta.write_bytes(sealed_json({**fields, "counts": [str(c) for c in fields["counts"]]}))
@@ -224,7 +235,7 @@ def damage_dense(folder, how: str) -> str:
 
 
 @pytest.mark.parametrize("how", ["a byte of dense.npy", "dense.npy removed", "dense.json removed",
-                                 "counts of the wrong type"])
+                                 "every dense file removed", "counts of the wrong type"])
 def test_a_damaged_dense_file_is_refused_or_with_bm25_asked_for_is_a_warning(tiny, tmp_path, endo_search, how):
     index = build(tiny)
     index.save(tmp_path / "idx")
@@ -278,3 +289,59 @@ def test_the_cells_file_is_checked_too(tiny, tmp_path, monkeypatch):
     assert "dense_cells.npz is damaged (checksum" in str(EndoIndex.load(tmp_path / "idx", backbone=tiny).dense_damage)
     cells.unlink()
     assert "dense_cells.npz is missing" in str(EndoIndex.load(tmp_path / "idx", backbone=tiny).dense_damage)
+
+
+def test_the_header_records_the_dense_stage_and_an_index_saved_before_it_did_opens_as_it_was(tiny, tmp_path):
+    build(tiny).save(tmp_path / "idx")
+    header = tmp_path / "idx" / "endo-index.json"
+    fields = json.loads(header.read_text())
+    assert (fields["dense"], fields["embedder"]) == (True, "all-MiniLM-L6-v2")
+    damage = lambda: str(EndoIndex.load(tmp_path / "idx", backbone=tiny).dense_damage)
+    header.write_text(json.dumps({**fields, "embedder": "another-model"}))  # dense.json is sealed: the header changed
+    assert "endo-index.json is damaged (it records the embedder 'another-model'" in damage()
+    header.write_text(json.dumps({**{k: v for k, v in fields.items() if k != "embedder"}, "dense": False}))
+    assert "endo-index.json is damaged (it records no dense stage" in damage()
+    for bad in [{**fields, "dense": 1}, {**fields, "embedder": ""}, {k: v for k, v in fields.items() if k != "dense"}]:
+        header.write_text(json.dumps(bad))
+        with pytest.raises(IndexCorruptError, match="endo-index.json is damaged.*rebuild"):
+            EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    for name in (VECTORS_FILE, META_FILE):
+        (tmp_path / "idx" / name).unlink()
+    old = {k: v for k, v in fields.items() if k not in ("dense", "embedder")}
+    header.write_text(json.dumps(old))  # saved before headers recorded the dense stage: its files alone tell
+    loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    assert loaded.dense is None and loaded.dense_damage is None
+    assert stage1(loaded, "Where did a cat nap?", "bm25")[0][0] == "cat"
+    bm25_only = build(tiny, first_stage="bm25")
+    bm25_only.save(tmp_path / "bm25")
+    assert json.loads((tmp_path / "bm25" / "endo-index.json").read_text())["dense"] is False
+    assert EndoIndex.load(tmp_path / "bm25", backbone=tiny).dense_damage is None
+
+
+def test_every_first_stage_is_one_registry_entry_with_one_protocol(tiny, monkeypatch):
+    """The pipeline's candidates are the first-stage module's (index/first_stage.py), and a new kind of ranking is
+    one class and one registry line: here one that ranks passages by length reaches the pipeline's candidates."""
+    from endo_retrieval.index import first_stage as fs
+
+    index = build(tiny)
+    corpus, passages = index.corpus, index.passages()
+    question = "Which bridge crosses the river?"
+    for name, share in (("hybrid", 0.3), ("bm25", None), ("dense", None)):
+        pipe = EndoPipeline(tiny, heads=[(1, 0)], first_stage=name, dense_share=share)
+        got = pipe.candidates(corpus, passages, question, depth=3)
+        want = fs.first_stage(name, pipe.dense_share).candidates(corpus, passages, question, 3)
+        assert got[0].tolist() == want[0].tolist() and set(got[1]) == set(want[1])
+    with pytest.raises(ValueError, match="Unknown first stage 'sparse'"):
+        fs.first_stage("sparse")
+
+    class Longest:
+        name = "length"
+
+        def scores(self, corpus, passages, question):
+            return (passages.ends - passages.starts).astype(np.float64)
+
+    monkeypatch.setitem(fs.RANKINGS, "length", Longest)
+    monkeypatch.setitem(fs.FIRST_STAGES, "length", lambda share: {"length": 1.0})
+    top, scores = fs.first_stage("length").candidates(corpus, passages, question, 2)
+    lengths = passages.ends - passages.starts
+    assert top.tolist() == np.argsort(-lengths, kind="stable")[:2].tolist() and set(scores) == {"bm25", "length"}

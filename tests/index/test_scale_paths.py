@@ -10,7 +10,7 @@ from rank_bm25 import BM25Okapi
 
 from endo_retrieval.index import dense
 from endo_retrieval.index.dense import Cells, DenseVectors, spherical_kmeans
-from endo_retrieval.methods.pipeline import fused_top, fused_top_plain
+from endo_retrieval.index.first_stage import fused_top, fused_top_plain
 from endo_retrieval.scoring import bm25 as bm25_module
 from endo_retrieval.scoring.bm25 import OkapiPostings, words
 

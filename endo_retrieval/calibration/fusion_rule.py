@@ -1,0 +1,229 @@
+"""The adaptive fusion fitted across domains (`scoring.adaptive.AdaptiveWeights`), from the signals `signals.collect`
+wrote, without the model: each domain weighs the same, whatever its number of questions.
+
+The fit maximises the listwise likelihood of the gold candidates, log sum_{i gold} softmax_i(tau * sum_s w_s(q) z_s,i),
+over the rule's linear map and a temperature tau, with an L2 penalty on the map (the rule starts from, and is pulled
+towards, one fixed fusion: the bias alone). Rules are judged by nDCG@10 over the candidates' distinct documents.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from endo_retrieval.methods.endo import simplex
+from endo_retrieval.scoring.adaptive import AdaptiveWeights, question_features
+from endo_retrieval.scoring.fusion import fuse, standardise
+
+TOP = 10
+PARTS = {"pipe": ("bm25", "dense", "heads", "hop2"), "cpu": ("bm25", "dense", "heads"),
+         "minilm": ("first_stage", "heads"), "bm25": ("first_stage", "heads")}
+L2 = 0.05  # the penalty on the rule's map (per question, on standardised features)
+
+
+def items(records: list[dict], part: str) -> list[tuple[dict, list[str], set[str]]]:
+    """(stage scores, candidate documents, gold documents) of each record, for one of PARTS: "cpu" is the first
+    candidates of "pipe" as a CPU reads them (its own heads' read, no second read)."""
+    out = []
+    for r in records:
+        gold = set(r["gold"])
+        if part == "cpu":
+            n = len(r["cpu"]["heads"])
+            scores = {"bm25": r["pipe"]["bm25"][:n], "dense": r["pipe"]["dense"][:n], "heads": r["cpu"]["heads"]}
+            docs = r["pipe"]["docs"][:n]
+        elif part == "pipe":
+            scores, docs = {s: r["pipe"][s] for s in PARTS["pipe"]}, r["pipe"]["docs"]
+        else:
+            scores, docs = {"first_stage": r[part]["first"], "heads": r[part]["heads"]}, r[part]["docs"]
+        out.append((scores, list(docs), gold))
+    return out
+
+
+def ndcg(ranked_docs: list[str], gold: set[str], k: int = TOP) -> float:
+    """nDCG@k with binary gains over the first k distinct documents (BEIR's)."""
+    seen = list(dict.fromkeys(ranked_docs))[:k]
+    dcg = sum(1 / np.log2(i + 2) for i, d in enumerate(seen) if d in gold)
+    ideal = sum(1 / np.log2(i + 2) for i in range(min(len(gold), k)))
+    return dcg / ideal if ideal else 0.0
+
+
+class Judged:
+    """One item made ready to judge many fusions at once: its standardised scores (stages x candidates), the
+    candidates grouped by document (a document scores its best passage, as the first distinct documents of a
+    ranking do), each document's gain and the ideal DCG@10."""
+
+    def __init__(self, scores: dict, docs: list[str], gold: set[str], stages: tuple[str, ...]):
+        names = list(dict.fromkeys(docs))
+        of = np.array([names.index(d) for d in docs])
+        self.order = np.argsort(of, kind="stable")
+        self.bounds = np.flatnonzero(np.r_[True, np.diff(of[self.order]) > 0])
+        self.z = np.stack([standardise(scores[s]) for s in stages])
+        self.gain = np.array([d in gold for d in names], np.float64)
+        self.ideal = sum(1 / np.log2(i + 2) for i in range(min(len(gold), TOP)))
+
+    def ndcg(self, fused: np.ndarray) -> np.ndarray:
+        """nDCG@10 of each row of `fused` (fusions x candidates)."""
+        per_doc = np.maximum.reduceat(fused[:, self.order], self.bounds, axis=1)
+        top = np.argsort(-per_doc, axis=1, kind="stable")[:, :TOP]
+        discount = 1 / np.log2(np.arange(2, top.shape[1] + 2))
+        return (self.gain[top] * discount).sum(1) / self.ideal if self.ideal else np.zeros(len(fused))
+
+
+def per_question(its, score) -> np.ndarray:
+    """nDCG@10 of each item when `score(stage scores)` ranks its candidates."""
+    return np.array([ndcg(ranked(docs, score(s)), gold) for s, docs, gold in its])
+
+
+def ranked(docs: list[str], fused: np.ndarray) -> list[str]:
+    return [docs[i] for i in np.lexsort((np.arange(len(docs)), -fused))]
+
+
+def fit_fixed(domains: dict[str, list], stages: tuple[str, ...], step: float = 0.1) -> dict[str, float]:
+    """The one fixed fusion (weights on the simplex, `step` apart) with the best mean over the domains of their mean
+    nDCG@10; ties keep the first of the grid (the corners, the simpler fusion)."""
+    grid = sorted(simplex(list(stages), step), key=lambda w: -max(w.values()))
+    w = np.array([[g[s] for s in stages] for g in grid])
+    means = np.zeros(len(grid))
+    for its in domains.values():
+        judged = [Judged(s, d, g, stages) for s, d, g in its]
+        means += np.mean([j.ndcg(w @ j.z) for j in judged], axis=0) / len(domains)
+    return grid[int(np.argmax(means))]
+
+
+def _arrays(its, stages):
+    """Per item: (standardised scores, stages x candidates), the gold mask, the features."""
+    out = []
+    for scores, docs, gold in its:
+        mask = np.array([d in gold for d in docs])
+        if not mask.any() or mask.all():
+            continue  # nothing to learn from: no gold among the candidates, or nothing else
+        z = np.stack([standardise(scores[s]) for s in stages])
+        out.append((z, mask, np.array(list(question_features(scores, stages).values()))))
+    return out
+
+
+def fit_rule(domains: dict[str, list], stages: tuple[str, ...], l2: float = L2, start: dict | None = None,
+             steps: int = 300, seed: int = 0) -> AdaptiveWeights:
+    """An `AdaptiveWeights` over `stages` fitted on {domain: items} (module docstring); `start`: the fixed weights
+    the bias starts from (None: even)."""
+    import torch
+
+    torch.manual_seed(seed)
+    data = {name: _arrays(its, stages) for name, its in domains.items()}
+    data = {name: a for name, a in data.items() if a}
+    feats = np.concatenate([[f for _, _, f in a] for a in data.values()])
+    mean, scale = feats.mean(0), feats.std(0)
+    scale = np.where(scale > 1e-9, scale, 1.0)
+    batches = []
+    for a in data.values():
+        n = max(len(z[0]) for z, _, _ in a)
+        z = np.zeros((len(a), len(stages), n))
+        m = np.zeros((len(a), n), bool)
+        valid = np.zeros((len(a), n), bool)
+        for i, (zi, mi, _) in enumerate(a):
+            z[i, :, :zi.shape[1]], m[i, :len(mi)], valid[i, :len(mi)] = zi, mi, True
+        f = (np.stack([fi for _, _, fi in a]) - mean) / scale
+        batches.append(tuple(torch.tensor(x) for x in (z, m, valid, f)))
+    k = len(stages)
+    w0 = np.array([max((start or {}).get(s, 1.0 / k), 1e-3) for s in stages])
+    coef = torch.zeros(k, len(mean), dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(np.log(w0 / w0.sum()), requires_grad=True)
+    log_tau = torch.tensor(np.log(3.0), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([coef, bias, log_tau], max_iter=steps, line_search_fn="strong_wolfe")
+
+    def loss():
+        opt.zero_grad()
+        total = 0.0
+        for z, m, valid, f in batches:
+            w = torch.softmax(f @ coef.T + bias, dim=1)  # questions x stages
+            fused = torch.einsum("qs,qsn->qn", w, z) * log_tau.exp()
+            fused = fused.masked_fill(~valid, -1e9)
+            gold = torch.logsumexp(fused.masked_fill(~m, -1e9), 1)
+            total = total + (torch.logsumexp(fused, 1) - gold).mean()
+        value = total / len(batches) + l2 * (coef ** 2).sum()
+        value.backward()
+        return value
+
+    opt.step(loss)
+    return AdaptiveWeights(tuple(stages), coef.detach().numpy(), bias.detach().numpy(), mean, scale)
+
+
+# ------------------------------------------------------------------------- `endo calibrate-fusion`: into the profile
+
+def domain_name(path: Path) -> str:
+    """A signals file's domain: its name less the split (fit300 is HotpotQA's train split)."""
+    stem = Path(path).name.split(".")[0]
+    return {"fit300": "hotpotqa"}.get(stem, stem.removesuffix("_train"))
+
+
+def fitted_entries(records: dict[str, list[dict]], share: float) -> dict:
+    """The profile's entries fitted on {domain: records}: the hybrid first stage's (GPU and CPU) and each
+    reranker's, each with its fixed weights (the rule's start, and what a caller who turns the rule off gets) and
+    its adaptive rule."""
+    out = {}
+    for part, stages in PARTS.items():
+        domains = {d: items(r, part) for d, r in records.items()}
+        fixed = fit_fixed(domains, stages)
+        rule = fit_rule(domains, stages, start=fixed)
+        fit = {"data": sorted(records), "n_questions": {d: len(r) for d, r in records.items()},
+               "ndcg10": {d: {"fixed": round(100 * float(per_question(its, lambda s: fuse(s, fixed)).mean()), 1),
+                              "adaptive": round(100 * float(per_question(its, rule.fuse).mean()), 1)}
+                          for d, its in domains.items()}}
+        out[part] = {"fixed": fixed, "rule": rule, "fit": fit}
+    return out
+
+
+def write_entries(profile: dict, entries: dict, share: float, depths: dict[str, int]) -> dict:
+    """`profile` with the fitted entries in place: `pipeline.first_stages.hybrid` (its `cpu` entry inside) made the
+    model's first stage, and `reranker.minilm` / `reranker.bm25`."""
+    pipeline = profile.setdefault("pipeline", {})
+    hybrid = {"dense_share": share, "weights": entries["pipe"]["fixed"], "adaptive": entries["pipe"]["rule"].to_json(),
+              "fit": entries["pipe"]["fit"] | {"depth": depths["pipe"], "rule": "adaptive (scoring/adaptive.py)"}}
+    hybrid["cpu"] = {"dense_share": share, "weights": entries["cpu"]["fixed"],
+                     "adaptive": entries["cpu"]["rule"].to_json(),
+                     "fit": entries["cpu"]["fit"] | {"depth": depths["cpu"]}}
+    pipeline.setdefault("first_stages", {})["hybrid"] = hybrid
+    pipeline["first_stage"] = "hybrid"
+    for part in ("minilm", "bm25"):
+        fixed = entries[part]["fixed"]
+        profile.setdefault("reranker", {})[part] = {"first_stage": fixed["first_stage"], "heads": fixed["heads"],
+                                                    "adaptive": entries[part]["rule"].to_json(),
+                                                    "fit": entries[part]["fit"]}
+    return profile
+
+
+def run(args) -> dict:
+    """Fit on the signals files given (`--signals`, one a domain's train split), or collect them first from
+    labelled sets (`--data`, with the model), and write the entries into the model's profile."""
+    import json
+    import time
+
+    from endo_retrieval.calibration.pipeline import write_json
+    from endo_retrieval.calibration.signals import DEPTH, CPU_DEPTH, SHARE, load
+    from endo_retrieval.model.profiles import heads_profile_path
+
+    start = time.perf_counter()
+    files = [Path(f) for f in args.signals or []]
+    if args.data:
+        from endo_retrieval.calibration.signals import collect_specs
+        from endo_retrieval.model.backbone import Backbone
+
+        files += collect_specs(Backbone.of(args.model, device=args.device), args.data, Path(args.work))
+    if not files:
+        raise ValueError("Nothing to fit on: pass --signals FILE... (from a collection) or --data SPEC... (labelled "
+                         "sets' train splits, read with the model).")
+    records = {domain_name(f): load(f) for f in files}
+    out = Path(args.out) if args.out else heads_profile_path(_backbone(args))
+    profile = json.loads(out.read_text()) if out.exists() else {}
+    entries = fitted_entries(records, SHARE)
+    write_entries(profile, entries, SHARE, {"pipe": DEPTH, "cpu": CPU_DEPTH})
+    profile["pipeline"]["first_stages"]["hybrid"]["fit"]["wall_s"] = round(time.perf_counter() - start, 1)
+    write_json(profile, out)
+    print(json.dumps({part: {"fixed": e["fixed"], "ndcg10": e["fit"]["ndcg10"]} for part, e in entries.items()}))
+    return profile
+
+
+def _backbone(args):
+    from endo_retrieval.model.backbone import Backbone
+
+    return Backbone.of(args.model, device=args.device)

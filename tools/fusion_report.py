@@ -1,0 +1,89 @@
+"""Fixed and adaptive fusions judged on the signals `endo_retrieval.calibration.signals` wrote (one folder of
+DOMAIN_train / DOMAIN_test files; HotpotQA's are fit300 / dev300): nDCG@10 on each test split, every rule fitted on
+the train splits of all the domains and again with the tested domain left out, each beside BM25 and the embedder alone,
+with paired 95% bootstrap intervals.
+
+    python tools/fusion_report.py SIGNALS_DIR [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from endo_retrieval.calibration.fusion_rule import PARTS, fit_fixed, fit_rule, items, per_question
+from endo_retrieval.calibration.signals import load
+from endo_retrieval.scoring.fusion import fuse
+
+PAIRS = {"hotpotqa": ("fit300", "dev300")}
+# the fusions shipped before the adaptive rule (the 135M profile: GPU hybrid, CPU hybrid, both rerankers)
+SHIPPED = {"pipe": {"bm25": 0.2, "dense": 0.4, "heads": 0.1, "hop2": 0.3}, "cpu": {"bm25": 0.3, "dense": 0.3, "heads": 0.4},
+           "minilm": {"first_stage": 0.3, "heads": 0.7}, "bm25": {"first_stage": 0.5, "heads": 0.5}}
+
+
+def domains(folder: Path) -> dict[str, tuple[list, list]]:
+    out = {}
+    for f in sorted(folder.glob("*_train.jsonl.gz")):
+        name = f.name[: -len("_train.jsonl.gz")]
+        test = folder / f"{name}_test.jsonl.gz"
+        if test.exists():
+            out[name] = (load(f), load(test))
+    for name, (train, test) in PAIRS.items():
+        if (folder / f"{train}.jsonl.gz").exists() and (folder / f"{test}.jsonl.gz").exists():
+            out[name] = (load(folder / f"{train}.jsonl.gz"), load(folder / f"{test}.jsonl.gz"))
+    return out
+
+
+def interval(x: np.ndarray, seed: int = 0, n: int = 2000) -> list[float]:
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), (n, len(x)))].mean(1)
+    return [round(100 * float(np.percentile(means, 2.5)), 1), round(100 * float(np.percentile(means, 97.5)), 1)]
+
+
+def first_stage_alone(records, part):
+    its = items(records, part)
+    return per_question(its, lambda s: s["first_stage"])
+
+
+def report(folder: Path) -> dict:
+    data = domains(folder)
+    out = {}
+    for part, stages in PARTS.items():
+        train = {d: items(tr, part) for d, (tr, _) in data.items()}
+        test = {d: items(te, part) for d, (_, te) in data.items()}
+        fixed_all = fit_fixed(train, stages)
+        rule_all = fit_rule(train, stages, start=fixed_all)
+        rows = {}
+        for d in data:
+            held = {k: v for k, v in train.items() if k != d}
+            fixed_lodo = fit_fixed(held, stages)
+            rule_lodo = fit_rule(held, stages, start=fixed_lodo)
+            scores = {
+                "bm25": first_stage_alone(data[d][1], "bm25"), "minilm": first_stage_alone(data[d][1], "minilm"),
+                "shipped": per_question(test[d], lambda s: fuse(s, SHIPPED[part])),
+                "fixed_all": per_question(test[d], lambda s: fuse(s, fixed_all)),
+                "fixed_lodo": per_question(test[d], lambda s: fuse(s, fixed_lodo)),
+                "adaptive_all": per_question(test[d], rule_all.fuse),
+                "adaptive_lodo": per_question(test[d], rule_lodo.fuse)}
+            best = "bm25" if scores["bm25"].mean() >= scores["minilm"].mean() else "minilm"
+            ref = {"pipe": best, "cpu": best, "minilm": "minilm", "bm25": "bm25"}[part]
+            rows[d] = {"n": len(test[d]), "reference": ref} | {
+                k: {"ndcg10": round(100 * float(v.mean()), 1), "ci": interval(v),
+                    "minus_reference": round(100 * float((v - scores[ref]).mean()), 1),
+                    "minus_reference_ci": interval(v - scores[ref])} for k, v in scores.items()}
+            print(part, d, {k: (r["ndcg10"], r["minus_reference"]) for k, r in rows[d].items()
+                            if isinstance(r, dict)}, flush=True)
+        out[part] = {"fixed_all": fixed_all, "rule_all": rule_all.to_json(), "rows": rows}
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("folder", type=Path)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    result = report(args.folder)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
