@@ -81,7 +81,7 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
 
     # torch: `endo prepare --help` and its argument errors answer before these load
     from endo_retrieval.calibration import heads as heads_calibrate, ilre as ilre_calibrate, \
-        pipeline as pipeline_calibrate, train_sae, zero_label
+        fusion_rule, pipeline as pipeline_calibrate, train_sae, zero_label
     from endo_retrieval.model.backbone import Backbone  # torch, as above
 
     start = time.perf_counter()
@@ -215,6 +215,7 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
             profile["pipeline"]["fit"] |= {"forms": zero_label.forms(pipeline_tasks),
                                            "rule": "zero-label: the flattest near-best weights, the cheapest "
                                                    "near-best setting"}
+            fusion_rule.transferred(profile)  # the hybrid first stage: its share and fusion, fitted across domains
             pipeline_calibrate.write_json(profile, out)
             _phase_done(state, state_path, "pipeline", time.perf_counter() - t, timings)
     shutil.rmtree(items, ignore_errors=True)  # every phase is written; the items are not needed again

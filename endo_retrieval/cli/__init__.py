@@ -54,6 +54,17 @@ def info_add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
 
 
+def first_stage_lines(pipeline: dict) -> list[str]:
+    """`endo info`'s line on the model's first stage: the hybrid's dense share and how its scores are fused."""
+    name = pipeline.get("first_stage") or "bm25"
+    entry = (pipeline.get("first_stages") or {}).get(name)
+    if not isinstance(entry, dict):
+        return [f"  stage 1    {name}"]
+    weights = ", ".join(f"{k} {v:g}" for k, v in (entry.get("weights") or {}).items() if isinstance(v, (int, float)))
+    rule = "adaptive per question (scoring/adaptive.py), else " if entry.get("adaptive") else ""
+    return [f"  stage 1    {name}, dense share {entry.get('dense_share')}; fusion {rule}{weights}"]
+
+
 def info_run(args) -> int:
     if args.index is not None:
         from endo_retrieval.cli.commands import info_index_run
@@ -124,12 +135,14 @@ def model_summary(model: dict, data: dict, heads: dict | None, heads_path: str |
             if recalls(fit.get("recall")):
                 line += f"; {recalls(fit.get('recall'))} on {fit.get('data', 'its fit data')}"
             lines.append(line)
+            lines += first_stage_lines(pipeline)
         for stage, entry in sorted((heads.get("reranker") or {}).items()):
             if isinstance(entry, dict):
                 fit = entry.get("fit") or {}
                 at5 = (fit.get("recall") or {}).get("@5")
                 alone = (fit.get("first_stage_alone") or {}).get("@5")
-                lines.append(f"  reranker   after {stage}: weights {entry.get('first_stage')} first stage, "
+                rule = "adaptive fusion, else " if entry.get("adaptive") else ""
+                lines.append(f"  reranker   after {stage}: {rule}weights {entry.get('first_stage')} first stage, "
                              f"{entry.get('heads')} heads" + (f"; recall@5 {num(at5)}" if at5 is not None else "")
                              + (f" ({stage} alone {num(alone)})" if alone is not None else ""))
         if heads_path:

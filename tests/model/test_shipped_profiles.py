@@ -80,3 +80,18 @@ def test_the_real_model_retrieves_with_its_shipped_profile_and_no_prepare():
     hits = retriever.retrieve("Which mineral was found under the bridge?")
     assert hits[0].node.node_id == "n1"
     assert set(hits[0].node.metadata["endo_stage_scores"]) >= {"bm25", "heads"}
+
+
+def test_the_default_model_ships_the_adaptive_fusion_on_both_devices_and_for_both_rerankers():
+    """The default's hybrid first stage (GPU entry and its CPU entry) and both rerankers carry a fusion rule that
+    loads, over the stages each reads, fitted on the seven domains' train splits."""
+    from endo_retrieval.scoring.adaptive import AdaptiveWeights
+
+    profile = shipped("heads")["smollm2-135m-instruct"]
+    hybrid = profile["pipeline"]["first_stages"]["hybrid"]
+    assert profile["pipeline"]["first_stage"] == "hybrid"
+    for entry, stages in ((hybrid, ("bm25", "dense", "heads", "hop2")), (hybrid["cpu"], ("bm25", "dense", "heads"))):
+        assert AdaptiveWeights.from_json(entry["adaptive"]).stages == stages
+        assert 0 < entry["dense_share"] < 1 and len(entry["fit"]["data"]) == 7
+    for name in ("minilm", "bm25"):
+        assert AdaptiveWeights.from_json(profile["reranker"][name]["adaptive"]).stages == ("first_stage", "heads")
