@@ -243,7 +243,7 @@ class CorpusMap:
                 header = json.loads(data["header"].tobytes())
                 offsets, sentences = data["offsets"], data["sentence_starts"]
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, io.UnsupportedOperation,
-                MemoryError) as err:
+                MemoryError, NotImplementedError) as err:  # NotImplementedError: a zip compression method changed
             raise IndexCorruptError(f"corpus map {path} is damaged ({err}); delete it and rebuild the index") from None
         if not isinstance(header, dict) or header.get("format") != FORMAT_NAME or \
                 header.get("version") != FORMAT_VERSION:

