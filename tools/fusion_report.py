@@ -3,7 +3,7 @@ DOMAIN_train / DOMAIN_test files; HotpotQA's are fit300 / dev300): nDCG@10 on ea
 the train splits of all the domains and again with the tested domain left out, each beside BM25 and the embedder alone,
 with paired 95% bootstrap intervals.
 
-    python tools/fusion_report.py SIGNALS_DIR [--out FILE.json]
+    python tools/fusion_report.py SIGNALS_DIR [--out FILE.json] [--baselines DIR]   (FILE.md beside it: the tables)
 """
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.calibration.fusion_rule import PARTS, fit_fixed, fit_rule, items, per_question
+from endo_retrieval.calibration.fusion_rule import PARTS, fit_fixed, fit_rule, items, per_question, ranked
+from endo_retrieval.calibration.pipeline import recall_at
 from endo_retrieval.calibration.signals import load
 from endo_retrieval.scoring.fusion import fuse
 
 PAIRS = {"hotpotqa": ("fit300", "dev300")}
 # the fusions shipped before the adaptive rule (the 135M profile: GPU hybrid, CPU hybrid, both rerankers)
-SHIPPED = {"pipe": {"bm25": 0.2, "dense": 0.4, "heads": 0.1, "hop2": 0.3}, "cpu": {"bm25": 0.3, "dense": 0.3, "heads": 0.4},
+SHIPPED = {"pipe": {"bm25": 0.2, "dense": 0.4, "heads": 0.1, "hop2": 0.3},
+           "cpu": {"bm25": 0.3, "dense": 0.3, "heads": 0.4},
            "minilm": {"first_stage": 0.3, "heads": 0.7}, "bm25": {"first_stage": 0.5, "heads": 0.5}}
 
 
@@ -73,17 +75,65 @@ def report(folder: Path) -> dict:
                 k: {"ndcg10": round(100 * float(v.mean()), 1), "ci": interval(v),
                     "minus_reference": round(100 * float((v - scores[ref]).mean()), 1),
                     "minus_reference_ci": interval(v - scores[ref])} for k, v in scores.items()}
+            rows[d]["recall"] = {name: {f"@{k}": round(100 * float(np.mean(
+                [recall_at(ranked(docs, score(s)), gold, k) for s, docs, gold in test[d]])), 1) for k in (2, 5, 10)}
+                for name, score in (("shipped", lambda s: fuse(s, SHIPPED[part])), ("adaptive_all", rule_all.fuse))}
             print(part, d, {k: (r["ndcg10"], r["minus_reference"]) for k, r in rows[d].items()
-                            if isinstance(r, dict)}, flush=True)
+                            if isinstance(r, dict) and "ndcg10" in r}, flush=True)
         out[part] = {"fixed_all": fixed_all, "rule_all": rule_all.to_json(), "rows": rows}
     return out
+
+
+NAMES = {"hotpotqa": "HotpotQA dev300 (multi-hop Wikipedia)", "scifact": "SciFact (scientific claims)",
+         "arguana": "ArguAna (argument -> counterargument)", "conala": "CoNaLa (intent -> Python line)",
+         "csn_style_python": "code search (docstring -> function)", "fiqa2018_pooled": "FiQA (financial QA)",
+         "stackfaq": "StackFAQ (paraphrased FAQ)"}
+
+
+def markdown(result: dict, baselines: Path | None = None) -> str:
+    """The tables of docs/results.md: `endo` on a GPU and a CPU, and both rerankers, per domain."""
+    def base(domain: str, system: str) -> str:
+        name = {"hotpotqa": "dev300", "scifact": "scifact"}.get(domain, domain)
+        path = baselines / f"base_{name}.json" if baselines else None
+        if not path or not path.exists():
+            return "-"
+        rows = {r["system"]: r for r in json.loads(path.read_text())["rows"]}
+        return f"{100 * rows[system]['ndcg@10']['value']:.1f}" if system in rows else "-"
+
+    def cell(row, key, diff=False):
+        r = row[key]
+        if diff:
+            lo, hi = r["minus_reference_ci"]
+            return f"{r['minus_reference']:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+        return f"{r['ndcg10']:.1f}"
+
+    out = ["| domain (test questions) | LlamaIndex BM25 | MiniLM store | BM25 | dense | before | fixed | adaptive "
+           "| adaptive, domain held out | held out minus the better of BM25 and dense |", "|" + "---|" * 10]
+    for d, row in result["pipe"]["rows"].items():
+        out.append(f"| {NAMES.get(d, d)} ({row['n']}) | {base(d, 'llamaindex-bm25')} | {base(d, 'minilm')} | "
+                   f"{cell(row, 'bm25')} | {cell(row, 'minilm')} | {cell(row, 'shipped')} | {cell(row, 'fixed_all')} | "
+                   f"{cell(row, 'adaptive_all')} | {cell(row, 'adaptive_lodo')} | {cell(row, 'adaptive_lodo', True)} |")
+    out += ["", "| domain | CPU entry: before | adaptive | held out | minus the better | MiniLM + `EndoReranker`: "
+            "before | adaptive | held out | minus MiniLM | BM25 + `EndoReranker`: before | held out | minus BM25 |",
+            "|" + "---|" * 12]
+    for d in result["pipe"]["rows"]:
+        c, m, b = (result[p]["rows"][d] for p in ("cpu", "minilm", "bm25"))
+        out.append(f"| {NAMES.get(d, d).split(' (')[0]} | {cell(c, 'shipped')} | {cell(c, 'adaptive_all')} | "
+                   f"{cell(c, 'adaptive_lodo')} | {cell(c, 'adaptive_lodo', True)} | {cell(m, 'shipped')} | "
+                   f"{cell(m, 'adaptive_all')} | {cell(m, 'adaptive_lodo')} | {cell(m, 'adaptive_lodo', True)} | "
+                   f"{cell(b, 'shipped')} | {cell(b, 'adaptive_lodo')} | {cell(b, 'adaptive_lodo', True)} |")
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("folder", type=Path)
     p.add_argument("--out", type=Path)
+    p.add_argument("--from-json", type=Path, help="a report written before: only its tables")
+    p.add_argument("--baselines", type=Path, help="folder of `endo bench corpus` runs base_DOMAIN.json "
+                   "(llamaindex-bm25, minilm) on the same questions")
     args = p.parse_args()
-    result = report(args.folder)
+    result = json.loads(args.from_json.read_text()) if args.from_json else report(args.folder)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
+        args.out.with_suffix(".md").write_text(markdown(result, args.baselines))

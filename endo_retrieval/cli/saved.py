@@ -46,10 +46,15 @@ def read_saved(folder: Path, passages: bool = False) -> Saved:
             return meta, corpus, None
         try:
             with open_file(PASSAGES_FILE) as f:
-                return meta, corpus, Passages.read(f, corpus) or Passages.build(corpus)
-        except FileNotFoundError:  # saved before passages were
+                recorded = (meta.get("sha256") or {}).get(PASSAGES_FILE)
+                return meta, corpus, Passages.read(f, corpus, sha256=recorded) or Passages.build(corpus)
+        except FileNotFoundError:  # saved before passages were; one whose header records them is damaged
+            if (meta.get("sha256") or {}).get(PASSAGES_FILE):
+                raise IndexCorruptError(f"{folder / PASSAGES_FILE} is missing (endo-index.json records it); "
+                                        "delete the folder and rebuild the index with `endo index PATH... --out "
+                                        "DIR`.") from None
             return meta, corpus, Passages.build(corpus)
-        except (ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+        except (ValueError, KeyError, EOFError, zipfile.BadZipFile, NotImplementedError) as err:
             raise IndexCorruptError(f"{folder / PASSAGES_FILE} is damaged ({err}); delete the folder and rebuild "
                                     "the index with `endo index PATH... --out DIR`.") from None
 
