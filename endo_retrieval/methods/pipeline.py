@@ -12,9 +12,10 @@ on labelled data (best last: nearest the question), then the question; a candida
 retrieval head's attention at its strongest token, summed over the heads (QRHead, calibrated as In-Context
 Re-ranking does: `methods.heads.passage_signals`). A second hop re-reads the best first-hop candidates before the
 question, for bridge questions whose second passage shares no word with the question.
-The final score is the weighted sum of the stage scores (BM25's, the cosine, the heads'), each standardised over the
-candidates, with weights fitted on labelled data (`endo calibrate-pipeline`) per first stage; the fit's grid holds
-the first stage's scores alone, so on the data it was fitted on the pipeline does not fall below them.
+The final score is the weighted sum of the stage scores (BM25's, the cosine, the heads', the second read's), each
+standardised over the candidates. Where the first stage's fit holds an adaptive rule (`endo calibrate-fusion`,
+fitted across labelled domains) the weights follow the question (scoring/adaptive.py); else they are fixed, fitted
+per first stage (`endo calibrate-pipeline`). Stage 1 itself is index/first_stage.py's.
 
 `endo-2hop` (opt-in, `two_hop=True`) adds a second hop that retrieves: the hop above only re-ranks what BM25 found,
 so a passage sharing no word with the question stays out of reach however well the model reads. From the tokens
