@@ -130,7 +130,8 @@ def _pipeline_hits(index, question: str, k: int, budget, method: str, where, pip
     them are asked for at once; where they come from fewer than k documents (a long document holds many of the
     best passages), the model reads twice as many candidates, and the documents it finds there follow those
     already found, until k are found, every candidate was read, or FILL_ROUNDS (then a warning says so)."""
-    depth = max(k, index.pipeline(method, **pipeline).depth)
+    # the first read: the depth asked for, else the fitted one, at least k (then deeper only where too few documents)
+    depth = pipeline.get("depth") or max(k, index.pipeline(method, **pipeline).depth)
     found: list[Span] = []
     for _ in range(FILL_ROUNDS + 1):
         # a budget of b * depth // k over depth passages cuts each to b // k tokens, as k passages would be

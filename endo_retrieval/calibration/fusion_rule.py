@@ -7,11 +7,18 @@ towards, one fixed fusion: the bias alone). Rules are judged by nDCG@10 over the
 """
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import numpy as np
 
+from endo_retrieval.calibration.pipeline import write_json
+from endo_retrieval.calibration.signals import CPU_DEPTH, DEPTH, SHARE, collect_specs, load
+from endo_retrieval.index.dense import available
 from endo_retrieval.methods.endo import simplex
+from endo_retrieval.model.backbone import Backbone
+from endo_retrieval.model.profiles import ASSETS, heads_profile_path
 from endo_retrieval.scoring.adaptive import AdaptiveWeights, question_features
 from endo_retrieval.scoring.fusion import fuse, standardise
 
@@ -195,19 +202,9 @@ def write_entries(profile: dict, entries: dict, share: float, depths: dict[str, 
 def run(args) -> dict:
     """Fit on the signals files given (`--signals`, one a domain's train split), or collect them first from
     labelled sets (`--data`, with the model), and write the entries into the model's profile."""
-    import json
-    import time
-
-    from endo_retrieval.calibration.pipeline import write_json
-    from endo_retrieval.calibration.signals import DEPTH, CPU_DEPTH, SHARE, load
-    from endo_retrieval.model.profiles import heads_profile_path
-
     start = time.perf_counter()
     files = [Path(f) for f in args.signals or []]
     if args.data:
-        from endo_retrieval.calibration.signals import collect_specs
-        from endo_retrieval.model.backbone import Backbone
-
         files += collect_specs(Backbone.of(args.model, device=args.device), args.data, Path(args.work))
     if not files:
         raise ValueError("Nothing to fit on: pass --signals FILE... (from a collection) or --data SPEC... (labelled "
@@ -224,8 +221,6 @@ def run(args) -> dict:
 
 
 def _backbone(args):
-    from endo_retrieval.model.backbone import Backbone
-
     return Backbone.of(args.model, device=args.device)
 
 
@@ -237,11 +232,6 @@ def transferred(profile: dict) -> dict:
     fitted across labelled domains for the default model, where it has none of its own: the rule reads each stage's
     scores standardised over the candidates, not the model's raw attention, so it carries to another reader as a
     starting point; `endo calibrate-fusion` with the model fits its own. Needs the embedder (the dense stage)."""
-    import json
-
-    from endo_retrieval.index.dense import available
-    from endo_retrieval.model.profiles import ASSETS
-
     source = ASSETS / "heads" / DEFAULT_PROFILE
     shipped = json.loads(source.read_text())
     hybrid = ((shipped.get("pipeline") or {}).get("first_stages") or {}).get("hybrid")

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from endo_retrieval.calibration.datasets import corpus_questions
 from endo_retrieval.calibration.heads import steps
+from endo_retrieval.integrations import passage_heads_scores
+from endo_retrieval.model.backbone import Backbone
 from endo_retrieval.methods.pipeline import EndoPipeline
 from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.scoring.bm25 import words
@@ -46,8 +49,6 @@ def corpus_index(bb, titles: list[str], texts: list[str]) -> EndoIndex:
 def collect(bb, index: EndoIndex, questions: list[dict], out: Path, share: float = SHARE, depth: int = DEPTH,
             cpu_depth: int = CPU_DEPTH, rerank: int = RERANK, progress=None) -> Path:
     """Write one record a question (module docstring) to `out` (.jsonl.gz)."""
-    from endo_retrieval.integrations import passage_heads_scores
-
     corpus, passages = index.corpus, index.passages()
     doc_ids = [d.doc_id for d in corpus.documents()]
     doc_of = corpus.locate(passages.starts)[0]
@@ -97,8 +98,6 @@ def collect_specs(bb, specs: list[str], folder: Path, share: float = SHARE) -> l
     """One signals file a labelled set `SPEC[@LIMIT]` (`corpus_questions`' specs: a HotpotQA file, or a BEIR-layout
     PATH:SPLIT), its first LIMIT questions where given, written under `folder`; the index of a corpus is built once
     for all its splits."""
-    from endo_retrieval.calibration.datasets import corpus_questions
-
     folder.mkdir(parents=True, exist_ok=True)
     built, written = {}, []
     for given in specs:
@@ -115,8 +114,6 @@ def collect_specs(bb, specs: list[str], folder: Path, share: float = SHARE) -> l
 def main(argv=None) -> None:
     """python -m endo_retrieval.calibration.signals OUT_DIR SPEC[@LIMIT]... [--model M] [--share S]"""
     import argparse
-
-    from endo_retrieval.model.backbone import Backbone
 
     p = argparse.ArgumentParser()
     p.add_argument("out")

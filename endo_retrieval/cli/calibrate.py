@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from endo_retrieval.calibration import heads, ilre, pipeline, train_phi, train_sae
+from endo_retrieval.calibration import fusion_rule, heads, ilre, pipeline, train_phi, train_sae
 from endo_retrieval.cli.commands import int_list, model_argument
 from endo_retrieval.methods.ilre import POSITIONS
 
@@ -149,8 +149,6 @@ def fusion_add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def fusion_run(args):
-    from endo_retrieval.calibration import fusion_rule  # torch (the fit): off the CLI's fast path
-
     return fusion_rule.run(args)
 
 

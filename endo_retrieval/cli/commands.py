@@ -452,13 +452,14 @@ def bm25_query(args, folder: Path, shape: str, saved=None) -> tuple[list, object
 def model_query(args, shape: str, index=None, progress: bool | None = None) -> tuple[list, object]:
     """The hits of the index's method with its model loaded (`index`: loaded already; the shared adapters' search,
     `search_hits`), and the corpus they come from."""
-    from endo_retrieval.integrations import search_hits  # torch: off the CLI's fast path
-    from endo_retrieval.methods.search import EndoIndex
+    from endo_retrieval import integrations  # torch: off the CLI's fast path
 
-    index = EndoIndex.load(args.index, args.model) if index is None else index
-    return search_hits(index, args.question, args.k, args.budget, args.method, return_passages=shape == "passages",
-                       return_document=shape == "whole", depth=args.depth, read_tokens=args.read_tokens,
-                       first_stage=args.first_stage, progress=progress), getattr(index, "corpus", None)
+    index = integrations.EndoIndex.load(args.index, args.model) if index is None else index
+    hits = integrations.search_hits(index, args.question, args.k, args.budget, args.method,
+                                    return_passages=shape == "passages", return_document=shape == "whole",
+                                    depth=args.depth, read_tokens=args.read_tokens, first_stage=args.first_stage,
+                                    progress=progress)
+    return hits, getattr(index, "corpus", None)
 
 
 def print_hits(hits: list, as_json: bool, corpus=None) -> None:

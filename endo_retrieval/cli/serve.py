@@ -18,7 +18,8 @@ from pathlib import Path
 from endo_retrieval.cli import check_arguments
 from endo_retrieval.cli.commands import (bm25_query, check_index_folder, check_question, model_argument,
                                          model_query, span_json)
-from endo_retrieval.cli.saved import read_saved
+from endo_retrieval.cli.saved import read_header, read_saved
+from endo_retrieval.files import IndexCorruptError
 from endo_retrieval.methods import SEARCH_METHODS
 
 FIRST_STAGES = ("hybrid", "bm25", "dense")
@@ -60,8 +61,6 @@ class Served:
 
     def current(self):
         """The folder as now committed (read again where its generation changed)."""
-        from endo_retrieval.cli.saved import read_header
-
         generation = read_header(self.folder).get("generation")
         if self.saved is None or generation != self.saved.meta.get("generation"):
             self.saved, self.index = read_saved(self.folder, passages=True), None
@@ -149,8 +148,6 @@ def build_app(served: Served):
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse
     from starlette.routing import Route
-
-    from endo_retrieval.files import IndexCorruptError
 
     async def query(request):
         try:

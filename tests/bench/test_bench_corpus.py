@@ -342,7 +342,7 @@ def test_the_pipelines_knobs_reach_the_endo_rows_and_the_record(tmp_path, backbo
     out = tmp_path / "knobs.json"
     assert main(["bench", "corpus", "--data", str(made_up_hotpotqa(tmp_path / "toy.json")), "--out", str(out),
                  "--systems", "endo", "--depth", "3", "--read-tokens", "32"]) == 0
-    assert set(read) == {(3, 32)}
+    assert read[0] == (3, 32) and {t for _, t in read} == {32}  # deeper reads only to fill k documents
     assert json.loads(out.read_text())["config"]["pipeline"]["depth"] == 3
 
 

@@ -20,7 +20,7 @@ heavy = sorted({"torch", "transformers"} & set(sys.modules))
 print(f"exit={code} heavy={heavy}", file=sys.stderr)
 """
 # commands whose arguments live in modules that import torch at the top (outside the CLI package)
-HEAVY_HELP = {"train-sae", "train-phi", "calibrate-ilre", "calibrate-heads", "calibrate-pipeline"}
+HEAVY_HELP = {"train-sae", "train-phi", "calibrate-ilre", "calibrate-heads", "calibrate-pipeline", "calibrate-fusion"}
 
 
 def parse(*argv: str, prelude: str = "") -> str:
