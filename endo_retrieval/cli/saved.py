@@ -14,7 +14,7 @@ from endo_retrieval.core import Span, capped_question
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.files import IndexCorruptError, read_folder
 from endo_retrieval.index.hits import whole_document, with_section
-from endo_retrieval.index.passages import PASSAGES_FILE, Passages, best_part, part_text
+from endo_retrieval.index.passages import PASSAGES_FILE, Passages, passage_span
 from endo_retrieval.scoring.bm25 import words
 
 SHAPES = ("document", "passages", "whole")  # a hit per document (its best passage), the best passages, whole documents
@@ -113,20 +113,6 @@ def sharing(bm25, query: list[str]) -> np.ndarray:
         row = bm25.terms[term]
         found[bm25.docs[bm25.indptr[row]:bm25.indptr[row + 1]]] = True
     return found
-
-
-def passage_span(corpus: CorpusMap, passages: Passages, i: int, score: float, question_words: set[str],
-                 budget: int | None, k: int) -> Span:
-    """Passage i as a hit scored `score`; under a `budget` of k passages, its best part of budget // k tokens."""
-    a, b = int(passages.starts[i]), int(passages.ends[i])
-    parts = [(a, b)] if budget is None else best_part(corpus, passages.sentences, a, b, question_words,
-                                                     max(1, budget // k))
-    doc_id, c0, _, _ = corpus.span_text(parts[0][0], parts[0][1])
-    _, _, c1, _ = corpus.span_text(parts[-1][0], parts[-1][1])
-    doc = corpus.doc(doc_id)
-    text = part_text(corpus, parts) if len(parts) > 1 else doc.text[c0:c1]
-    return Span(parts[0][0], parts[-1][1], c0, c1, text, score, ("bm25",), doc_id, doc.metadata,
-                whole_document=(parts[0][0], parts[-1][1]) == (doc.start, doc.end))
 
 
 def typed_ids(corpus: CorpusMap, typed: list[str]) -> dict[str, str | None]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from endo_retrieval.core import Span
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.files import sha256_of
 from endo_retrieval.index.sections import file_path, headings, markup, paragraph_starts, token_positions
@@ -223,3 +224,19 @@ def best_part(corpus: CorpusMap, sentences: np.ndarray, a: int, b: int, question
 def part_text(corpus: CorpusMap, parts: list[tuple[int, int]]) -> str:
     """The text of `best_part`'s pieces, joined by ' ... ' where something was left out between them."""
     return " ... ".join(corpus.span_text(a, b)[3].strip() for a, b in parts)
+
+
+def passage_span(corpus: CorpusMap, passages: "Passages", i: int, score: float, question_words: set[str],
+                 budget: int | None, k: int, sources: tuple[str, ...] = ("bm25",), **stages) -> Span:
+    """Passage i as a hit scored `score` (by `sources`; `stages`: Span's stage_scores and stage_ms); under a `budget`
+    of k passages, its best part of budget // k tokens (a cut passage's text joins its pieces with ' ... ', and its
+    character offsets run from the first piece's start to the last one's end)."""
+    a, b = int(passages.starts[i]), int(passages.ends[i])
+    parts = [(a, b)] if budget is None else best_part(corpus, passages.sentences, a, b, question_words,
+                                                     max(1, budget // k))
+    doc_id, c0, _, _ = corpus.span_text(parts[0][0], parts[0][1])
+    _, _, c1, _ = corpus.span_text(parts[-1][0], parts[-1][1])
+    doc = corpus.doc(doc_id)
+    text = part_text(corpus, parts) if len(parts) > 1 else doc.text[c0:c1]
+    return Span(parts[0][0], parts[-1][1], c0, c1, text, score, sources, doc_id, doc.metadata, **stages,
+                whole_document=(parts[0][0], parts[-1][1]) == (doc.start, doc.end))

@@ -32,7 +32,7 @@ import numpy as np
 
 from endo_retrieval.core import Span
 from endo_retrieval.corpus import CorpusMap
-from endo_retrieval.index.passages import Passages, best_part, part_text
+from endo_retrieval.index.passages import Passages, best_part, part_text, passage_span
 from endo_retrieval.methods.heads import bridge_terms, profile_heads, read_passages
 from endo_retrieval.model.profiles import heads_profile
 from endo_retrieval.scoring.bm25 import OkapiPostings, words
@@ -352,17 +352,8 @@ class EndoPipeline:
         rank = np.lexsort((np.arange(len(top)), -fused))[:k]  # ties keep stage 1's order (then hop 2's)
         ms["total"] = 1000 * (time.perf_counter() - t0)
         q, spans = set(words(question)), []
+        sources = tuple(s for s, w in self.weights.items() if w)
         for r in rank:
-            i = int(top[r])
-            a, b = int(passages.starts[i]), int(passages.ends[i])
-            parts = [(a, b)] if budget is None else best_part(corpus, passages.sentences, a, b, q,
-                                                             max(1, budget // k))
-            doc_id, c0, _, _ = corpus.span_text(parts[0][0], parts[0][1])
-            _, _, c1, _ = corpus.span_text(parts[-1][0], parts[-1][1])
-            doc = corpus.doc(doc_id)
-            text = part_text(corpus, parts) if len(parts) > 1 else doc.text[c0:c1]
-            spans.append(Span(parts[0][0], parts[-1][1], c0, c1, text, float(fused[r]),
-                              tuple(s for s, w in self.weights.items() if w), doc_id, doc.metadata,
-                              stage_scores=scores[r], stage_ms=dict(ms),
-                              whole_document=(parts[0][0], parts[-1][1]) == (doc.start, doc.end)))
+            spans.append(passage_span(corpus, passages, int(top[r]), float(fused[r]), q, budget, k, sources,
+                                      stage_scores=scores[r], stage_ms=dict(ms)))
         return spans
