@@ -6,8 +6,8 @@ fused by weighted reciprocal-rank fusion (`hybrid`, the default), the dense rank
 
     fused(p) = (1 - share) / (RRF_K + rank_bm25(p)) + share / (RRF_K + rank_dense(p))
 
-(Cormack et al. 2009, weighted). The pipeline (methods/pipeline.py), the calibrations and the Ray shards ask this
-module; a new kind of first stage is one class here and one line in `FIRST_STAGES`.
+(Cormack et al. 2009, weighted). The pipeline (methods/pipeline.py) and the calibrations ask this module (the Ray
+shards, not yet: they hold BM25 alone); a new kind of first stage is one class here and one line in `FIRST_STAGES`.
 """
 from __future__ import annotations
 
