@@ -198,9 +198,12 @@ class EndoPipeline:
         return bool(self.weights.get("hop2")) or (self.adaptive is not None and "hop2" in self.adaptive.stages)
 
     def fuse(self, signals: dict[str, np.ndarray]) -> np.ndarray:
-        """The candidates' fused score: the adaptive rule's weights for this question where there is one, else the
-        fixed `weights` (`fusion.fuse`: the weighted sum of the standardised stage scores)."""
-        return self.adaptive.fuse(signals) if self.adaptive is not None else fuse(signals, self.weights)
+        """The candidates' fused score: the adaptive rule's weights for this question where there is one and every
+        stage it reads scored them, else the fixed `weights` (`fusion.fuse`: the weighted sum of the standardised
+        stage scores; passages without embeddings have no cosine, and BM25's candidates are read as before)."""
+        if self.adaptive is not None and set(self.adaptive.stages) <= set(signals):
+            return self.adaptive.fuse(signals)
+        return fuse(signals, self.weights)
 
     def read_texts(self, corpus: CorpusMap, passages: Passages, top: np.ndarray, question: str) -> list[str]:
         """What the model reads of each candidate (`best_part`), pieces of one passage joined by ' ... '."""
