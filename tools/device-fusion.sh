@@ -2,8 +2,9 @@
 # The signals the adaptive fusion is fitted and judged on (endo_retrieval/calibration/signals.py), on one GPU: every
 # labelled set's train split (at most 200 questions each) and test split (at most 300), four processes side by side.
 #
-# Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), and under /root/parts
-# (tools/device-parts.sh): smollm/ and minilm/ (the two model packages); MODEL=/root/parts/NAME.file for another model.
+# Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), and under $MODELS
+# (tools/device-parts.sh, default /root/parts/models/models): smollm/ and minilm/ (the two model packages); MODEL=PATH
+# for another model; PARTS=pipe,cpu,... the parts of each record to collect (signals.py's PARTS; default all).
 #   start:   setsid nohup bash tools/device-fusion.sh run > /root/fusion.log 2>&1 &
 #   collect: bash tools/device-fusion.sh collect   (packs /root/sig into $OUT/signals.tgz)
 # The machine goes back 30 s after a call ends, background work or not: keep a call waiting on the run in flight.
@@ -14,11 +15,12 @@ mkdir -p "$res"
 if [ ! -x /root/site/bin/endo ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/*.whl || exit 1
 fi
-cp -rn /root/parts/minilm/minilm/* /root/parts/smollm/smollm/* /root/site/ 2>/dev/null
+models=${MODELS:-/root/parts/models/models}
+cp -rn "$models"/minilm/* "$models"/smollm/* /root/site/ 2>/dev/null
 export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_NUM_THREADS=4
 export HF_HUB_OFFLINE=1 JAX_PLATFORMS=cpu
 d=$PWD/.device-data; dom=$d/domains; sci=$d/scifact/scifact.json.gz; hot=$d/hotpotqa
-model=(${MODEL:+--model "$MODEL"})
+model=(${MODEL:+--model "$MODEL"} ${PARTS:+--parts "$PARTS"})
 signals=1; [ "${BASE:-1}" != only ] || signals=0
 collect() { (cd /root && python3 -m endo_retrieval.calibration.signals "$res/${TAG:-default}" "$@" "${model[@]}"); }  # the installed wheels, not the tree
 [ $signals = 0 ] || collect "$dom/arguana.json.gz:train@200" "$dom/arguana.json.gz:test@300" "$hot/dev300.json" \

@@ -110,7 +110,7 @@ def _arrays(its, stages):
 
 
 def fit_rule(domains: dict[str, list], stages: tuple[str, ...], l2: float = L2, start: dict | None = None,
-             steps: int = 300, seed: int = 0) -> AdaptiveWeights:
+             steps: int = 300, seed: int = 0, weigh: dict[str, float] | None = None) -> AdaptiveWeights:
     """An `AdaptiveWeights` over `stages` fitted on {domain: items} (module docstring); `start`: the fixed weights
     the bias starts from (None: even)."""
     import torch
@@ -121,8 +121,9 @@ def fit_rule(domains: dict[str, list], stages: tuple[str, ...], l2: float = L2, 
     feats = np.concatenate([[f for _, _, f in a] for a in data.values()])
     mean, scale = feats.mean(0), feats.std(0)
     scale = np.where(scale > 1e-9, scale, 1.0)
-    batches = []
-    for a in data.values():
+    batches, share = [], []
+    for name, a in data.items():
+        share.append((weigh or {}).get(name, 1.0))
         n = max(len(z[0]) for z, _, _ in a)
         z = np.zeros((len(a), len(stages), n))
         m = np.zeros((len(a), n), bool)
@@ -141,13 +142,13 @@ def fit_rule(domains: dict[str, list], stages: tuple[str, ...], l2: float = L2, 
     def loss():
         opt.zero_grad()
         total = 0.0
-        for z, m, valid, f in batches:
+        for (z, m, valid, f), part in zip(batches, share):
             w = torch.softmax(f @ coef.T + bias, dim=1)  # questions x stages
             fused = torch.einsum("qs,qsn->qn", w, z) * log_tau.exp()
             fused = fused.masked_fill(~valid, -1e9)
             gold = torch.logsumexp(fused.masked_fill(~m, -1e9), 1)
-            total = total + (torch.logsumexp(fused, 1) - gold).mean()
-        value = total / len(batches) + l2 * (coef ** 2).sum()
+            total = total + part * (torch.logsumexp(fused, 1) - gold).mean()
+        value = total / sum(share) + l2 * (coef ** 2).sum()
         value.backward()
         return value
 
