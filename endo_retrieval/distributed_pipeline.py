@@ -1,17 +1,19 @@
 """The default pipeline `endo` past one GPU, on Ray: stage 1 on the shards of a `ShardedIndex`, stage 2 on readers.
 
-* Stage 1 lives where the corpus lives: each `Shard` (a CPU actor holding a contiguous run of the index's segments)
-  ranks its own passages by BM25 with the whole index's statistics (document frequencies, mean length, number of
-  passages, gathered once when the index opens) and sends back its best `depth`, with what the model reads of each;
-  the best `depth` of those are the candidates one index would have found, in the same order with the same scores.
+* Stage 1 lives where the corpus lives: each `Shard` (a CPU actor holding a contiguous run of the index's segments
+  and its passages' embeddings) scores its own passages with the first stage one process runs, BM25 with the whole
+  index's statistics (gathered once when the index opens) and the cosine with each passage's embedding; the reader
+  fuses the shards' heads as one process fuses its rankings (hybrid by default; distributed/first_stage.py), so the
+  candidates are those one index would have found, in the same order with the same scores.
 * Stage 2 runs on `Reader`s, one actor per GPU (per CPU slot without one), each loading the model once. A reader
   takes a whole question: it asks every shard for candidates, reads them as one context and ranks them with the
-  calibrated retrieval heads as `EndoPipeline.search` does on one process, then asks the shards that own the k
-  best for their text. Readers never talk to each other, so questions spread over them: `ReaderPool.search_many`
+  calibrated retrieval heads with `EndoPipeline.ranked`, the tail one process runs, then asks the shards that own
+  the k best for their hits. Readers never talk to each other, so questions spread over them: `ReaderPool.search_many`
   keeps `calls_per_reader` questions in flight per reader (a threaded actor: one question's stage 1 and texts
   travel while another's read holds the model), handing the next question to whichever reader finishes first.
-* `ReaderPool` has `EndoIndex.search`'s signature, methods and checks, so the LlamaIndex `EndoRetriever(pool)` and
-  LangChain's `EndoRetriever.from_index(pool)` retrieve through it as through one index. Other methods (`bm25`,
+* `ReaderPool` is a `Searcher` (methods/searcher.py) as `EndoIndex` is, with its options and checks, so the
+  LlamaIndex `EndoRetriever(pool)` and LangChain's `EndoRetriever.from_index(pool)` retrieve through it as through
+  one index, `first_stage`, `depth` and `read_tokens` included. Other methods (`bm25`,
   and `s3`/`s3-hybrid` where the index holds S3 postings) go to the `ShardedIndex`. It is read-only: documents are
   added by `RayIndexer(...).build(DIR, docs, append=True)` and the index opened again.
 
@@ -28,12 +30,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from endo_retrieval.distributed import ModelRecipe, ShardedIndex, ray_cluster, spread, start_workers
-from endo_retrieval.index.engine import unicode_text
-from endo_retrieval.methods import PIPELINE_METHODS, check_search_method
 from endo_retrieval.core import Span, capped_question, check_budget
+from endo_retrieval.distributed import ModelRecipe, ShardedIndex, ray_cluster, spread, start_workers
+from endo_retrieval.distributed.first_stage import sharded_candidates
+from endo_retrieval.index.dense import embed
+from endo_retrieval.index.engine import unicode_text
+from endo_retrieval.index.first_stage import FIRST_STAGES
+from endo_retrieval.methods import PIPELINE_METHODS, check_search_method
 from endo_retrieval.methods.pipeline import EndoPipeline
-from endo_retrieval.scoring.fusion import fuse
+from endo_retrieval.methods.searcher import check_search_k
 from endo_retrieval.model.backbone import as_text
 
 SERVED = ("endo",)  # the pipelines readers serve; endo-2hop's second hop asks BM25 again mid-read (not yet here)
@@ -41,71 +46,71 @@ SERVED = ("endo",)  # the pipelines readers serve; endo-2hop's second hop asks B
 
 class Reader:
     """Stage 2 of `endo` on one accelerator: the model, loaded once by `setup()` (a `ModelRecipe`), reads each
-    question's candidates, which it asks the shards for, and its calibrated heads rank them."""
+    question's candidates, which the shards find (`sharded_candidates`), and its calibrated heads rank them."""
 
     def __init__(self, setup: Callable, shards: list):
         self.backbone, _ = setup()
         self.shards, self.pipelines = shards, {}
+        # the passages' embedder (None: the shards hold no embeddings): the question is embedded once, here
+        self.embedder = ray_cluster().get(shards[0].embedder.remote()) if shards else None
 
     def model_hash(self) -> str:
         return self.backbone.model_hash
 
-    def pipeline(self, depth: int | None = None, read_tokens: int | None = None):
-        """The EndoPipeline `EndoIndex.pipeline("endo", depth, read_tokens)` makes for this model, made once."""
-        key = (depth, read_tokens)
+    def pipeline(self, depth: int | None = None, read_tokens: int | None = None, first_stage: str | None = None):
+        """The EndoPipeline `EndoIndex.pipeline("endo", depth, read_tokens, first_stage)` makes for this model over
+        passages with embeddings, made once (the pool asks for "bm25" where the shards hold none)."""
+        key = (depth, read_tokens, first_stage)
         if key not in self.pipelines:
-            # the shards hold BM25 only: the dense stage is not sharded (yet), so the Ray reader reads BM25's candidates
-            self.pipelines[key] = EndoPipeline(self.backbone, depth=depth, read_tokens=read_tokens, first_stage="bm25")
+            pipeline = EndoPipeline(self.backbone, depth=depth, read_tokens=read_tokens, first_stage=first_stage)
+            if pipeline.two_hop:
+                raise ValueError("The model's profile turns the second hop on for this first stage; its second hop "
+                                 "asks the index again mid-read, which readers do not serve (yet): search with "
+                                 "EndoIndex on one process, or another first_stage.")
+            self.pipelines[key] = pipeline
         return self.pipelines[key]
 
-    def settings(self, depth: int | None = None, read_tokens: int | None = None):
-        """The pipeline without its model (its settings resolved from the model's profile): what the shards run
-        stage 1 with, and what a caller reads `depth` from."""
-        settings = copy.copy(self.pipeline(depth, read_tokens))
+    def settings(self, depth: int | None = None, read_tokens: int | None = None, first_stage: str | None = None):
+        """The pipeline without its model (its settings resolved from the model's profile): what the shards read
+        the candidates with, and what a caller reads `depth` from."""
+        settings = copy.copy(self.pipeline(depth, read_tokens, first_stage))
         settings.backbone = None
         return settings
 
-    def search(self, question: str, k: int, budget: int | None = None, where=None, depth: int | None = None,
-               read_tokens: int | None = None) -> list[Span]:
-        """`EndoPipeline.search` (first hop) with stage 1 on the shards: the same spans, scores and stage scores."""
-        ray, pipeline, settings = ray_cluster(), self.pipeline(depth, read_tokens), self.settings(depth, read_tokens)
+    def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None,
+               where: Callable[[dict], bool] | None = None, depth: int | None = None,
+               read_tokens: int | None = None, first_stage: str | None = None) -> list[Span]:
+        """`EndoPipeline.passage_hits` with stage 1 on the shards: the same spans, scores and stage scores. The
+        question comes checked by the pool (`ReaderPool.search`); `method`: `endo`, the one readers serve."""
+        if method not in (None, *SERVED):
+            raise ValueError(f"Readers serve {', '.join(SERVED)}, not {method!r}.")
+        pipeline = self.pipeline(depth, read_tokens, first_stage)
         t0 = time.perf_counter()
-        asked = [s.passage_candidates.remote(settings, question, where) for s in self.shards]
-        # one index's stage 1 keeps its best `depth` by (score desc, position asc); each shard sent its own best
-        top = sorted((c + (shard,) for shard, cs in enumerate(ray.get(asked)) for c in cs), key=lambda c: c[:2])
-        top = top[: pipeline.depth]
-        if not top:  # no document passes `where`
+        stage = pipeline.stage_one(vectors=True)
+        embedding = embed(self.embedder, [question], str(self.backbone.device))[0] if "dense" in stage.used else None
+        found = sharded_candidates(self.shards, stage, question, pipeline.depth, where,
+                                   self.settings(depth, read_tokens, first_stage), embedding)
+        if not len(found):  # no document passes `where`
             return []
         t1 = time.perf_counter()
-        _, signals, ms, _ = given_stage_one(pipeline, -np.array([c[0] for c in top]), [c[3] for c in top]
-                                            ).first_hop(None, None, question)
-        ms["first_stage"] = 1000 * (t1 - t0)  # the shards' round trip
-        # as `EndoPipeline.search` ranks: fused stage scores, ties in stage 1's order
-        fused = fuse(signals, pipeline.weights)
-        rank = np.lexsort((np.arange(len(top)), -fused))[:k]
+        ranked = given_stage_one(pipeline, found.scores, found.texts).ranked(None, None, question, k)
+        ranked.ms["first_stage"] = 1000 * (t1 - t0)  # the shards' round trips
+        ranked.ms["total"] = 1000 * (time.perf_counter() - t0)
         picks: dict[int, list[int]] = {}
-        for r in rank:
-            picks.setdefault(top[r][4], []).append(int(r))
-        cut = None if budget is None else max(1, budget // k)
-        asked = [self.shards[shard].passage_spans.remote([top[r][2] for r in rs], question, cut)
-                 for shard, rs in picks.items()]
-        got = {r: part for rs, parts in zip(picks.values(), ray.get(asked)) for r, part in zip(rs, parts)}
-        ms["total"] = 1000 * (time.perf_counter() - t0)
-        used = tuple(s for s, w in pipeline.weights.items() if w)
-        spans = []
-        for r in rank:
-            start, end, c0, c1, text, doc_id, metadata, whole = got[int(r)]
-            stage = {name: round(float(s[r]), 6) for name, s in signals.items()} | {"fused": float(fused[r])}
-            spans.append(Span(start, end, c0, c1, text, float(fused[r]), used, doc_id, metadata, stage_scores=stage,
-                              stage_ms=dict(ms), whole_document=whole))
-        return spans
+        for r in ranked.rank:
+            picks.setdefault(int(found.shards[r]), []).append(int(r))
+        asked = [self.shards[shard].passage_hits.remote(
+            [(int(found.passages[r]), float(ranked.fused[r]), ranked.scores[r]) for r in rs], question, budget, k,
+            pipeline.sources, ranked.ms) for shard, rs in picks.items()]
+        got = {r: hit for rs, hits in zip(picks.values(), ray_cluster().get(asked)) for r, hit in zip(rs, hits)}
+        return [got[int(r)] for r in ranked.rank]
 
 
-def given_stage_one(pipeline, bm25: np.ndarray, texts: list[str]):
-    """A copy of `pipeline` whose stage 1 is given (the candidates' BM25 scores, best first, and what the model reads
-    of each): its `first_hop` then reads and scores them exactly as on one process, whatever its read does."""
+def given_stage_one(pipeline, scores: dict[str, np.ndarray], texts: list[str]):
+    """A copy of `pipeline` whose stage 1 is given (each ranking's scores of the candidates, best first, and what the
+    model reads of each): its `ranked` then reads, scores and fuses them exactly as on one process."""
     given = copy.copy(pipeline)
-    given.candidates = lambda *_, **__: (np.arange(len(bm25)), {"bm25": bm25})
+    given.candidates = lambda *_, **__: (np.arange(len(texts)), dict(scores))
     given.read_texts = lambda corpus, passages, top, question: [texts[i] for i in top]
     return given
 
@@ -154,55 +159,72 @@ class ReaderPool:
                              f"{', '.join(self.methods)}.")
         return method
 
-    def pipeline(self, method: str = "endo", depth: int | None = None, read_tokens: int | None = None):
-        """The pipeline's settings (`depth`, `read_tokens`, ...; no model), as `EndoIndex.pipeline` resolves them
-        from the model's profile; a bad `depth` or `read_tokens` is a ValueError."""
+    def pipeline(self, method: str = "endo", depth: int | None = None, read_tokens: int | None = None,
+                 first_stage: str | None = None):
+        """The pipeline's settings (`depth`, `read_tokens`, `first_stage`, ...; no model), as `EndoIndex.pipeline`
+        resolves them from the model's profile; a bad option is a ValueError."""
         self.check_method(method)
-        key = (depth, read_tokens)
+        first_stage = self._first_stage(first_stage)
+        key = (depth, read_tokens, first_stage)
         if key not in self._settings:
-            self._settings[key] = _get(self.readers[0].settings.remote(depth, read_tokens))
+            self._settings[key] = _get(self.readers[0].settings.remote(depth, read_tokens, first_stage))
         return self._settings[key]
+
+    def _first_stage(self, first_stage: str | None) -> str | None:
+        """What the readers run: the one asked for, else the model's (None), BM25's where the shards hold no
+        embeddings (as `EndoIndex.pipeline`); a dense stage asked of shards without embeddings is refused."""
+        if first_stage is not None and first_stage not in FIRST_STAGES:
+            raise ValueError(f"Unknown first stage {first_stage!r}; use one of {', '.join(FIRST_STAGES)}.")
+        if self.index.embedder is None:
+            if first_stage not in (None, "bm25"):
+                raise ValueError(f"first_stage={first_stage!r} needs passage embeddings, which the shards of "
+                                 f"{self.index.directory} do not hold (built with first_stage='bm25'): build it "
+                                 "again with RayIndexer(method='endo'), or search with first_stage='bm25'.")
+            return "bm25"
+        return first_stage
 
     def search(self, question: str, k: int = 4, budget: int | None = None, method: str | None = None,
                where: Callable[[dict], bool] | None = None, depth: int | None = None,
-               read_tokens: int | None = None) -> list[Span]:
+               read_tokens: int | None = None, first_stage: str | None = None) -> list[Span]:
         """`EndoIndex.search`: the k best spans, best first; `endo` on the next reader in turn."""
-        method = self._checked(k, budget, method, depth, read_tokens)
+        method = self._checked(k, budget, method, depth, read_tokens, first_stage)
         if method not in PIPELINE_METHODS:
             return self.index.search(question, k, budget, method, where)
         reader = self.readers[next(self._turn) % len(self.readers)]
-        return _get(reader.search.remote(_question(question), k, budget, where, depth, read_tokens))
+        return _get(reader.search.remote(_question(question), k, budget, method, where, depth, read_tokens,
+                                         self._first_stage(first_stage)))
 
     def search_many(self, questions: Sequence[str], k: int = 4, budget: int | None = None, method: str | None = None,
                     where: Callable[[dict], bool] | None = None, depth: int | None = None,
-                    read_tokens: int | None = None) -> list[list[Span]]:
+                    read_tokens: int | None = None, first_stage: str | None = None) -> list[list[Span]]:
         """`search` for every question, in the given order; `endo` questions spread over the readers, each
         taking the next as soon as it has room."""
         if isinstance(questions, str):
             raise ValueError("search_many takes a list of questions; for one question use search().")
-        method = self._checked(k, budget, method, depth, read_tokens)
+        method = self._checked(k, budget, method, depth, read_tokens, first_stage)
         if method not in PIPELINE_METHODS:
             return [self.search(q, k, budget, method, where) for q in questions]
         out: list = [None] * len(questions)
         slots = [r for _ in range(self.calls_per_reader) for r in self.readers]
         asked = [(i, _question(q)) for i, q in enumerate(questions)]
-        submit = lambda reader, job: reader.search.remote(job[1], k, budget, where, depth, read_tokens)  # noqa: E731
+        stage = self._first_stage(first_stage)
+        submit = lambda reader, job: reader.search.remote(job[1], k, budget, method, where, depth,  # noqa: E731
+                                                          read_tokens, stage)
         with contextlib.closing(spread(asked, slots, submit)) as finished:
             for (i, _), ready in finished:
                 out[i] = _get(ready)
         return out
 
-    def _checked(self, k, budget, method, depth, read_tokens) -> str:
+    def _checked(self, k, budget, method, depth, read_tokens, first_stage) -> str:
         """The method to search with, after every check one index makes before it searches."""
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
+        check_search_k(k)
         method = self.check_method(method)
         if method in PIPELINE_METHODS:
             if budget is not None:
                 check_budget(budget)
-            self.pipeline(method, depth, read_tokens)  # a bad depth or read_tokens fails here, once
-        elif depth is not None or read_tokens is not None:
-            raise ValueError(f"depth and read_tokens tune the endo pipeline; {method!r} reads no candidates.")
+            self.pipeline(method, depth, read_tokens, first_stage)  # a bad option fails here, once
+        else:
+            self.index.pipeline(method, depth, read_tokens, first_stage)  # refused: it reads no candidates
         return method
 
     # the index is read-only here: say how to change it

@@ -359,7 +359,7 @@ def query_section(backbone, saes, source: TextSource, sizes: list[int], base_tok
 def endo_pipeline_rows(backbone, corpus, passages, questions: list[str], size: int, extra: dict, heads=None,
                        k: int = 5) -> list[dict]:
     """The default `endo` pipeline per question (its shipped settings; `heads`: the model's calibrated heads): the
-    query's p50/p95, each stage's p50 (`EndoPipeline.search`'s stage_ms: bm25, then the model's read, question
+    query's p50/p95, each stage's p50 (`EndoPipeline.passage_hits`'s stage_ms: bm25, then the model's read, question
     and hop2), the model's forwards per question and, on CUDA, the launches, kernels and copies of the first
     LAUNCH_QUESTIONS, warm. A model without a heads profile gets one row saying so."""
     from endo_bench.launches import counting_forwards, launches_per_question
@@ -371,12 +371,12 @@ def endo_pipeline_rows(backbone, corpus, passages, questions: list[str], size: i
         pipe = EndoPipeline(backbone, heads=heads)
     except HeadsError as err:
         return [row("query", "endo_query_p50_ms", "endo", size, None, "ms", dev, **{**extra, "note": str(err)})]
-    pipe.search(corpus, passages, questions[0], k)  # warm-up
+    pipe.passage_hits(corpus, passages, questions[0], k)  # warm-up
     total, stages, forwards = [], {}, []
     for q in questions:
         with counting_forwards(backbone) as count:
             t = clock(device)
-            hits = pipe.search(corpus, passages, q, k)
+            hits = pipe.passage_hits(corpus, passages, q, k)
             total.append(clock(device) - t)
         forwards.append(count[0])
         for stage, ms in (hits[0].stage_ms if hits else {}).items():
@@ -390,7 +390,7 @@ def endo_pipeline_rows(backbone, corpus, passages, questions: list[str], size: i
                 **{**extra, "note": note}) for stage, v in stages.items() if stage != "total"]
     out.append(row("query", "endo_forwards_per_question", "endo", size, float(np.mean(forwards)), "forwards", dev,
                    **{**extra, "note": note}))
-    cuda = launches_per_question(lambda q: pipe.search(corpus, passages, q, k), questions, device)
+    cuda = launches_per_question(lambda q: pipe.passage_hits(corpus, passages, q, k), questions, device)
     if cuda is not None:
         out += [row("query", f"endo_cuda_{kind}_per_question", "endo", size, value, kind, dev,
                     **{**extra, "questions": cuda["questions"], "note": note + "; torch.profiler's count"})

@@ -1,4 +1,4 @@
-"""`endo bench perf --sections scale`: one Ray worker against two, side by side in one run (`distributed.py`).
+"""`endo bench perf --sections scale`: one Ray worker against two, side by side in one run (`distributed/`).
 
 * indexing: the same documents (the bench text, --scale-tokens of it, cut at paragraphs into --scale-docs
   documents) built into an index folder by `RayIndexer` with 1 worker, then with 2 (a GPU each, else a CPU slot);

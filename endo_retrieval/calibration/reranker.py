@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from endo_retrieval.calibration.pipeline import fit, objective, write_json
-from endo_retrieval.integrations import first_stage_signal, passage_heads_scores
+from endo_retrieval.methods.rerank import first_stage_signal, passage_heads_scores
 from endo_retrieval.model.backbone import Backbone
 from endo_retrieval.model.profiles import heads_profile_path
 

@@ -154,8 +154,8 @@ def ray_index_run(args, files, skipped, out: Path) -> int:
     # every method: an index for endo or bm25 only tokenises, but its segments are what ShardedIndex opens as
     # shards (the pipeline's stage 1 where the corpus lives; docs/scale.md)
     distributed.connect(args.ray or None)
-    distributed.RayIndexer(args.workers, setup=distributed.ModelRecipe(args.model), method=args.method
-                           ).build(out, docs, append=args.append)
+    distributed.RayIndexer(args.workers, setup=distributed.ModelRecipe(args.model), method=args.method,
+                           first_stage=args.first_stage, embedder=args.embedder).build(out, docs, append=args.append)
     parts = segments.listed_committed(out)
     print(f"indexed {len(docs)} document(s) on Ray workers -> {out} ({len(parts)} segment(s), "
           f"{sum(p['tokens'] for p in parts)} tokens in all)")

@@ -75,7 +75,7 @@ class IndexHolder:
                     EndoIndex(self.model, method=self.method)
             return self._index
 
-    def search(self, question: str, k: int, budget: int | None) -> list:
+    def search_evidence(self, question: str, k: int, budget: int | None) -> list:
         from endo_retrieval.integrations import search_hits  # torch, as above
 
         with self._lock:  # the k best passages: the pipeline reads at least k candidates
@@ -111,7 +111,7 @@ def build_server(holder: IndexHolder, k: int = 4, budget: int | None = None):
             raise ToolError(f"The question has {len(question)} characters; ask with at most {MAX_QUESTION_CHARS} "
                             "(put long material into add_documents instead).")
         try:
-            spans = holder.search(question, k, budget)
+            spans = holder.search_evidence(question, k, budget)
         except (ValueError, OSError) as e:
             raise ToolError(str(e)) from None
         return [Evidence(doc_id=s.doc_id, text=s.text, char_start=s.char_start, char_end=s.char_end,

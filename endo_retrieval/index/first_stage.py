@@ -6,8 +6,10 @@ fused by weighted reciprocal-rank fusion (`hybrid`, the default), the dense rank
 
     fused(p) = (1 - share) / (RRF_K + rank_bm25(p)) + share / (RRF_K + rank_dense(p))
 
-(Cormack et al. 2009, weighted). The pipeline (methods/pipeline.py) and the calibrations ask this module (the Ray
-shards, not yet: they hold BM25 alone); a new kind of first stage is one class here and one line in `FIRST_STAGES`.
+(Cormack et al. 2009, weighted). The pipeline (methods/pipeline.py), the calibrations and the Ray shards ask this
+module: a shard scores its own passages (`FirstStage.scores`) and the reader fuses the shards' heads with the same
+`fused_heads` one process runs (distributed/first_stage.py); a new kind of first stage is one class here and one
+line in `FIRST_STAGES`.
 """
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ DEFAULT_FIRST_STAGE = "hybrid"
 
 
 class Ranking(Protocol):
-    """One way of scoring every passage for a question (higher is better)."""
+    """One way of scoring every passage for a question (higher is better). `embedding`: the question's embedding
+    where it was computed already (the Ray reader sends the shards one, so that every shard compares the same)."""
 
     name: str
 
-    def scores(self, corpus: CorpusMap, passages: Passages, question: str) -> np.ndarray: ...
+    def scores(self, corpus: CorpusMap, passages: Passages, question: str,
+               embedding: np.ndarray | None = None) -> np.ndarray: ...
 
 
 class BM25Ranking:
@@ -37,7 +41,7 @@ class BM25Ranking:
 
     name = "bm25"
 
-    def scores(self, corpus, passages, question):
+    def scores(self, corpus, passages, question, embedding=None):
         query = words(question)
         return passages.bm25.get_scores(query) if query else np.zeros(len(passages))
 
@@ -48,12 +52,12 @@ class DenseRanking:
 
     name = "dense"
 
-    def scores(self, corpus, passages, question):
+    def scores(self, corpus, passages, question, embedding=None):
         if getattr(passages, "vectors", None) is None:
             raise ValueError("This first stage needs the passages' embeddings, which this index does not hold (it was "
                              "built with first_stage='bm25'): call index.add_embeddings() and save it, or rebuild it; "
                              "first_stage='bm25' searches it as it is.")
-        return passages.dense_scores(corpus, passages.dense.query(question))
+        return passages.dense_scores(corpus, passages.dense.query(question) if embedding is None else embedding)
 
 
 RANKINGS: dict[str, type] = {"bm25": BM25Ranking, "dense": DenseRanking}
@@ -75,12 +79,22 @@ class FirstStage:
     name: str
     weights: dict[str, float]
 
+    @property
+    def used(self) -> list[str]:
+        """The rankings the fusion reads (weight above 0), in the weights' order."""
+        return [name for name, w in self.weights.items() if w > 0]
+
+    def scores(self, corpus: CorpusMap, passages: Passages, question: str,
+               embedding: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """{ranking: every passage's score} for the rankings fused, and BM25's whatever the weights."""
+        names = dict.fromkeys(["bm25", *self.used])
+        return {name: RANKINGS[name]().scores(corpus, passages, question, embedding) for name in names}
+
     def candidates(self, corpus: CorpusMap, passages: Passages, question: str, n: int,
                    where: Callable[[dict], bool] | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(the n best passages' indices, best first, ties in corpus order; {ranking: those passages' scores})."""
-        used = [name for name, w in self.weights.items() if w > 0]
-        scores = {name: RANKINGS[name]().scores(corpus, passages, question) for name in dict.fromkeys(["bm25", *used])}
-        top = fused_top_of([(self.weights[name], scores[name]) for name in used], n,
+        scores = self.scores(corpus, passages, question)
+        top = fused_top_of([(self.weights[name], scores[name]) for name in self.used], n,
                            allowed_passages(corpus, passages, where))
         out = {name: s[top] for name, s in scores.items()}
         if "dense" in out and not np.isfinite(out["dense"]).all():  # a candidate outside the cells searched
@@ -108,19 +122,43 @@ def first_stage(name: str = DEFAULT_FIRST_STAGE, share: float | None = None) -> 
     return FirstStage(name, FIRST_STAGES[name](share))
 
 
+HEAD_MIN = 1024  # each ranking's head holds at least this many passages when several are fused
+
+
+def head_size(n: int, rankings: int) -> int:
+    """How many of each ranking's best `fused_heads` starts from for the fused top n: n for one ranking alone, else
+    m = max(HEAD_MIN, 4 n) > RRF_K + 2 n, so that the n-th fused score beats every passage outside the heads."""
+    return n if rankings == 1 else max(HEAD_MIN, 4 * n)
+
+
 def fused_top_of(rankings: list[tuple[float, np.ndarray]], n: int, keep: np.ndarray | None = None) -> np.ndarray:
     """`fused_top` over any number of (weight, scores) rankings."""
     allowed = None if keep is None else np.flatnonzero(keep)
     rankings = [(w, s if allowed is None else s[allowed]) for w, s in rankings if w > 0]
-    size = len(rankings[0][1])
-    m = max(1024, 4 * n)  # > RRF_K + 2 n: the n-th fused score beats every passage outside the heads (_fused_heads)
+    size, weights = len(rankings[0][1]), [w for w, _ in rankings]
+    m = head_size(n, len(rankings))
     if len(rankings) == 1:
-        top = _Ranking(rankings[0][1]).best(n) if size else np.zeros(0, np.int64)
+        top = best_of(rankings[0][1], n) if size else np.zeros(0, np.int64)
     elif m >= size:
-        top = fused_top_plain([s for _, s in rankings], [w for w, _ in rankings], n)
+        top = fused_top_plain([s for _, s in rankings], weights, n)
     else:
-        top = _fused_heads(rankings, n, m)
+        ranked = [_Ranking(s) for _, s in rankings]
+        top = fused_heads(weights, [r.best(m) for r in ranked], n, m,
+                          lambda asked: [ranked[r].rank(i) for r, i in asked])
+        if top is None:  # not reached for m > RRF_K + 2n; kept as a guard
+            top = fused_top_plain([s for _, s in rankings], weights, n)
     return top if allowed is None else allowed[top]
+
+
+def best_of(scores: np.ndarray, m: int) -> np.ndarray:
+    """`np.argsort(-scores, kind="stable")[:m]`: the m best passages, ties by position."""
+    return _Ranking(scores).best(m)
+
+
+def rank_in(scores: np.ndarray, value: float, before: int) -> int:
+    """The rank a passage scored `value` at position `before` would have among `scores`: those scored higher and
+    those tied before it (`_Ranking.rank`, for a passage elsewhere: a shard counts its part of a global rank)."""
+    return int(np.count_nonzero(scores > value) + np.count_nonzero(scores[:max(0, before)] == value))
 
 
 def fused_top(bm25: np.ndarray, dense: np.ndarray | None, share: float, n: int, keep: np.ndarray | None = None
@@ -180,30 +218,30 @@ class _Ranking:
         return int(np.count_nonzero(self.values > v) + np.count_nonzero(self.values[:before] == v))
 
 
-def _fused_heads(rankings: list[tuple[float, np.ndarray]], n: int, m: int) -> np.ndarray:
-    """`fused_top_plain` from each ranking's best m. A candidate's rank where it is outside the head is at least m,
-    so its fused score is at most the sum with rank m there (`upper`); the candidates best by that bound get their
-    missing ranks counted (`_Ranking.rank`) until the n best are all exact, whose scores and order are then the
-    plain ones: any other candidate's true score is at most its bound, and one outside every head at most the sum
-    of w / (RRF_K + m) (< the n-th score when m > RRF_K + 2n, as the larger weight's own top n each score >=
-    w / (RRF_K + n))."""
-    ranked = [_Ranking(s) for _, s in rankings]
-    heads = [r.best(m) for r in ranked]
+def fused_heads(weights: list[float], heads: list[np.ndarray], n: int, m: int,
+                ranks_of: Callable[[list[tuple[int, int]]], list[int]]) -> np.ndarray | None:
+    """`fused_top_plain` from each ranking's best m (`heads`: passage indices, best first; shorter where the ranking
+    holds fewer). A candidate's rank where it is outside a head is at least m, so its fused score is at most the sum
+    with rank m there (`upper`); the candidates best by that bound get their missing ranks counted (`ranks_of`:
+    [(ranking, passage)] -> ranks; one process counts in its arrays, the Ray reader asks the shards) until the n best
+    are all exact, whose scores and order are then the plain ones: any other candidate's true score is at most its
+    bound, and one outside every head at most the sum of w / (RRF_K + m) (< the n-th score when m > RRF_K + 2n, as
+    the larger weight's own top n each score >= w / (RRF_K + n)). None where that bound does not hold."""
     cand = np.unique(np.concatenate(heads))
-    rank = np.full((len(rankings), len(cand)), -1.0)  # -1: outside that ranking's head, not counted yet
+    rank = np.full((len(heads), len(cand)), -1.0)  # -1: outside that ranking's head, not counted yet
     for r, head in enumerate(heads):
-        rank[r, np.searchsorted(cand, head)] = np.arange(m)
+        rank[r, np.searchsorted(cand, head)] = np.arange(len(head))
     while True:
         upper = np.zeros(len(cand))
-        for (w, _), ranks in zip(rankings, rank):  # the plain path's sum, in its order: equal bit for bit
+        for w, ranks in zip(weights, rank):  # the plain path's sum, in its order: equal bit for bit
             upper += w / (RRF_K + np.where(ranks < 0, m, ranks))
         top = np.lexsort((cand, -upper))[:n]
-        missing = [(r, i) for i in top for r in range(len(rankings)) if rank[r, i] < 0]
+        missing = [(r, i) for i in top for r in range(len(heads)) if rank[r, i] < 0]
         if not missing:
             break
-        for r, i in missing:
-            rank[r, i] = ranked[r].rank(int(cand[i]))
-    outside = sum(w / (RRF_K + m) for w, _ in rankings)
-    if len(top) == n and upper[top[-1]] <= outside:  # not reached for m > RRF_K + 2n; kept as a guard
-        return fused_top_plain([s for _, s in rankings], [w for w, _ in rankings], n)
+        for (r, i), counted in zip(missing, ranks_of([(r, int(cand[i])) for r, i in missing])):
+            rank[r, i] = counted
+    outside = sum(w / (RRF_K + m) for w in weights)
+    if len(top) == n and upper[top[-1]] <= outside:
+        return None
     return cand[top]

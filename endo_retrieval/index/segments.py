@@ -1,4 +1,4 @@
-"""An index in segments: parts built apart (by Ray workers, `distributed.py`) and committed together by a manifest.
+"""An index in segments: parts built apart (by Ray workers, `distributed/`) and committed together by a manifest.
 
     DIR/segments/<name>/   each an index in the usual layout (`EndoIndex.save`: features/, corpus.npz, header)
     DIR/endo-index.json    the manifest: the usual header plus "segments", the parts in position order
@@ -18,12 +18,16 @@ from pathlib import Path
 import numpy as np
 
 from endo_retrieval.corpus import CorpusMap
-from endo_retrieval.files import atomic_write, fsync_dir
+from endo_retrieval.files import IndexCorruptError, atomic_write, fsync_dir, read_folder
+from endo_retrieval.index.dense import CELLS_FILE, META_FILE, VECTORS_FILE, DenseVectors
 from endo_retrieval.index.inverted import FeatureIndex
+from endo_retrieval.index.passages import PASSAGES_FILE
 
 SEGMENTS = "segments"
 HEAD = "endo-index.json"
-SAME = ("format", "version", "model_hash", "method", "chunk_size", "sae_layers", "prune")  # segments must agree
+# segments must agree ("embedder": the passages' embedder, None where they hold no embeddings)
+SAME = ("format", "version", "model_hash", "method", "chunk_size", "sae_layers", "prune", "embedder")
+PLAIN_FILES = ("corpus.npz", PASSAGES_FILE, VECTORS_FILE, META_FILE, CELLS_FILE)  # a plain index's, beside features/
 
 
 def new_name() -> str:
@@ -78,8 +82,9 @@ def listed(directory: str | Path) -> list[dict]:
     folder = directory / SEGMENTS / new_name()
     folder.mkdir(parents=True)
     shutil.copytree(directory / "features", folder / "features")
-    for name in ("corpus.npz", HEAD):
-        shutil.copy2(directory / name, folder / name)
+    for name in (*PLAIN_FILES, HEAD):  # every file the header may record (its passages, their embeddings)
+        if name == HEAD or (directory / name).exists():
+            shutil.copy2(directory / name, folder / name)
     return [entry(folder)]
 
 
@@ -105,7 +110,8 @@ def commit(directory: str | Path, parts: list[dict]) -> Path:
         if stale.name not in keep:
             shutil.rmtree(stale, ignore_errors=True)
     shutil.rmtree(directory / "features", ignore_errors=True)
-    (directory / "corpus.npz").unlink(missing_ok=True)
+    for name in PLAIN_FILES:
+        (directory / name).unlink(missing_ok=True)
     return directory
 
 
@@ -122,11 +128,33 @@ def load_parts(directory: str | Path, parts: list[dict]) -> tuple[FeatureIndex, 
     return features, corpus
 
 
+def load_dense(directory: str | Path, parts: list[dict], device: str = "cpu") -> DenseVectors | None:
+    """The passage embeddings of `parts` as one `DenseVectors` (each segment's files checked as `EndoIndex.load`
+    checks them), compared with every passage: a segment's cells were trained on it alone. None where a segment
+    holds none."""
+    whole = None
+    for p in parts:
+        folder = Path(directory) / SEGMENTS / p["name"]
+        head = json.loads((folder / HEAD).read_text())
+        dense = read_folder(folder, lambda open_file: DenseVectors.read(open_file, folder, device, head.get("dense"),
+                                                                        head.get("embedder")))
+        if dense is None:
+            return None
+        whole = whole or DenseVectors(dense.embedder, device)
+        if dense.embedder != whole.embedder:
+            raise IndexCorruptError(f"segment {p['name']} of {directory} embedded its passages with "
+                                    f"{dense.embedder!r}, another with {whole.embedder!r}; rebuild the index.")
+        whole.rows.update(dense.rows)
+    return whole
+
+
 def load_segments(cls, directory: Path, meta: dict, backbone=None, saes=None, int8_queries=None):
-    """`EndoIndex.load` of a manifest: the first segment's index, the others' appended."""
+    """`EndoIndex.load` of a manifest: the first segment's index, the others' appended, their embeddings too."""
     parts = meta["segments"]
     index = cls.load(Path(directory) / SEGMENTS / parts[0]["name"], backbone, saes, int8_queries)
     index.index, index.corpus = load_parts(directory, parts)
+    if index.dense is not None:
+        index.dense = load_dense(directory, parts, index.dense.device)
     return index
 
 

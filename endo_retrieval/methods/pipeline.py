@@ -36,7 +36,7 @@ from endo_retrieval.index.passages import Passages, best_part, part_text, passag
 from endo_retrieval.methods.heads import bridge_terms, profile_heads, read_passages
 from endo_retrieval.model.profiles import heads_profile
 from endo_retrieval.scoring.bm25 import OkapiPostings, words
-from endo_retrieval.index.first_stage import DENSE_SHARE, FIRST_STAGES, first_stage as make_first_stage
+from endo_retrieval.index.first_stage import DENSE_SHARE, FIRST_STAGES, FirstStage, first_stage as make_first_stage
 from endo_retrieval.scoring.adaptive import AdaptiveWeights
 from endo_retrieval.scoring.fusion import fuse, rrf, standardise
 
@@ -185,12 +185,17 @@ class EndoPipeline:
         """Stage 1: (passage indices of the best `depth`, best first (ties: corpus order), {"bm25": their BM25
         scores, "dense": their cosine with the question where the dense stage ran}); `where(metadata)`: only
         passages of the documents it accepts."""
+        vectors = getattr(passages, "vectors", None) is not None
+        return self.stage_one(vectors, first_stage).candidates(corpus, passages, question, depth or self.depth, where)
+
+    def stage_one(self, vectors: bool, first_stage: str | None = None) -> FirstStage:
+        """The first stage this pipeline runs over passages with (`vectors`) or without embeddings: `first_stage`
+        (None: its own), a default dense one falling back to BM25 where there are no vectors."""
         stage = first_stage or self.first_stage
-        if stage != "bm25" and getattr(passages, "vectors", None) is None and not (first_stage or
-                                                                                  self.first_stage_asked):
+        if stage != "bm25" and not vectors and not (first_stage or self.first_stage_asked):
             stage = "bm25"  # passages without embeddings, no dense stage asked for: BM25's candidates
         share = self.dense_share if stage == self.first_stage else None
-        return make_first_stage(stage, share).candidates(corpus, passages, question, depth or self.depth, where)
+        return make_first_stage(stage, share)
 
     @property
     def reads_hop2(self) -> bool:
@@ -330,16 +335,18 @@ class EndoPipeline:
         return (np.asarray(new, np.int64), score, stage, found_by,
                 {"bridge": 1000 * (t1 - t0), "hop2_read": 1000 * (t2 - t1)})
 
-    def search(self, corpus: CorpusMap, passages: Passages, question: str, k: int, budget: int | None = None,
-               where=None) -> list[Span]:
-        """The k best passages, best first, as spans: score = the fused stage scores (higher is better), each
-        stage's own score in `stage_scores`. `budget`: at most that many tokens in all, each passage cut to its
-        best part (`best_part`) of budget // k tokens; a cut passage's text joins its pieces with ' ... ', and its
-        character offsets run from the first piece's start to the last one's end."""
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The stage scores the fusion weighs (a hit's `signals`)."""
+        return tuple(s for s, w in self.weights.items() if w)
+
+    def ranked(self, corpus: CorpusMap, passages: Passages, question: str, k: int, where=None) -> Ranked | None:
+        """Both hops read and fused, the k best picked (`Ranked`); None when no document passes `where`. The Ray
+        reader runs it on a copy whose stage 1 the shards gave (distributed_pipeline.py)."""
         t0 = time.perf_counter()
         top, signals, ms, first = self.first_hop(corpus, passages, question, where=where)
         if not len(top):  # no document passes `where`
-            return []
+            return None
         fused = self.fuse(signals)
         scores = [{name: round(float(s[r]), 6) for name, s in signals.items()} | {"fused": float(fused[r])}
                   for r in range(len(top))]
@@ -354,9 +361,30 @@ class EndoPipeline:
             top, fused = np.concatenate([top, new]), np.concatenate([fused, score])
         rank = np.lexsort((np.arange(len(top)), -fused))[:k]  # ties keep stage 1's order (then hop 2's)
         ms["total"] = 1000 * (time.perf_counter() - t0)
-        q, spans = set(words(question)), []
-        sources = tuple(s for s, w in self.weights.items() if w)
-        for r in rank:
-            spans.append(passage_span(corpus, passages, int(top[r]), float(fused[r]), q, budget, k, sources,
-                                      stage_scores=scores[r], stage_ms=dict(ms)))
-        return spans
+        return Ranked(top, fused, scores, ms, rank)
+
+    def passage_hits(self, corpus: CorpusMap, passages: Passages, question: str, k: int, budget: int | None = None,
+                     where=None) -> list[Span]:
+        """The k best passages, best first, as spans: score = the fused stage scores (higher is better), each
+        stage's own score in `stage_scores`. `budget`: at most that many tokens in all, each passage cut to its
+        best part (`best_part`) of budget // k tokens; a cut passage's text joins its pieces with ' ... ', and its
+        character offsets run from the first piece's start to the last one's end."""
+        ranked = self.ranked(corpus, passages, question, k, where)
+        if ranked is None:
+            return []
+        q = set(words(question))
+        return [passage_span(corpus, passages, int(ranked.top[r]), float(ranked.fused[r]), q, budget, k,
+                             self.sources, stage_scores=ranked.scores[r], stage_ms=dict(ranked.ms))
+                for r in ranked.rank]
+
+
+@dataclass
+class Ranked:
+    """A question's candidates as the pipeline ranked them: passage indices (first hop, then second), their fused
+    scores and stage scores, the search's time per stage, and the k best (positions in `top`, best first)."""
+
+    top: np.ndarray
+    fused: np.ndarray
+    scores: list[dict]
+    ms: dict[str, float]
+    rank: np.ndarray

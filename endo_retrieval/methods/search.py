@@ -25,6 +25,7 @@ from endo_retrieval.index.rwlock import locked
 from endo_retrieval.methods import (DEFAULT_METHOD, METHODS, S3_METHODS, SEARCH_METHODS, check_search_method,
                                     method_class)
 from endo_retrieval.methods.pipeline import EndoPipeline
+from endo_retrieval.methods.searcher import best_spans, check_search_k
 from endo_retrieval.model.backbone import Backbone, as_text
 from endo_retrieval.scoring.select import QA_KERNEL
 
@@ -34,9 +35,9 @@ logger = logging.getLogger(__name__)
 
 class EndoIndex(IndexStore):
     """A persistent endogenous index over documents (`IndexStore`: the corpus map, BM25 over its passages and
-    sentences, and for S3 the feature postings), searched with the methods of the registry. `method`: how `search`
-    ranks by default. An index built for `endo` or `bm25` holds no feature postings and cannot search with S3; one
-    built for `s3` or `s3-hybrid` serves every method."""
+    sentences, and for S3 the feature postings), searched with the methods of the registry: a `Searcher`.
+    `method`: how `search` ranks by default. An index built for `endo` or `bm25` holds no feature postings and
+    cannot search with S3; one built for `s3` or `s3-hybrid` serves every method."""
 
     method_names = SEARCH_METHODS
     feature_methods = S3_METHODS
@@ -178,8 +179,7 @@ class EndoIndex(IndexStore):
         chosen", has the recall of each). `first_stage`: the pipeline's candidates ("hybrid", "bm25", "dense"; None:
         the model's fitted one where the index holds embeddings, else "bm25")."""
         question = capped_question(question)
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"k must be a whole number >= 1, got {k!r}.")
+        check_search_k(k)
         method = self.check_method(method)
         if METHODS[method].passages:
             if not len(self.corpus):
@@ -187,10 +187,9 @@ class EndoIndex(IndexStore):
             if budget is not None:
                 check_budget(budget)
             self._dense_off(first_stage)
-            return self.pipeline(method, depth, read_tokens, first_stage).search(
+            return self.pipeline(method, depth, read_tokens, first_stage).passage_hits(
                 self.corpus, self.passages(), unicode_text(as_text(question)), k, budget, where=where)
-        spans = [s for s in self.select(question, budget or 128 * k, method) if where is None or where(s.metadata)]
-        return sorted(spans, key=lambda s: -s.score)[:k]
+        return best_spans(self.select(question, budget or 128 * k, method), k, where)
 
     def pipeline(self, method: str = "endo", depth: int | None = None, read_tokens: int | None = None,
                  first_stage: str | None = None):
@@ -199,6 +198,10 @@ class EndoIndex(IndexStore):
         unless a dense first stage is asked for, which then fails saying how to add them."""
         if first_stage not in (None, "bm25"):
             self._dense_off(first_stage)  # a dense stage asked for, its files damaged: the error, not a fallback
+            if self.dense is None:
+                raise ValueError(f"first_stage={first_stage!r} needs passage embeddings, which this index does not "
+                                 "hold (it was built with first_stage='bm25'): call index.add_embeddings(), or "
+                                 "rebuild it.")
         # no vectors to read (built with first_stage="bm25", or from segments): BM25's candidates and weights; where
         # a dense file was damaged, `search` refuses first (`_dense_off`)
         if first_stage is None and (self.dense is None or (len(self.corpus) and self.passages().vectors is None)):

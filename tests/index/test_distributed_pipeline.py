@@ -1,7 +1,8 @@
 """The default pipeline `endo` served by Ray on a local cluster of 2 CPUs: an endo index built by workers from the
-command line, stage 1 on shards with the whole index's BM25 statistics, the model on reader actors, answers equal
-to one process's, through LlamaIndex and LangChain as well. A tiny random Llama with a two-head profile (plumbing,
-not quality), and once the real default model."""
+command line, its passages embedded there; stage 1 on shards (BM25 with the whole index's statistics and the dense
+ranking, fused: hybrid, the profile's default here), the model on reader actors, answers equal to one process's,
+through LlamaIndex and LangChain as well, every option included. A tiny random Llama with a two-head profile
+(plumbing, not quality), and once the real default model."""
 import copy
 import json
 import os
@@ -14,9 +15,10 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'endo-retrieval[ray]'): these tests run "
                           "Ray workers on a local cluster")
 
-from endo_retrieval import EndoIndex  # noqa: E402
+from endo_retrieval import Document, EndoIndex  # noqa: E402
 from endo_retrieval.cli.demo import FILLER  # noqa: E402
 from endo_retrieval.distributed import ModelRecipe, ShardedIndex  # noqa: E402
+from endo_retrieval.distributed.first_stage import sharded_candidates  # noqa: E402
 from endo_retrieval.distributed_pipeline import Reader, ReaderPool  # noqa: E402
 from endo_retrieval.index import segments  # noqa: E402
 
@@ -50,6 +52,7 @@ def tiny(tmp_path_factory):
     profile.write_text(json.dumps({"model_hash": bb.model_hash, "heads": [[0, 0], [1, 1]],
                                    "fusion": {"weights": {"heads": 1.0}},
                                    "pipeline": {"depth": 6, "read_tokens": 24, "best_last": True,
+                                                "first_stage": "hybrid",
                                                 "weights": {"bm25": 0.4, "heads": 0.3, "hop2": 0.3}}}))
     before = os.environ.get("ENDO_HEADS_PROFILE")
     os.environ["ENDO_HEADS_PROFILE"] = str(profile)  # before the cluster starts: its workers inherit it
@@ -108,22 +111,35 @@ def test_an_endo_index_is_built_by_ray_workers_from_the_command_line(tiny, built
 
 
 def test_stage_one_over_shards_equals_one_index(one, sharded):
-    """Each shard's BM25 over passages with the whole index's statistics: the merged candidates are one index's,
-    scores bit for bit; sentence BM25 (`bm25`) too, from an index that holds no S3 postings."""
-    pipeline = one.pipeline("endo", first_stage="bm25")  # the shards hold BM25 only
-    settings = copy.copy(pipeline)  # what a reader sends the shards: the pipeline without its model
-    settings.backbone = None
+    """Each shard scores its passages with the whole index's BM25 statistics and their embeddings; the fused
+    candidates over both shards are one index's, in order, BM25's scores bit for bit; sentence BM25 (`bm25`) too,
+    from an index that holds no S3 postings."""
     passages = one.passages()
     assert sharded.encoder is None and sharded.methods == ("bm25",) and len(sharded.shards) == 2
+    assert sharded.embedder == one.dense.embedder and passages.vectors is not None  # both hold the embeddings
+    owners = set()
+    for stage in ("hybrid", "bm25", "dense"):
+        pipeline = one.pipeline("endo", first_stage=stage)
+        for q in QUESTIONS:
+            top, scores = pipeline.candidates(one.corpus, passages, q)
+            found = sharded_candidates(sharded.shards, pipeline.stage_one(vectors=True), q, pipeline.depth, None,
+                                       _settings(pipeline), one.dense.query(q) if stage != "bm25" else None)
+            assert found.starts.tolist() == passages.starts[top].tolist(), (stage, q)
+            assert found.scores["bm25"].tolist() == scores["bm25"].tolist(), q  # the same idf, mean length, sums
+            if stage != "bm25":
+                np.testing.assert_allclose(found.scores["dense"], scores["dense"], rtol=1e-5, atol=1e-6)
+            assert found.texts == pipeline.read_texts(one.corpus, passages, top, q)
+            owners |= set(found.shards.tolist())
+    assert owners == {0, 1}  # both shards hold candidates
     for q in QUESTIONS:
-        top, scores = pipeline.candidates(one.corpus, passages, q)
-        found = ray.get([s.passage_candidates.remote(settings, q) for s in sharded.shards])
-        assert all(found)  # both shards offer candidates
-        merged = sorted((c for cs in found for c in cs), key=lambda c: c[:2])[: pipeline.depth]
-        assert [c[1] for c in merged] == passages.starts[top].tolist(), q
-        assert [-c[0] for c in merged] == scores["bm25"].tolist(), q  # exactly: the same idf, mean length and sums
-        assert [c[3] for c in merged] == pipeline.read_texts(one.corpus, passages, top, q)
         assert sharded.search(q, k=3, method="bm25") == one.search(q, k=3, method="bm25")
+
+
+def _settings(pipeline):
+    """What a reader sends the shards: the pipeline without its model."""
+    settings = copy.copy(pipeline)
+    settings.backbone = None
+    return settings
 
 
 def test_readers_answer_as_one_process(tiny, one, pool):
@@ -139,6 +155,10 @@ def test_readers_answer_as_one_process(tiny, one, pool):
     assert pool.search(QUESTIONS[0], where=lambda m: False) == []
     _same_hits(pool.search(QUESTIONS[0], k=3, depth=3, read_tokens=16),
                one.search(QUESTIONS[0], k=3, depth=3, read_tokens=16))
+    assert "dense" in pool.search(QUESTIONS[0], k=1)[0].stage_scores  # the hybrid stage 1 by default
+    for stage in ("bm25", "dense"):
+        _same_hits(pool.search(QUESTIONS[2], k=3, first_stage=stage), one.search(QUESTIONS[2], k=3, first_stage=stage))
+        assert pool.pipeline("endo", first_stage=stage).first_stage == stage
     many = pool.search_many(QUESTIONS, k=3)
     assert len(many) == len(QUESTIONS)
     for q, got in zip(QUESTIONS, many):
@@ -150,15 +170,68 @@ def test_readers_answer_as_one_process(tiny, one, pool):
 
 
 def test_llamaindex_and_langchain_retrieve_through_the_pool(tiny, one, pool):
+    """Every option a retriever over an index takes, over the pool too: first_stage, depth, read_tokens, passages."""
     from langchain_endo import EndoRetriever as LCRetriever
     from llama_index.retrievers.endo import EndoRetriever
 
     q = QUESTIONS[0]
-    got, want = EndoRetriever(pool, similarity_top_k=3).retrieve(q), EndoRetriever(one, similarity_top_k=3).retrieve(q)
-    assert [n.node.node_id for n in got] == [n.node.node_id for n in want] and len(got) == 3
-    np.testing.assert_allclose([n.score for n in got], [n.score for n in want], rtol=1e-5, atol=1e-6)
-    got, want = LCRetriever.from_index(pool, k=2).invoke(q), LCRetriever.from_index(one, k=2).invoke(q)
-    assert [(d.id, d.page_content) for d in got] == [(d.id, d.page_content) for d in want] and len(got) == 2
+    for options in ({}, {"first_stage": "bm25", "depth": 4, "read_tokens": 16}, {"first_stage": "hybrid", "depth": 5},
+                    {"first_stage": "dense", "read_tokens": 32, "return_passages": True}):
+        got = EndoRetriever(pool, similarity_top_k=3, **options).retrieve(q)
+        want = EndoRetriever(one, similarity_top_k=3, **options).retrieve(q)
+        assert [n.node.node_id for n in got] == [n.node.node_id for n in want] and len(got) == 3, options
+        np.testing.assert_allclose([n.score for n in got], [n.score for n in want], rtol=1e-5, atol=1e-6)
+        got = LCRetriever.from_index(pool, k=2, **options).invoke(q)
+        want = LCRetriever.from_index(one, k=2, **options).invoke(q)
+        assert [(d.id, d.page_content) for d in got] == [(d.id, d.page_content) for d in want] and len(got) == 2
+    with pytest.raises(ValueError, match="depth must be"):
+        EndoRetriever(pool, depth=0)
+    with pytest.raises(ValueError, match="Unknown first stage"):
+        LCRetriever.from_index(pool, first_stage="bm42")
+
+
+@pytest.fixture(scope="module")
+def wide(tiny, tmp_path_factory):
+    """A larger corpus (170 passages, more than a ranking's head in `test_the_hybrid_pool_ranks_as_one_process`),
+    built as two segments with their embeddings, and a pool of one reader over its two shards."""
+    rng = random.Random(3)
+    words = sorted({w.strip(".,") for line in FILLER + FACTS for w in line.split() if len(w) > 3})
+    docs = [Document(f"w{i:03d}", " ".join(rng.choice(FILLER + FACTS) for _ in range(rng.randint(1, 4))),
+                     {"half": i % 2}) for i in range(160)]
+    folder = tmp_path_factory.mktemp("wide") / "index"
+    for half in (docs[:80], docs[80:]):
+        part = EndoIndex(tiny, method="endo")
+        part.add_documents(half)
+        segments.commit(folder, segments.listed_committed(folder) + [segments.write(folder, segments.as_files(part))])
+    sharded = ShardedIndex(folder, shards=2)
+    reader = ray.remote(Reader).options(num_cpus=0).remote(ModelRecipe(str(tiny.folder)), sharded.shards)
+    questions = [" ".join(rng.sample(words, rng.randint(2, 6))) + "?" for _ in range(50)]
+    return EndoIndex.load(folder, tiny), sharded, ReaderPool(sharded, readers=[reader]), questions
+
+
+def test_the_hybrid_pool_ranks_as_one_process(wide):
+    """50 questions, 2 shards: the hybrid stage 1's top 10 over the shards is one process's, also where the heads
+    are smaller than the corpus (81 > RRF_K + 2 x 10 passages of 170: ranks outside them counted on the shards), and
+    the pool's top 10 hits are one process's."""
+    one, sharded, pool, questions = wide
+    passages = one.passages()
+    assert len(passages) > 81 and passages.vectors is not None and sharded.embedder == one.dense.embedder
+    pipeline = one.pipeline("endo", depth=10, first_stage="hybrid")
+    stage = pipeline.stage_one(vectors=True)
+    assert stage.used == ["bm25", "dense"]
+    half = lambda m: m["half"] == 1  # noqa: E731
+    for q in questions:
+        for where in (None, half):
+            top, scores = stage.candidates(one.corpus, passages, q, 10, where)
+            for head in (None, 81):
+                found = sharded_candidates(sharded.shards, stage, q, 10, where, _settings(pipeline),
+                                           one.dense.query(q), head=head)
+                assert found.starts.tolist() == passages.starts[top].tolist(), (q, head)
+                assert found.scores["bm25"].tolist() == scores["bm25"].tolist()
+    for q, got in zip(questions, pool.search_many(questions, k=10, depth=10, first_stage="hybrid")):
+        want = one.search(q, k=10, depth=10, first_stage="hybrid")
+        assert len(want) == 10
+        _same_hits(got, want)
 
 
 def test_bad_input_is_refused_with_what_to_do(tiny, pool, tmp_path):
@@ -172,6 +245,10 @@ def test_bad_input_is_refused_with_what_to_do(tiny, pool, tmp_path):
         pool.search(QUESTIONS[0], depth=0)
     with pytest.raises(ValueError, match="reads no candidates"):
         pool.search(QUESTIONS[0], method="bm25", depth=3)
+    with pytest.raises(ValueError, match="reads no candidates"):
+        pool.search(QUESTIONS[0], method="bm25", first_stage="hybrid")
+    with pytest.raises(ValueError, match="Unknown first stage"):
+        pool.search(QUESTIONS[0], first_stage="bm42")
     with pytest.raises(ValueError, match="list of questions"):
         pool.search_many(QUESTIONS[0])
     with pytest.raises(ValueError, match="ReaderPool"):
@@ -191,8 +268,6 @@ def test_the_default_model_ranks_on_two_readers_as_in_one_process(backbone, pool
     """The real default model with its shipped profile at the GPU's setting (depth 20, whose fusion weighs the
     second hop; a CPU's own leaves the hop out): two plain indexes committed as the segments of one, two shards,
     two readers."""
-    from endo_retrieval import Document
-
     for reader in pool.readers:  # their CPU slots go to the default model's readers
         ray.kill(reader)
     rng = random.Random(7)

@@ -83,7 +83,7 @@ def test_batched_reads_rank_as_the_plain_reads_in_two_forwards_a_question(tiny):
             pipe = EndoPipeline(tiny, heads=[(1, 0), (2, 3), (3, 1)], batched_reads=batched,
                                 weights={"bm25": 0.4, "heads": 0.4, "hop2": 0.2})
             count[0] = 0
-            hits[batched] = pipe.search(corpus, passages, "Which mineral was found under the Varna bridge?", k=5)
+            hits[batched] = pipe.passage_hits(corpus, passages, "Which mineral was found under the Varna bridge?", k=5)
             forwards[batched] = count[0]
     finally:
         handle.remove()

@@ -88,9 +88,9 @@ def test_the_second_hop_retrieves_what_bm25_and_endo_at_the_same_depth_cannot(ba
     corpus, passages = two_hop_corpus(backbone)
     b = list(TWO_HOP).index("b")
     assert passages.bm25.get_scores(words(QUESTION))[b] == 0  # B shares no word with the question
-    endo = EndoPipeline(backbone, depth=2).search(corpus, passages, QUESTION, k=4)
+    endo = EndoPipeline(backbone, depth=2).passage_hits(corpus, passages, QUESTION, k=4)
     assert "b" not in {h.doc_id for h in endo}
-    hits = EndoPipeline(backbone, depth=2, two_hop=True).search(corpus, passages, QUESTION, k=4)
+    hits = EndoPipeline(backbone, depth=2, two_hop=True).passage_hits(corpus, passages, QUESTION, k=4)
     found = {h.doc_id: h for h in hits}
     assert "b" in found and found["b"].stage_scores["hop"] == 2
     assert "Jonas Eberle" in found["b"].stage_scores["bridge"]
@@ -117,11 +117,11 @@ def test_endo_ranks_as_the_first_read_alone_and_endo_2hop_keeps_its_first_hop_sc
     signals = dict(first) | {name: s[np.argsort(order)] for name, s in read.items()}
     fused = fuse(signals, pipe.weights)
     rank = np.lexsort((np.arange(len(top)), -fused))
-    hits = pipe.search(corpus, passages, QUESTION, k=4)
+    hits = pipe.passage_hits(corpus, passages, QUESTION, k=4)
     assert [h.start for h in hits] == passages.starts[top[rank]].tolist()
     assert [h.score for h in hits] == fused[rank].tolist()  # exactly, not approximately
     assert all("hop" not in h.stage_scores and "bridge" not in h.stage_ms for h in hits)
-    two = {h.doc_id: h for h in EndoPipeline(backbone, depth=4, two_hop=True).search(corpus, passages, QUESTION,
+    two = {h.doc_id: h for h in EndoPipeline(backbone, depth=4, two_hop=True).passage_hits(corpus, passages, QUESTION,
                                                                                       k=len(TWO_HOP))}
     for h in hits:
         assert two[h.doc_id].score == h.score and two[h.doc_id].stage_scores["hop"] == 1

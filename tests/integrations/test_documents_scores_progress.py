@@ -18,6 +18,7 @@ pytest.importorskip("llama_index.core")
 pytest.importorskip("langchain_core")
 
 from endo_retrieval import integrations  # noqa: E402
+from endo_retrieval.methods import read_time  # noqa: E402
 
 FILLER = " ".join(f"Sentence {i} tells of the old mill by the river." for i in range(60))
 TEXTS = [FILLER + " The miller Jonas Eberle sold the mill in 1911. " + FILLER,
@@ -42,8 +43,8 @@ def tiny(monkeypatch, tmp_path):
 @pytest.fixture
 def fresh_hints(monkeypatch):
     """No hint logged yet in this process, and no read timed (each test starts from the prior)."""
-    monkeypatch.setattr(integrations, "_hinted", set())
-    monkeypatch.setattr(integrations, "_rates", integrations.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(read_time, "_hinted", set())
+    monkeypatch.setattr(read_time, "_rates", read_time.weakref.WeakKeyDictionary())
 
 
 def lc_retriever(backbone, **kwargs):
@@ -175,8 +176,8 @@ def rerank_through_both(tiny, **kwargs):
 
 
 def test_a_slow_rerank_shows_a_bar_when_asked_and_logs_the_hint_once(tiny, fresh_hints, monkeypatch, capsys, caplog):
-    monkeypatch.setattr(integrations, "SLOW_S", 0.0)  # every read counts as slow
-    caplog.set_level(logging.WARNING, logger="endo_retrieval.integrations")
+    monkeypatch.setattr(read_time, "SLOW_S", 0.0)  # every read counts as slow
+    caplog.set_level(logging.WARNING, logger="endo_retrieval.methods.read_time")
     rerank_through_both(tiny, progress=True)
     err = capsys.readouterr().err
     assert "reranking 4 passages" in err  # tqdm's bar, on standard error
@@ -188,7 +189,7 @@ def test_a_slow_rerank_shows_a_bar_when_asked_and_logs_the_hint_once(tiny, fresh
 
 
 def test_no_bar_and_no_hint_where_the_read_is_quick(tiny, fresh_hints, capsys, caplog):
-    caplog.set_level(logging.WARNING, logger="endo_retrieval.integrations")
+    caplog.set_level(logging.WARNING, logger="endo_retrieval.methods.read_time")
     rerank_through_both(tiny, progress=True)  # the tiny model reads in milliseconds
     assert "reranking" not in capsys.readouterr().err
     assert not [r for r in caplog.records if "faster:" in r.getMessage()]
@@ -196,8 +197,8 @@ def test_no_bar_and_no_hint_where_the_read_is_quick(tiny, fresh_hints, capsys, c
 
 def test_a_slow_retrieval_shows_a_bar_when_asked_and_names_the_faster_settings(tiny, fresh_hints, monkeypatch,
                                                                               capsys, caplog):
-    monkeypatch.setattr(integrations, "SLOW_S", 0.0)
-    caplog.set_level(logging.WARNING, logger="endo_retrieval.integrations")
+    monkeypatch.setattr(read_time, "SLOW_S", 0.0)
+    caplog.set_level(logging.WARNING, logger="endo_retrieval.methods.read_time")
     lc_retriever(tiny, progress=True).invoke(QUESTION, k=2)
     li_retriever(tiny, progress=True).retrieve(QUESTION)
     assert "the endo pipeline's read" in capsys.readouterr().err
@@ -215,14 +216,14 @@ def test_the_read_time_is_expected_from_the_models_size_on_a_cpu_then_from_its_o
         model = torch.nn.Linear(1, 1)
 
     bb = Stand()
-    integrations._params[bb] = integrations.REFERENCE_PARAMS
+    read_time._params[bb] = read_time.REFERENCE_PARAMS
     # the issue's case: a reranker over 20 whole documents (~8k tokens) on a CPU is slow; the pipeline's 12 x 128 not
-    assert integrations.expected_seconds(bb, 8000) > integrations.SLOW_S
-    assert integrations.expected_seconds(bb, 12 * 128) < integrations.SLOW_S
-    integrations._timed(bb, 1000, 10.0)  # a read of 1,000 tokens took 10 s: a busy machine
-    assert integrations.expected_seconds(bb, 1000) == pytest.approx(10.0)
+    assert read_time.expected_seconds(bb, 8000) > read_time.SLOW_S
+    assert read_time.expected_seconds(bb, 12 * 128) < read_time.SLOW_S
+    read_time._timed(bb, 1000, 10.0)  # a read of 1,000 tokens took 10 s: a busy machine
+    assert read_time.expected_seconds(bb, 1000) == pytest.approx(10.0)
     gpu = type("Gpu", (), {"device": torch.device("cuda"), "model": None})()
-    assert integrations.expected_seconds(gpu, 10**6) is None  # an accelerator: fast until timed otherwise
+    assert read_time.expected_seconds(gpu, 10**6) is None  # an accelerator: fast until timed otherwise
 
 
 def test_a_read_found_slow_logs_the_hint_after_it(fresh_hints, monkeypatch, caplog):
@@ -234,11 +235,11 @@ def test_a_read_found_slow_logs_the_hint_after_it(fresh_hints, monkeypatch, capl
         device = torch.device("cpu")
         model = None
 
-    monkeypatch.setattr(integrations, "SLOW_S", 0.05)
-    caplog.set_level(logging.WARNING, logger="endo_retrieval.integrations")
+    monkeypatch.setattr(read_time, "SLOW_S", 0.05)
+    caplog.set_level(logging.WARNING, logger="endo_retrieval.methods.read_time")
     bb = Stand()
-    integrations._rates[bb] = 1e12  # expected instantly
-    with integrations.long_read(bb, 100, "reranking 3 passages", "read_tokens=128", "rerank", progress=False):
+    read_time._rates[bb] = 1e12  # expected instantly
+    with read_time.long_read(bb, 100, "reranking 3 passages", "read_tokens=128", "rerank", progress=False):
         time.sleep(0.1)
     assert any("took" in r.getMessage() and "read_tokens=128" in r.getMessage() for r in caplog.records)
 

@@ -17,7 +17,8 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
-from endo_retrieval import Document, EndoIndex
+from endo_retrieval import Document
+from endo_retrieval.methods.searcher import Searcher
 from endo_retrieval.integrations import (check_document_options, check_k, check_pipeline_settings,
                                         check_whole_documents, open_index, provenance, search_hits)
 from endo_retrieval.methods import DEFAULT_METHOD
@@ -80,7 +81,7 @@ class EndoRetriever(BaseRetriever):
     # the fused one, 0 being the candidates' average); `invoke(query, score_threshold=...)` overrides it
     score_threshold: float | None = None
     backbone: Any = Field(default=None, exclude=True, repr=False)
-    _index: EndoIndex = PrivateAttr()
+    _index: Searcher = PrivateAttr()
 
     def model_post_init(self, __context: Any) -> None:
         given = _GIVEN_INDEX.get()  # from_index
@@ -97,9 +98,10 @@ class EndoRetriever(BaseRetriever):
         self.texts = self.documents = None  # the index holds them now; don't keep a second copy
 
     @classmethod
-    def from_index(cls, index, **kwargs) -> "EndoRetriever":
-        """A retriever over an index already open: an `EndoIndex`, or anything with its `search` and `check_method`
-        (an index served by Ray: `endo_retrieval.distributed_pipeline.ReaderPool`). `kwargs`: the fields (k, ...)."""
+    def from_index(cls, index: Searcher, **kwargs) -> "EndoRetriever":
+        """A retriever over an index already open: any `Searcher` (endo_retrieval.methods.searcher), an `EndoIndex`
+        or an index served by Ray (`endo_retrieval.distributed_pipeline.ReaderPool`), which takes the same options.
+        `kwargs`: the fields (k, first_stage, depth, ...)."""
         token = _GIVEN_INDEX.set(index)
         try:
             return cls(**kwargs)
@@ -112,7 +114,7 @@ class EndoRetriever(BaseRetriever):
         return check_k(k)
 
     @property
-    def index(self) -> EndoIndex:
+    def index(self) -> Searcher:
         return self._index
 
     def add_documents(self, documents: list[LCDocument], ids: list[str] | None = None) -> list[str]:

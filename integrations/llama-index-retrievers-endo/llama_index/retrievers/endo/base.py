@@ -27,7 +27,8 @@ from llama_index.core.schema import (BaseNode, MetadataMode, NodeRelationship, N
 from llama_index.core.tools import RetrieverTool
 from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilters
 
-from endo_retrieval import Document, EndoIndex
+from endo_retrieval import Document
+from endo_retrieval.methods.searcher import Searcher
 from endo_retrieval.integrations import (PROVENANCE_KEYS, check_document_options, check_k, check_pipeline_settings,
                                         check_whole_documents, open_index, provenance, search_hits)
 from endo_retrieval.methods import DEFAULT_METHOD
@@ -124,9 +125,10 @@ class EndoRetriever(BaseRetriever):
     `s3-hybrid`, `s3`, `bm25` (an index built for `endo` or `bm25` holds no S3 postings: refused here).
     similarity_top_k=0 retrieves nothing; a negative one is refused. `return_document=True`: each hit is the whole
     node (its best passage's offsets in the metadata). `progress`: a progress bar on standard error while the model
-    reads, when that takes more than a few seconds (None: when standard error is a terminal)."""
+    reads, when that takes more than a few seconds (None: when standard error is a terminal). `index`: any
+    `Searcher` (endo_retrieval.methods.searcher): an `EndoIndex`, or a Ray `ReaderPool`, which takes every option."""
 
-    def __init__(self, index: EndoIndex, similarity_top_k: int = 4, budget: int | None = None,
+    def __init__(self, index: Searcher, similarity_top_k: int = 4, budget: int | None = None,
                  method: str = DEFAULT_METHOD, filters: MetadataFilters | None = None,
                  return_passages: bool = False, callback_manager: CallbackManager | None = None,
                  verbose: bool = False, depth: int | None = None, read_tokens: int | None = None,
