@@ -78,7 +78,7 @@ def plain_states(bb, ids, layer: int, rotated: bool = True):
     import torch
 
     states = {}
-    attention = bb.attention_module(layer)
+    attention = bb.layout.attention(layer)
     hooks = [proj.register_forward_hook(lambda _m, _i, out, kind=kind: states.__setitem__(kind, out))
              for kind, proj in (("k", attention.k_proj), ("q", attention.q_proj))]
     try:

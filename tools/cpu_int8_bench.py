@@ -15,7 +15,7 @@ import torch
 
 from endo_retrieval.cli import main
 from endo_retrieval.methods import pipeline
-from endo_retrieval.model import backbone
+from endo_retrieval.model import capture
 
 mode = os.environ.get("INT8", "all")
 if mode not in ("all", "mlp"):
@@ -29,19 +29,19 @@ def int8_post_init(self):
 
 
 def mlp_int8_layers(self, last_layer: int) -> list:
-    """`Backbone._int8_layers` with only each layer's MLP quantized."""
-    done = getattr(self, "_q8_layers", [])
+    """`Capture.int8_layers` with only each layer's MLP quantized."""
+    done = self.int8_twins
     if len(done) <= last_layer:
         more = [copy.deepcopy(layer) for layer in self.model.model.layers[len(done): last_layer + 1]]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for layer in more:
                 layer.mlp = torch.ao.quantization.quantize_dynamic(layer.mlp, {torch.nn.Linear}, dtype=torch.qint8)
-        self._q8_layers = done + more
-    return self._q8_layers
+        self.int8_twins = done + more
+    return self.int8_twins
 
 
 pipeline.EndoPipeline.__post_init__ = int8_post_init
 if mode == "mlp":
-    backbone.Backbone._int8_layers = mlp_int8_layers
+    capture.Capture.int8_layers = mlp_int8_layers
 sys.exit(main())

@@ -104,7 +104,7 @@ def made_tasks(path: str, written: tuple[str, int] | None = None) -> None:
     if written:
         model, n = written
         asked = made[:n] + linked[: n // 2]
-        wrote = zero_label.written_tasks(asked, Backbone(model).generate_many)
+        wrote = zero_label.written_tasks(asked, Backbone(model).chat.generate_many)
         ids = {t.id for t in wrote}
         print(f"{model} wrote {len(wrote)} usable questions of {len(asked)} asked "
               f"({sum(t.chunk2 >= 0 for t in wrote)} of {len(asked) - n} two-hop)")

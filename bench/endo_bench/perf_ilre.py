@@ -56,7 +56,7 @@ def time_stages(ilre, text: str, question: str, budget: int, stream: dict) -> di
     query_ids = bb.encode(ilre.query_template.format(question=question)).ids
     pieces = []
     stream = dict(stream)
-    context_ids = bb.encode(text).ids if stream.pop("tokenise_first", False) else bb.arriving_ids(text, pieces)
+    context_ids = bb.encode(text).ids if stream.pop("tokenise_first", False) else bb.tokens.arriving_ids(text, pieces)
     t1 = clock(device)
     states = prefill(bb, context_ids, query_ids, [ilre.layer], sink=ilre.sink, window=ilre.window,
                      chunk_size=ilre.chunk_size, positions=ilre.positions, **stream)[ilre.layer]

@@ -223,7 +223,7 @@ def _attention_forward(module, backend: AttentionBackend, norms: tuple, hidden_s
 def installed(backbone: Backbone, backend: AttentionBackend):
     """Route every layer's attention through `backend` (fresh cache) until the block ends."""
     backend.setup(backbone)
-    modules = [backbone.attention_module(l) for l in range(backbone.n_layers)]
+    modules = [backbone.layout.attention(l) for l in range(backbone.n_layers)]
     for m in modules:
         norms = backbone.spec.qk_norms(m)
         m.forward = lambda hidden_states, *a, _m=m, _n=norms, **kw: _attention_forward(_m, backend, _n, hidden_states,

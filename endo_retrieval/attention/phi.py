@@ -52,7 +52,7 @@ class PhiMaps(torch.nn.Module):
     @classmethod
     def for_backbone(cls, backbone, layers, d_phi: int = 64, length: int | None = None, seed: int = 0) -> "PhiMaps":
         """Untrained (random-feature) maps shaped for `backbone`."""
-        attn = backbone.attention_module(0)
+        attn = backbone.layout.attention(0)
         card = {"model": backbone.model_id, "model_hash": backbone.model_hash, "head_dim": backbone.head_dim,
                 "n_heads": backbone.n_heads, "n_kv_heads": backbone.n_kv_heads, "layers": sorted(set(layers)),
                 "d_phi": d_phi, "scaling": float(attn.scaling), "length": length}

@@ -229,7 +229,7 @@ def calibrate(bb, cells, *, top: int = 10, n_heads: int | None = None, progress=
     # heads of layers whose window is shorter than every haystack come after the others, in their rank order: past
     # its window a layer's query never attended to the keys it is scored on (Gemma 3's sliding layers, near chance
     # there: docs/models.md)
-    seeing = set(bb.layers_seeing(min(int(it.lengths.sum()) for it in labelled)))
+    seeing = set(bb.layout.layers_seeing(min(int(it.lengths.sum()) for it in labelled)))
     order = np.array(sorted(order, key=lambda i: int(i) // bb.n_heads not in seeing), dtype=np.int64)
     counts = [n_heads] if n_heads else [4, 8, 12, 16]
     per_item = np.array([[recall_in_budget(it.table[order[:n]].sum(0), it.gold, it.lengths, b)

@@ -150,8 +150,8 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
             linked = linked[: 3 * round(share * (n_tasks + n_questions))]
             asked = len(made) + len(linked)
             with tqdm(total=asked, desc="writing questions", unit="task", disable=None) as bar:
-                made = zero_label.written_tasks(made, bb.generate_many, bar)
-                linked = zero_label.written_tasks(linked, bb.generate_many, bar)
+                made = zero_label.written_tasks(made, bb.chat.generate_many, bar)
+                linked = zero_label.written_tasks(linked, bb.chat.generate_many, bar)
             if len(made) + len(linked) < asked // 4:
                 raise ValueError(f"{bb.model_id} wrote {len(made) + len(linked)} usable questions of {asked} "
                                  "asked (a usable one is a question about its sentence); such a model "

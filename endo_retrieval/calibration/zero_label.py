@@ -354,7 +354,7 @@ def _terms(text: str) -> set[str]:
 
 def written_tasks(tasks: list[Task], write, progress=None, batch: int = 64) -> list[Task]:
     """`tasks` with the questions the model wrote from their evidence instead of the made ones (`write`: prompts
-    -> replies, Backbone.generate_many; `progress`: a tqdm bar, advanced per task). A task is dropped when the
+    -> replies, Backbone.chat.generate_many; `progress`: a tqdm bar, advanced per task). A task is dropped when the
     reply holds no question (written_question), when the question is the evidence itself, when it names a
     two-hop task's bridge, or when it shares no content word with each evidence sentence (a question about
     nothing, such as "What is the answer to this question?")."""

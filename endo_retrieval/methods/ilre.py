@@ -350,7 +350,7 @@ class ILRe:
         self.check_query(query_ids)
         if len(context) > PIECE_CHARS:  # several pieces: the model reads the first while the rest are tokenised
             pieces: list[Encoding] = []
-            scores = self.scores(self.backbone.arriving_ids(context, pieces), query_ids)
+            scores = self.scores(self.backbone.tokens.arriving_ids(context, pieces), query_ids)
             enc = Encoding.join(pieces)
         else:
             enc = self.backbone.encode(context)

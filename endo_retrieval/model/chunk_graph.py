@@ -9,6 +9,7 @@ test holds the replay against.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -86,3 +87,30 @@ class ChunkGraph:
         self.graph.replay()
         # copies: the next replay rewrites the outputs, and a consumer may keep a chunk's states (ILRe does)
         return {kind: {l: t.clone() for l, t in states.items()} for kind, states in self.out.items()}
+
+
+class ChunkGraphs:
+    """A backbone's captured chunk forwards, by shape, layers and capture; the least recently used of more than KEEP
+    is dropped. `enabled = False`: `stream` runs every chunk eagerly."""
+
+    def __init__(self, backbone):
+        self.backbone, self.enabled = backbone, True
+        self.graphs: OrderedDict[tuple, ChunkGraph] = OrderedDict()
+
+    @staticmethod
+    def key(shape: tuple[int, int], layers: Sequence[int], capture: Sequence[str]) -> tuple:
+        return shape, tuple(layers), tuple(sorted(capture))
+
+    def has(self, shape: tuple[int, int], layers: Sequence[int], capture: Sequence[str]) -> bool:
+        """Whether a forward of this shape was captured and is kept."""
+        return self.key(shape, layers, capture) in self.graphs
+
+    def get(self, shape: tuple[int, int], layers: Sequence[int], capture: Sequence[str]) -> ChunkGraph:
+        """The CUDA graph of a forward of this shape, captured on first use (hold the backbone's `lock`)."""
+        key = self.key(shape, layers, capture)
+        if key not in self.graphs:
+            if len(self.graphs) >= KEEP:
+                self.graphs.popitem(last=False)
+            self.graphs[key] = ChunkGraph(self.backbone, shape, list(layers), key[2])
+        self.graphs.move_to_end(key)
+        return self.graphs[key]

@@ -67,6 +67,30 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def gguf_digest(path: Path) -> str:
+    """A GGUF file's SHA-256, hashed once and then read from the cache while the file keeps its size and
+    modification time (hashing the default model's 98 MB on every load took longer than loading its converted
+    weights)."""
+    stat = Path(path).stat()
+    key = hashlib.sha256(f"{Path(path).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:32]
+    kept = cache_dir() / "models" / "digests" / key
+    try:
+        digest = kept.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    digest = file_sha256(path)
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_name(f".{key}.{os.getpid()}")
+        tmp.write_text(digest)
+        os.replace(tmp, kept)  # atomic: a reader sees the whole digest or none
+    except OSError:  # a read-only cache: hash again next time
+        pass
+    return digest
+
+
 def files_hash(files: Iterable[Path]) -> str:
     """Identity of a model's files: each one's name, size and first/last MiB (reading whole weights would take
     minutes for a large model)."""
@@ -89,8 +113,11 @@ def folder_hash(path: Path) -> str:
 
 
 def quiet_transformers() -> None:
+    """transformers' warnings and progress bars off while a model loads, unless ENDO_VERBOSE=1 (`endo --verbose`)."""
     import transformers
 
+    if os.environ.get("ENDO_VERBOSE") == "1":
+        return
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
@@ -170,13 +197,13 @@ def locate_model(model: str | os.PathLike | None) -> tuple[Path, str, str]:
     id ("owner/name[@revision]", from the hub's cache, downloaded into it first when online)."""
     if model is None or model == "default":
         gguf = default_gguf()
-        digest = file_sha256(gguf)
+        digest = gguf_digest(gguf)
         return convert_gguf(gguf, digest), digest, DEFAULT_MODEL
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         header = gguf_header(path)
         family_of_gguf(header.architecture, path)  # before the slow conversion: an unsupported family fails at once
-        digest = file_sha256(path)
+        digest = gguf_digest(path)
         return convert_gguf(path, digest, header.n_parameters), digest, path.stem
     if path.is_dir() and (path / "config.json").exists():
         return path, folder_hash(path), path.name

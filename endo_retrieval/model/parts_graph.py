@@ -259,7 +259,7 @@ class PartsGraphs:
         """The graph for `rows` rows behind `cached` cached keys, the first `context` rows the context's."""
         if not self.enabled or not (backbone.device.type == "cuda" or self.twin):
             return None
-        if backbone.window_binds(cached + rows):  # the graphs' masks know no layer's window: run it eagerly
+        if backbone.layout.window_binds(cached + rows):  # the graphs' masks know no layer's window: run it eagerly
             return None
         # a read pads its context's rows and its parts' rows apart, each to BUCKET (finer buckets for the parts, tens
         # of rows, made more shapes to capture and cost more than the padded rows they saved)

@@ -15,7 +15,7 @@ hold them against); the ids the parts begin with in common (a second hop's evide
 
 A segment's forward begins with the family's prefix ids (`Backbone.prefix`, e.g. Gemma's <bos>), kept in its cache
 but not among its keys. Where a layer attends through a window of its own (Gemma 3's sliding layers), the model's
-masks keep it to that window in a segment and in a query part asked behind it (`Backbone.window_masks`), as in
+masks keep it to that window in a segment and in a query part asked behind it (`Layout.window_masks`), as in
 one pass over the segment and the part.
 """
 from __future__ import annotations
@@ -183,8 +183,8 @@ def _read(backbone, ids: np.ndarray, layers: Sequence[int], *, cuts: Sequence[in
                 backbone.decoder(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
                                  use_cache=True)
         positions = torch.arange(p, n, device=backbone.device)
-        keys = by_layer(layers, backbone.apply_rope_layers(torch.stack([store["k"][l][0][:, p:n] for l in layers]),
-                                                           layers, positions).to(backbone.dtype))
+        stacked = torch.stack([store["k"][l][0][:, p:n] for l in layers])
+        keys = by_layer(layers, backbone.layout.apply_rope_layers(stacked, layers, positions).to(backbone.dtype))
         if on_host:
             _move_cache(cache, "cpu")
             keys = {l: _to(k, "cpu") for l, k in keys.items()}
@@ -240,7 +240,7 @@ def _part_queries(backbone, store, layers, parts, first_row: int, start: int) ->
     for p in parts:
         tail = len(p) - lead
         mine = torch.cat([states[:, :, first_row:first_row + lead], states[:, :, row:row + tail]], 2)
-        out.append(by_layer(layers, backbone.apply_rope_layers(mine, layers, positions[:len(p)])))
+        out.append(by_layer(layers, backbone.layout.apply_rope_layers(mine, layers, positions[:len(p)])))
         row += tail
     return out
 
@@ -304,9 +304,9 @@ def _forward_parts(backbone, cache, lead: np.ndarray, parts: list[np.ndarray], n
                     for kind, states in store.items()}
     x, pos = (torch.as_tensor(t, device=backbone.device)[None] for t in (ids, pos))
     mask = parts_mask(n, parts, backbone.device)
-    if backbone.window_binds(n + len(ids) - len(lead)):  # a part's row sees the segment and its own part
+    if backbone.layout.window_binds(n + len(ids) - len(lead)):  # a part's row sees the segment and its own part
         rows = pos[0, len(lead):]
-        mask = backbone.window_masks(rows, torch.cat([torch.arange(n, device=rows.device), rows]), mask)
+        mask = backbone.layout.window_masks(rows, torch.cat([torch.arange(n, device=rows.device), rows]), mask)
     with backbone.lock, torch.inference_mode(), threads, \
             backbone.run_to(layers[-1], layers, capture, int8, projections_only=True) as store, \
             context_then_parts(backbone):
@@ -367,7 +367,7 @@ def ask(backbone, reading: Reading, query_ids: np.ndarray, layers: Sequence[int]
             positions = ch.rope_positions[start:].to(backbone.device)
             return [{l: backbone.apply_rope(q[:, start:], positions, l) for l, q in ch.queries.items()}]
     out = []
-    x = torch.as_tensor(query_ids, device=backbone.device)[None]
+    x = torch.tensor(np.asarray(query_ids), device=backbone.device)[None]  # a copy: a kept encoding is read-only
     for segment in reading.segments:
         cache = segment.cache
         if reading.on_host:

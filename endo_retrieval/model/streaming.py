@@ -91,13 +91,10 @@ def to_device(device: torch.device, host: torch.Tensor) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def stream_chunks(backbone, ids, layers: Sequence[int], options: StreamOptions) -> Iterator[Chunk]:
-    """`Backbone.stream`: forward `ids` chunk by chunk up to max(layers) only, yielding each chunk's pre-RoPE
-    states; checks the options as it starts."""
-    o = options
-    chunk_size, mode, sink, window, capture, split_at = o.chunk_size, o.mode, o.sink, o.window, o.capture, o.split_at
-    positions, int8, start, batch_tokens, frames, compiled = (o.positions, o.int8, o.start, o.batch_tokens, o.frames,
-                                                              o.compiled)
+def checked_ids(backbone, ids, layers: Sequence[int], o: StreamOptions):
+    """(ids, split_at, layers) as `stream_chunks` reads them: ids a tensor unless they arrive in pieces, split_at
+    from the start (None: no split), layers sorted; BackboneError for an option it cannot honour."""
+    split_at = o.split_at
     arriving = isinstance(ids, Iterator)
     if arriving and split_at is not None and split_at >= 0:
         raise BackboneError("With ids arriving in pieces, split_at counts from the end: pass a negative one.")
@@ -109,28 +106,40 @@ def stream_chunks(backbone, ids, layers: Sequence[int], options: StreamOptions) 
             split_at += len(ids)
         if split_at is not None and not 0 < split_at < len(ids):  # nothing to split
             split_at = None
-    if mode not in ("independent", "sink_window"):
-        raise BackboneError(f"Unknown mode {mode!r}; use 'independent' or 'sink_window'.")
-    if chunk_size < 1 or sink < 0 or window < 0:
+    if o.mode not in ("independent", "sink_window"):
+        raise BackboneError(f"Unknown mode {o.mode!r}; use 'independent' or 'sink_window'.")
+    if o.chunk_size < 1 or o.sink < 0 or o.window < 0:
         raise BackboneError("chunk_size must be >= 1 and sink, window >= 0.")
-    if positions not in ("frame", "absolute", "dca"):
-        raise BackboneError(f"Unknown positions {positions!r}; use 'frame', 'absolute' or 'dca'.")
-    if not set(capture) <= {"k", "q"}:
+    if o.positions not in ("frame", "absolute", "dca"):
+        raise BackboneError(f"Unknown positions {o.positions!r}; use 'frame', 'absolute' or 'dca'.")
+    if not set(o.capture) <= {"k", "q"}:
         raise BackboneError("capture takes 'k' and/or 'q'.")
-    layers = backbone.check_layers(layers)
-    if frames not in ("recompute", "cache"):
-        raise BackboneError(f"Unknown frames {frames!r}; use 'recompute' or 'cache'.")
-    if compiled and int8:
+    layers = backbone.layout.check_layers(layers)
+    if o.frames not in ("recompute", "cache"):
+        raise BackboneError(f"Unknown frames {o.frames!r}; use 'recompute' or 'cache'.")
+    if o.compiled and o.int8:
         raise BackboneError("compiled and int8 exclude each other; int8 runs its own quantized layers.")
-    if frames == "cache" and (mode != "sink_window" or positions == "dca" or start or int8):
+    if o.frames == "cache" and (o.mode != "sink_window" or o.positions == "dca" or o.start or o.int8):
         raise BackboneError("frames='cache' streams one whole sink_window pass with 'frame' or 'absolute' "
                             "positions (no dca, start or int8).")
-    if frames == "cache" and (backbone.prefix or backbone.window_binds(sink + window + chunk_size)):
+    if o.frames == "cache" and (backbone.prefix or backbone.layout.window_binds(o.sink + o.window + o.chunk_size)):
         why = backbone.spec.refused.get("frames=cache") or (
             f"its sequences begin with {len(backbone.prefix)} prefix id(s)" if backbone.prefix else
             f"some of its layers attend through windows of their own ({sorted({w for w in backbone.windows if w})})")
         raise BackboneError(f"frames='cache' keeps one sink + window frame of keys for every layer, which a "
                             f"{backbone.family} model cannot use: {why}. Use frames='recompute'.")
+    return ids, split_at, layers
+
+
+def stream_chunks(backbone, ids, layers: Sequence[int], options: StreamOptions) -> Iterator[Chunk]:
+    """`Backbone.stream`: forward `ids` chunk by chunk up to max(layers) only, yielding each chunk's pre-RoPE
+    states; checks the options as it starts (`checked_ids`)."""
+    o = options
+    chunk_size, mode, sink, window, capture = o.chunk_size, o.mode, o.sink, o.window, o.capture
+    positions, int8, start, batch_tokens, frames, compiled = (o.positions, o.int8, o.start, o.batch_tokens, o.frames,
+                                                              o.compiled)
+    ids, split_at, layers = checked_ids(backbone, ids, layers, o)
+    arriving = isinstance(ids, Iterator)
     if batch_tokens is None:  # a CPU is bound by arithmetic already
         batch_tokens = BATCH_TOKENS if backbone.device.type == "cuda" else 0
     source = ArrivingIds(ids if arriving else iter([ids.numpy()]))
@@ -146,7 +155,7 @@ def stream_chunks(backbone, ids, layers: Sequence[int], options: StreamOptions) 
     spans = (((min(sink, s), min(s, max(sink, s - window))) if mode == "sink_window" else (0, s)) + (s, e)
              for s, e in bounds)
     seen: Counter = Counter()  # forwards of each shape in this stream
-    graphed = backbone.chunk_graphs and backbone.device.type == "cuda" and not (int8 or compiled)
+    graphed = backbone.chunk_graphs.enabled and backbone.device.type == "cuda" and not (int8 or compiled)
     prefix = np.asarray(backbone.prefix, dtype=np.int64)
     p = len(prefix)
     for batch in batches(spans, start, batch_tokens if mode == "sink_window" else 0):
@@ -161,10 +170,10 @@ def stream_chunks(backbone, ids, layers: Sequence[int], options: StreamOptions) 
         # a layer whose window is shorter than the forward: no graph (its causal kernel knows no window), and a
         # sink_window frame, which is not contiguous, gets masks by the tokens' places in the stream (an
         # independent chunk is contiguous: the model's own masks are right)
-        binds = backbone.window_binds(shape[1])
-        if graphed and not binds and (seen[shape] >= MIN_REPLAYS or backbone.has_chunk_graph(shape, layers, capture)):
+        binds = backbone.layout.window_binds(shape[1])
+        if graphed and not binds and (seen[shape] >= MIN_REPLAYS or backbone.chunk_graphs.has(shape, layers, capture)):
             with backbone.lock:  # a repeated shape, or one captured before: replayed (chunk_graph.py)
-                store = backbone.chunk_graph(shape, layers, capture)(x, device_pos)
+                store = backbone.chunk_graphs.get(shape, layers, capture)(x, device_pos)
         else:  # an explicit all-ones mask: else transformers reads a jump in position_ids as a new packed
             # sequence and hides the sink from the chunk
             mask = torch.ones_like(x)
@@ -172,8 +181,7 @@ def stream_chunks(backbone, ids, layers: Sequence[int], options: StreamOptions) 
                 mask = stream_masks(backbone, [(n_sink, w0, e) for _, (n_sink, w0, _, e) in batch], p)
             with backbone.lock, torch.inference_mode(), \
                     backbone.run_to(layers[-1], layers, capture, int8, compiled, projections_only=True) as store:
-                backbone.decoder(input_ids=x, position_ids=device_pos, attention_mask=mask,
-                                                      use_cache=False)
+                backbone.decoder(input_ids=x, position_ids=device_pos, attention_mask=mask, use_cache=False)
         for b, (_, (n_sink, w0, s, e)) in enumerate(batch):
             n = p + n_sink + s - w0
             yield Chunk(s, e, pos[b, n:], keys={l: k[b, :, n:] for l, k in store["k"].items()},
@@ -181,14 +189,14 @@ def stream_chunks(backbone, ids, layers: Sequence[int], options: StreamOptions) 
 
 
 def stream_masks(backbone, frames: list[tuple[int, int, int]], prefix: int):
-    """Per-layer masks (`Backbone.window_masks`) of a batch of forwards of `prefix` ids, a sink of n_sink ids and
+    """Per-layer masks (`Layout.window_masks`) of a batch of forwards of `prefix` ids, a sink of n_sink ids and
     the ids [w0, e), (n_sink, w0, e) per batch row: causal, and in a windowed layer only the keys within its window
     by their places in the stream (the prefix just before its start)."""
     places = torch.stack([torch.cat([torch.arange(-prefix, 0), torch.arange(n_sink), torch.arange(w0, e)])
                           for n_sink, w0, e in frames]).to(backbone.device)
     n = places.shape[1]
     causal = torch.ones(n, n, dtype=torch.bool, device=backbone.device).tril()
-    masks = backbone.window_masks(places, places, causal)
+    masks = backbone.layout.window_masks(places, places, causal)
     return {k: m[:, None] for k, m in masks.items()} if isinstance(masks, dict) else masks[:, None]
 
 

@@ -35,14 +35,14 @@ def make_corpus():
 
 
 def test_sentences_split_piece_by_piece_are_the_whole_texts():
-    from endo_retrieval.model.backbone import Backbone
+    from endo_retrieval.model.tokens import Tokens
 
     rng = np.random.default_rng(0)
     parts = ["Dr. Smith met J. Doe.", "e.g.", "It cost 3.5 dollars!", "...", "\u201cQuoted.\u201d", "(See fig.", "2).",
              "next one?", "\n", "\n\n", "  ", "Mr.", "\nNo. 5 was late.", "A", "b.", "\n...\nOk. ", "cf\n... So."]
     for _ in range(30):
         text = " ".join(rng.choice(parts, 400))
-        cuts = Backbone._safe_cuts(text, 97)
+        cuts = Tokens._safe_cuts(text, 97)
         assert cuts  # the text offers cuts
         bounds = [0, *cuts, len(text)]
         pieces = np.concatenate([split_sentences(text, a, b) for a, b in zip(bounds[:-1], bounds[1:])])

@@ -246,7 +246,7 @@ def test_compiled_layers_give_the_eager_states(tiny_backbone):
         torch.testing.assert_close(fused.keys, eager.keys, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(fused.queries, eager.queries, rtol=1e-4, atol=1e-4)
         assert np.array_equal(allocate(context_scores(bb, fused), 200), allocate(context_scores(bb, eager), 200))
-    assert set(bb._compiled) == {0, 1}  # the captured layer ran eager, with its hooks
+    assert set(bb.capture.compiled_twins) == {0, 1}  # the captured layer ran eager, with its hooks
     with pytest.raises(BackboneError, match="int8"):
         next(bb.stream(ids, [2], compiled=True, int8=True))
 

@@ -42,7 +42,7 @@ def test_long_texts_tokenise_in_pieces_exactly_as_in_one_pass(backbone, monkeypa
     """Cuts after newlines are kept only where a window across them agrees; the result is the one-pass encoding."""
     text = "".join(f"Record {i}: the harbour master logged {i * 7} ships, “{i % 13}” of them late — é.\n\n"
                    f"  An indented note follows line {i}.\n" for i in range(400))
-    whole = backbone._encode_batch([text])[0]
+    whole = backbone.tokens._encode_batch([text])[0]
     for piece_chars, batch in ((1000, 8), (4096, 8), (1000, 3), (1000, None)):  # None: batches of 2, 4, 8 pieces
         pieces = list(backbone.encode_pieces(text, piece_chars, batch))
         assert len(pieces) > 5  # the cuts were used
@@ -52,9 +52,10 @@ def test_long_texts_tokenise_in_pieces_exactly_as_in_one_pass(backbone, monkeypa
         assert np.array_equal(np.concatenate([e.ids for *_, e in pieces]), whole.ids)
     unsafe = "alpha beta gamma.\n   " * 3000  # every newline starts a whitespace run the tokenizer keeps whole
     assert len(list(backbone.encode_pieces(unsafe, 1000))) == 1  # so no cut is offered
-    assert np.array_equal(backbone.encode(unsafe, piece_chars=1000).ids, backbone._encode_batch([unsafe])[0].ids)
+    assert np.array_equal(backbone.encode(unsafe, piece_chars=1000).ids,
+                          backbone.tokens._encode_batch([unsafe])[0].ids)
     clean = len(list(backbone.encode_pieces(text, 1000, 4)))
-    one_pass = backbone._encode_batch
+    one_pass = backbone.tokens._encode_batch
 
     def odd_pieces(texts, starts=None):  # a tokenizer whose piece edges differ from one pass: the check must see it
         out = one_pass(texts, starts)
@@ -64,7 +65,7 @@ def test_long_texts_tokenise_in_pieces_exactly_as_in_one_pass(backbone, monkeypa
                 e.ids[0] += 1
         return out
 
-    monkeypatch.setattr(backbone, "_encode_batch", odd_pieces)
+    monkeypatch.setattr(backbone.tokens, "_encode_batch", odd_pieces)
     fewer = list(backbone.encode_pieces(text, 1000, 4))
     assert len(fewer) < clean
     assert np.array_equal(np.concatenate([e.ids for *_, e in fewer]), whole.ids)  # the bad cuts were joined over
@@ -76,7 +77,7 @@ def test_int8_question_forward_stays_close_to_fp32(backbone):
     question = "Who was the harbour master of the old town, and when did the customs house close?"
     exact = backbone.query_states(question, [3, 11, 19])
     fast = backbone.query_states(question, [3, 11, 19], int8=True)
-    assert len(backbone._q8_layers) < backbone.n_layers  # quantized only as deep as questions go (layer 19)
+    assert len(backbone.capture.int8_twins) < backbone.n_layers  # quantized only as deep as questions go (layer 19)
     for layer in exact:
         cos = torch.nn.functional.cosine_similarity(exact[layer].flatten(1), fast[layer].flatten(1), dim=1)
         assert not torch.equal(exact[layer], fast[layer])  # the quantized maps really ran
@@ -89,7 +90,7 @@ def test_short_texts_keep_their_encoding_read_only(backbone):
     question = "\n\nQuestion: Which harbour logged the most ships in 1887?\nAnswer:"
     first = backbone.encode(question)
     assert backbone.encode(question) is first
-    whole = backbone._encode_batch([question])[0]
+    whole = backbone.tokens._encode_batch([question])[0]
     assert np.array_equal(first.ids, whole.ids) and np.array_equal(first.offsets, whole.offsets)
     with pytest.raises(ValueError):
         first.ids[0] = 0

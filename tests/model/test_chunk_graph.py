@@ -22,7 +22,7 @@ def test_causal_chunk_attention_is_masked_causal_sdpa():
 
 def test_cpu_stream_captures_nothing(tiny_backbone):
     list(tiny_backbone.stream(np.arange(40) + 5, [1], chunk_size=8))
-    assert not tiny_backbone._graphs
+    assert not tiny_backbone.chunk_graphs.graphs
 
 
 @pytest.mark.device
@@ -35,15 +35,15 @@ def test_replayed_stream_equals_eager(backbone, mode, positions, capture):
     kw = dict(chunk_size=256, mode=mode, positions=positions, capture=capture, window=128, batch_tokens=2 * 388)
 
     def run(graphs: bool):
-        backbone.chunk_graphs = graphs
+        backbone.chunk_graphs.enabled = graphs
         try:
             return list(backbone.stream(ids, [3, 11], **kw))
         finally:
-            backbone.chunk_graphs = True
+            backbone.chunk_graphs.enabled = True
 
-    backbone._graphs.clear()
+    backbone.chunk_graphs.graphs.clear()
     eager, replayed = run(False), run(True)
-    assert backbone._graphs  # the repeated shape was captured
+    assert backbone.chunk_graphs.graphs  # the repeated shape was captured
     assert [(c.start, c.end) for c in replayed] == [(c.start, c.end) for c in eager]
     for a, b in zip(eager, replayed):
         torch.testing.assert_close(b.rope_positions, a.rope_positions)

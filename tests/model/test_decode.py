@@ -66,5 +66,5 @@ def test_batched_generation_answers_as_one_prompt_at_a_time(tmp_path):
     bb = Backbone(make_tiny_model("llama", tmp_path), device="cpu")
     prompts = ["A short one.", "A much longer prompt, so that the batch pads the other rows on their left.", "Mid."]
     single = [bb.generate(p, max_new_tokens=8) for p in prompts]
-    assert bb.generate_many(prompts, max_new_tokens=8, batch=2) == single  # batches of 2 and 1: padded and not
+    assert bb.chat.generate_many(prompts, max_new_tokens=8, batch=2) == single  # batches of 2 and 1: padded and not
     assert len(set(single)) > 1

@@ -99,7 +99,7 @@ def test_a_model_too_large_for_the_memory_fails_before_loading(windowed, monkeyp
 def test_windows_come_from_the_config(windowed, all_sliding):
     assert windowed.windows == (None, None, WINDOW, WINDOW) and all_sliding.windows == (WINDOW, WINDOW)
     assert windowed.info()["windows"] == [None, None, WINDOW, WINDOW]
-    assert not windowed.window_binds(WINDOW) and windowed.window_binds(WINDOW + 1)
+    assert not windowed.layout.window_binds(WINDOW) and windowed.layout.window_binds(WINDOW + 1)
 
 
 def test_reads_and_query_parts_keep_each_layer_to_its_window(windowed):

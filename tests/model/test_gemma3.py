@@ -54,7 +54,7 @@ def test_it_loads_with_its_windows_rotations_and_bos(gemma):
     local, glob = (bb.apply_rope(x, torch.arange(5), layer) for layer in (SLIDING_LAYER, FULL_LAYER))
     torch.testing.assert_close(local[:, 0], glob[:, 0])
     assert not torch.allclose(local[:, 1:], glob[:, 1:])
-    stacked = bb.apply_rope_layers(torch.stack([x, x]), [FULL_LAYER, SLIDING_LAYER], torch.arange(5))
+    stacked = bb.layout.apply_rope_layers(torch.stack([x, x]), [FULL_LAYER, SLIDING_LAYER], torch.arange(5))
     torch.testing.assert_close(stacked[0], glob) and torch.testing.assert_close(stacked[1], local)
 
 
