@@ -13,9 +13,27 @@ from dataclasses import dataclass, field
 # and leaves most of an 8k window to the evidence.
 MAX_QUESTION_CHARS = 8_000
 
-# (compress, its default method), set when endo_retrieval.methods is imported: the model's `compress_to` compresses
-# with it, and the model sits below the methods (kept here, torch-free, so parsing the CLI loads no torch)
-COMPRESS = None
+
+
+class Compressors:
+    """Where the model's `compress_to` finds the compressor: the methods sit above the model, so they register
+    theirs here, one floor below both (torch-free, so parsing the CLI loads no torch), when endo_retrieval.methods
+    is imported; a caller may pass its own to `generate` instead (`compressor=`)."""
+
+    _registered: tuple | None = None  # (compress(context, question, budget, method, backbone), its default method)
+
+    @classmethod
+    def register(cls, compress, default_method: str) -> None:
+        cls._registered = (compress, default_method)
+
+    @classmethod
+    def get(cls) -> tuple:
+        """(compress, its default method); ValueError saying what to import where none is registered."""
+        if cls._registered is None:
+            raise ValueError("compress_to compresses with endo_retrieval's methods: `import endo_retrieval.methods` "
+                             "(the LlamaIndex and LangChain adapters do) before generating with it, or pass "
+                             "compressor=endo_retrieval.compress.")
+        return cls._registered
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from endo_retrieval import core
-from endo_retrieval.core import Compressed, Span, capped_question
+from endo_retrieval.core import Compressed, Compressors, Span, capped_question
 from endo_retrieval.methods.base import Method
 
 
@@ -79,7 +78,7 @@ def compress(context: str, question: str, budget: int = 1024, method: str = DEFA
     return get_method(method, backbone=backbone).compress(context, question, budget)
 
 
-core.COMPRESS = (compress, DEFAULT_METHOD)  # what the model's `compress_to` compresses with (no upward import)
+Compressors.register(compress, DEFAULT_METHOD)  # what the model's `compress_to` compresses with
 
 
 __all__ = ["Compressed", "Method", "Span", "METHODS", "REGISTRY", "DEFAULT_METHOD", "SEARCH_METHODS", "get_method",

@@ -10,7 +10,8 @@ Options beside Hugging Face's generate keywords (all off unless given; `EndoLLM`
 - repetition_penalty=P, no_repeat_ngram_size=N: transformers' own logits processors, over the answer's tokens only
   (a RAG answer copies names and phrases from its context; penalising the prompt's tokens would forbid that).
 - compress_to=T (compress_method=M): a chat prompt longer than T tokens has the context of its last user message
-  compressed first with `endo_retrieval.compress`, so that the whole prompt fits T tokens.
+  compressed first, so that the whole prompt fits T tokens: with `compressor=` where given (a function of
+  `endo_retrieval.compress`'s signature), else with what endo_retrieval.methods registers (`core.Compressors`).
 - stats=dict(): filled with what happened (prompt tokens, compression, seconds to the first token, new tokens,
   why it stopped); the same goes to the `endo_retrieval.model.generation` logger at INFO.
 """
@@ -26,7 +27,7 @@ from typing import Iterator
 
 import torch
 
-from endo_retrieval import core
+from endo_retrieval.core import Compressors
 from endo_retrieval.model.decode import greedy_tokens, supports_graph_decode
 from endo_retrieval.model.locate import BackboneError
 from endo_retrieval.model.threads import threads_for_cpu_work
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 # (docs/generation.md).
 LONG_CPU_PROMPT = 2048
 _hinted: set[str] = set()
-OPTIONS = ("stop_on_repeat", "repetition_penalty", "no_repeat_ngram_size", "compress_to", "compress_method", "stats")
+OPTIONS = ("stop_on_repeat", "repetition_penalty", "no_repeat_ngram_size", "compress_to", "compress_method",
+           "compressor", "stats")
 
 
 def as_messages(prompt_or_messages, system: str | None = None) -> list[dict]:
@@ -63,11 +65,12 @@ def generate(backbone, prompt_or_messages, max_new_tokens: int = 64, stream: boo
     ngram = gen_kwargs.pop("no_repeat_ngram_size", None)
     compress_to = gen_kwargs.pop("compress_to", None)
     compress_method = gen_kwargs.pop("compress_method", None)
+    compressor = gen_kwargs.pop("compressor", None)
     stats = gen_kwargs.pop("stats", None)
     stats = {} if stats is None else stats
     messages = as_messages(prompt_or_messages, system)
     if compress_to:
-        messages = compress_messages(backbone, messages, compress_to, compress_method, stats)
+        messages = compress_messages(backbone, messages, compress_to, compress_method, stats, compressor)
     ids = backbone.chat_ids(messages)
     stats["prompt_tokens"] = int(ids.shape[1])
     processors = answer_processors(ids.shape[1], penalty, ngram)
@@ -389,14 +392,12 @@ def split_question(content: str) -> tuple[str, str]:
 
 
 def compress_messages(backbone, messages: list[dict], compress_to: int, method: str | None = None,
-                      stats: dict | None = None) -> list[dict]:
+                      stats: dict | None = None, compressor=None) -> list[dict]:
     """`messages` whose chat prompt fits `compress_to` tokens: when it is longer, the context of the last user
-    message (what comes before its question, `split_question`) is compressed by `endo_retrieval.compress` for that
-    question to the tokens the rest of the prompt leaves; the time taken is logged and put in `stats`."""
-    if core.COMPRESS is None:  # the methods sit above the model: they register themselves (methods/__init__.py)
-        raise ValueError("compress_to compresses with endo_retrieval's methods: `import endo_retrieval.methods` "
-                         "(the LlamaIndex and LangChain adapters do) before generating with it.")
-    compress, default_method = core.COMPRESS
+    message (what comes before its question, `split_question`) is compressed for that question to the tokens the
+    rest of the prompt leaves (by `compressor`, else the registered one); the time taken is logged and put in
+    `stats`."""
+    compress, default_method = (compressor, None) if compressor is not None else Compressors.get()
 
     if not isinstance(compress_to, int) or isinstance(compress_to, bool) or compress_to < 1:
         raise ValueError(f"compress_to takes a number of prompt tokens >= 1 (None: no compression), got "
@@ -416,8 +417,10 @@ def compress_messages(backbone, messages: list[dict], compress_to: int, method: 
                             f"of the prompt ({total - backbone.count_tokens(context)} tokens) is in; raise it.")
     method = method or default_method
     start = time.perf_counter()
-    kept = compress(context, question, budget=room, method=method, backbone=backbone)
+    chosen = {"method": method} if method else {}  # none: a given compressor's own default
+    kept = compress(context, question, budget=room, backbone=backbone, **chosen)
     seconds = time.perf_counter() - start
+    method = method or getattr(kept, "method", None)
     out = [dict(m) for m in messages]
     out[last]["content"] = kept.text.rstrip() + "\n\n" + question.lstrip()
     stats.update(compressed_from=total, compress_method=method, compress_s=round(seconds, 3))

@@ -257,6 +257,30 @@ def test_compress_to_fits_a_long_prompt_and_logs_the_time(tiny, caplog):
         generation.compress_messages(tiny, [{"role": "user", "content": message}], 40, "bm25")
 
 
+def test_compress_to_takes_the_compressor_given_else_the_registered_one(tiny, monkeypatch):
+    """The model asks no module above it: a compressor is passed in, or found where the methods registered theirs
+    (core.Compressors, one floor below both); with neither, the error says what to import."""
+    from endo_retrieval.core import Compressed, Compressors
+
+    asked = []
+
+    def first_lines(context, question, budget, backbone, **kw):
+        asked.append((question, budget, kw))
+        return Compressed(context[:200], [], 40, "first-lines", budget)
+
+    message = f"Context:\n{LONG_CONTEXT}\n\nQuestion: Where does lighthouse number 42 stand?"
+    stats = {}
+    kept = generation.compress_messages(tiny, [{"role": "user", "content": message}], 300, stats=stats,
+                                        compressor=first_lines)
+    assert asked == [("Question: Where does lighthouse number 42 stand?", asked[0][1], {})] and 32 <= asked[0][1] < 300
+    assert kept[0]["content"] == message[:200].rstrip() + "\n\nQuestion: Where does lighthouse number 42 stand?"
+    assert stats["compress_method"] == "first-lines"
+    assert Compressors.get()[1] == endo_retrieval.methods.DEFAULT_METHOD  # the methods registered theirs on import
+    monkeypatch.setattr(Compressors, "_registered", None)
+    with pytest.raises(ValueError, match="import endo_retrieval.methods"):
+        generation.compress_messages(tiny, [{"role": "user", "content": message}], 300)
+
+
 def test_a_long_prompt_on_a_cpu_warns_once_with_its_time(tiny, monkeypatch, caplog):
     monkeypatch.setattr(generation, "LONG_CPU_PROMPT", 20)
     monkeypatch.setattr(generation, "_hinted", set())
