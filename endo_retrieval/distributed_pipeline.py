@@ -51,7 +51,7 @@ class Reader:
     def __init__(self, setup: Callable, shards: list):
         self.backbone, _ = setup()
         self.shards, self.pipelines = shards, {}
-        # the passages' embedder (None: the shards hold no embeddings): the question is embedded once, here
+        # the passages' embedder (None: the shards hold no embeddings), for a question the pool sends unembedded
         self.embedder = ray_cluster().get(shards[0].embedder.remote()) if shards else None
 
     def model_hash(self) -> str:
@@ -84,10 +84,17 @@ class Reader:
         question comes checked by the pool (`ReaderPool.search`); `method`: `endo`, the one readers serve."""
         if method not in (None, *SERVED):
             raise ValueError(f"Readers serve {', '.join(SERVED)}, not {method!r}.")
+        return self.read(question, None, k, budget, where, depth, read_tokens, first_stage)
+
+    def read(self, question: str, embedding: np.ndarray | None, k: int, budget: int | None = None, where=None,
+             depth: int | None = None, read_tokens: int | None = None, first_stage: str | None = None) -> list[Span]:
+        """`search` with the question's embedding given (None: embedded here where stage 1 reads it), the same for
+        every shard."""
         pipeline = self.pipeline(depth, read_tokens, first_stage)
         t0 = time.perf_counter()
         stage = pipeline.stage_one(vectors=True)
-        embedding = embed(self.embedder, [question], str(self.backbone.device))[0] if "dense" in stage.used else None
+        if embedding is None and "dense" in stage.used:
+            embedding = embed(self.embedder, [question], str(self.backbone.device))[0]
         found = sharded_candidates(self.shards, stage, question, pipeline.depth, where,
                                    self.settings(depth, read_tokens, first_stage), embedding)
         if not len(found):  # no document passes `where`
@@ -191,8 +198,9 @@ class ReaderPool:
         if method not in PIPELINE_METHODS:
             return self.index.search(question, k, budget, method, where)
         reader = self.readers[next(self._turn) % len(self.readers)]
-        return _get(reader.search.remote(_question(question), k, budget, method, where, depth, read_tokens,
-                                         self._first_stage(first_stage)))
+        question, stage = _question(question), self._first_stage(first_stage)
+        return _get(reader.read.remote(question, self._embedding(question, depth, read_tokens, stage), k, budget,
+                                       where, depth, read_tokens, stage))
 
     def search_many(self, questions: Sequence[str], k: int = 4, budget: int | None = None, method: str | None = None,
                     where: Callable[[dict], bool] | None = None, depth: int | None = None,
@@ -208,12 +216,20 @@ class ReaderPool:
         slots = [r for _ in range(self.calls_per_reader) for r in self.readers]
         asked = [(i, _question(q)) for i, q in enumerate(questions)]
         stage = self._first_stage(first_stage)
-        submit = lambda reader, job: reader.search.remote(job[1], k, budget, method, where, depth,  # noqa: E731
-                                                          read_tokens, stage)
+        submit = lambda reader, job: reader.read.remote(  # noqa: E731
+            job[1], self._embedding(job[1], depth, read_tokens, stage), k, budget, where, depth, read_tokens, stage)
         with contextlib.closing(spread(asked, slots, submit)) as finished:
             for (i, _), ready in finished:
                 out[i] = _get(ready)
         return out
+
+    def _embedding(self, question: str, depth: int | None, read_tokens: int | None, first_stage: str | None):
+        """The question's embedding where stage 1 reads one, made here once, as one process makes it (the last bits
+        of an embedding differ from process to process, and with them the order of passages whose cosines tie to
+        float rounding)."""
+        if "dense" not in self.pipeline("endo", depth, read_tokens, first_stage).stage_one(vectors=True).used:
+            return None
+        return embed(self.index.embedder, [question])[0]
 
     def _checked(self, k, budget, method, depth, read_tokens, first_stage) -> str:
         """The method to search with, after every check one index makes before it searches."""
