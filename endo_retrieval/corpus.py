@@ -1,8 +1,10 @@
 """Token positions <-> documents, character spans and sentence boundaries.
 
 Documents are laid out one after another in one global position space (the positions the feature index stores).
-A removed document's range is never reused, so positions held elsewhere stay valid. Saved as one `.npz` file (a JSON
-header stored as bytes plus integer arrays; loaded with allow_pickle=False), written atomically.
+A removed document's range is never reused, so positions held elsewhere stay valid. The documents are held as
+columns (`corpus_columns.py`): saved as one array file (`array_file.py`, written atomically) that opening maps, and a
+`Document` is a view made when one is asked for. A map saved before columns (`.npz`, a JSON header of every
+document) still reads.
 """
 from __future__ import annotations
 
@@ -17,10 +19,19 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.files import MAX_VALUE, IndexCorruptError, atomic_write, check_json
+from endo_retrieval.array_file import ArrayFile, is_array_file, write_arrays
+from endo_retrieval.corpus_columns import Columns, check_columns, joined, live_ids, row_starts
+from endo_retrieval.files import MAX_VALUE, IndexCorruptError, check_json, link_unchanged
 
-FORMAT_NAME = "endo-corpus-map"
+FORMAT_NAME = "endo-corpus-map"  # the .npz map saved before columns (read only)
 FORMAT_VERSION = 1
+KIND = "corpus-map"  # the array file's kind
+CORPUS_FILE, OLD_CORPUS_FILE = "corpus.arrays", "corpus.npz"  # its name in an index folder, now and before
+# in an index folder the corpus is a base file, kept (hard-linked) from one generation to the next while it holds
+# most of the documents, and a delta rewritten at each save: the documents added since and the base's removed rows
+DELTA_FILE, DELTA_KIND = "corpus_delta.arrays", "corpus-delta"
+COMPACT_SHARE = 0.1  # once removed and added documents pass this share of the base, a save writes a new base
+VIEWS_KEPT = 256  # Document views kept for the next lookup (a hit's text is read several times per question)
 
 # Words whose trailing period does not end a sentence (compared lower-case, without the final period).
 ABBREVIATIONS = frozenset(
@@ -74,12 +85,20 @@ class Document:
 
 
 class CorpusMap:
-    """Global token positions <-> (document, token offset, character span), plus sentence boundaries."""
+    """Global token positions <-> (document, token offset, character span), plus sentence boundaries. The
+    documents are runs of columns (`Columns`: the saved file's, mapped, then those added since), with a mask of
+    the rows still live; documents added since the last lookup wait as `Document`s until one is asked for."""
 
     def __init__(self) -> None:
-        self._docs: dict[str, Document] = {}  # insertion order == position order
+        self._runs: list[Columns] = []
+        self._run_at = np.zeros(1, np.int64)  # first global row of each run, and the total
+        self._live = np.zeros(0, bool)  # per global row: not removed
+        self._added: dict[str, Document] = {}  # documents added since the runs were last joined
         self._next = 0  # positions are never reused, even after removal
-        self._cache: tuple[np.ndarray, np.ndarray, list[Document]] | None = None
+        self._state: dict | None = None  # what lookups read, made once per state (`_view`)
+        self._views: dict[int, Document] = {}
+        self._changes = 0  # adds and removes so far
+        self._written: tuple[int, Columns] | None = None  # the base a save wrote anew, after that many changes
 
     # building ---------------------------------------------------------------------------------------------------
 
@@ -89,7 +108,8 @@ class CorpusMap:
         `sentence_chars`: `split_sentences(text)` if already computed."""
         if not isinstance(doc_id, str) or not doc_id:
             raise ValueError(f"doc_id must be a non-empty string, got {doc_id!r}")
-        if doc_id in self._docs:
+        self._adopt_written()
+        if doc_id in self:
             raise ValueError(f"document id {doc_id!r} is already in the corpus; remove it first or use a new id")
         if not isinstance(text, str):
             raise ValueError(f"document {doc_id!r}: text must be str (decode bytes first), got {type(text).__name__}")
@@ -112,42 +132,88 @@ class CorpusMap:
         sentences = start + np.unique(np.concatenate(([0], local[local < len(offsets)])))
         # int32 halves the map's largest part (16 bytes a token in int64, most of an index's RAM at a million passages)
         offsets = offsets.astype(np.int32) if len(text) < 2 ** 31 else offsets
-        self._docs[doc_id] = Document(doc_id, start, end, text, offsets, metadata, sentences)
-        self._next, self._cache = end, None
+        self._added[doc_id] = Document(doc_id, start, end, text, offsets, metadata, sentences)
+        self._next, self._state, self._changes = end, None, self._changes + 1
         return start, end
+
+    def _join_added(self) -> None:
+        """The documents added since, as one more run of columns."""
+        if self._added:
+            self._append_run(Columns.of_documents(list(self._added.values())))
+            self._added = {}
+
+    def _append_run(self, run: Columns) -> None:
+        self._runs.append(run)
+        self._run_at = np.append(self._run_at, self._run_at[-1] + run.n)
+        self._live = np.concatenate([self._live, np.ones(run.n, bool)])
+        self._state = None
+
+    def _row(self, doc_id: str) -> int:
+        """The global row of a live document in the runs, -1 where there is none (or it waits in `_added`)."""
+        for k, run in enumerate(self._runs):
+            i = run.find(doc_id)
+            if i >= 0 and self._live[self._run_at[k] + i]:
+                return int(self._run_at[k] + i)
+        return -1
 
     def remove_document(self, doc_id: str) -> tuple[int, int]:
         """Forget a document; returns its (start, end) so the caller can drop the same range from the index."""
-        doc = self.doc(doc_id)
-        del self._docs[doc_id]
-        self._cache = None
+        self._adopt_written()
+        doc = self.doc(doc_id)  # joins the documents added since: every live one has a row
+        self._live[self._row(doc_id)] = False
+        self._state, self._views, self._changes = None, {}, self._changes + 1
         return doc.start, doc.end
 
     def extend(self, other: "CorpusMap") -> int:
         """Append `other`'s documents after this map's positions (removed ranges kept); returns the shift."""
+        self._adopt_written()
         shift = self._next
-        for doc_id in other._docs:
-            if doc_id in self._docs:
+        self._changes += 1
+        for doc_id in other.doc_ids():
+            if doc_id in self:
                 raise ValueError(f"document id {doc_id!r} is in both corpus maps; ids must be unique")
-        for d in other._docs.values():
-            self._docs[d.doc_id] = Document(d.doc_id, d.start + shift, d.end + shift, d.text, d.offsets, d.metadata,
-                                            d.sentence_starts + shift)
-        self._next, self._cache = shift + other._next, None
+        self._join_added()
+        other._join_added()
+        if len(other._live):
+            self._append_run(joined(other._runs).taken(other._live, shift))
+        self._next, self._state = shift + other._next, None
         return shift
 
     # lookup -----------------------------------------------------------------------------------------------------
 
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray, list[Document]]:
-        if self._cache is None:
-            docs = list(self._docs.values())
-            self._cache = (np.array([d.start for d in docs], np.int64), np.array([d.end for d in docs], np.int64), docs)
-        return self._cache
+    def _view(self) -> dict:
+        """The live documents' rows and bounds in position order, made once per state."""
+        self._join_added()
+        if self._state is None:
+            rows = np.flatnonzero(self._live)
+            starts, ends = (np.concatenate([r.a[c] for r in self._runs]) if len(self._runs) > 1 else
+                            self._runs[0].a[c] if self._runs else np.zeros(0, np.int64) for c in ("starts", "ends"))
+            every = len(rows) == len(self._live)
+            self._state = {"rows": rows, "starts": starts if every else starts[rows],
+                           "ends": ends if every else ends[rows]}
+        return self._state
+
+    def _run_of(self, row: int) -> tuple[Columns, int]:
+        k = int(np.searchsorted(self._run_at, row, side="right")) - 1
+        return self._runs[k], row - int(self._run_at[k])
+
+    def _document(self, row: int) -> Document:
+        """The view of global row `row` (the last VIEWS_KEPT are kept)."""
+        doc = self._views.get(row)
+        if doc is None:
+            run, i = self._run_of(row)
+            doc = Document(run.doc_id(i), int(run.a["starts"][i]), int(run.a["ends"][i]), run.text(i),
+                           run.offsets(i), run.metadata(i), run.sentence_starts(i))
+            if len(self._views) >= VIEWS_KEPT:
+                self._views.pop(next(iter(self._views)))
+            self._views[row] = doc
+        return doc
 
     def __contains__(self, doc_id: str) -> bool:
-        return doc_id in self._docs
+        return isinstance(doc_id, str) and (doc_id in self._added or self._row(doc_id) >= 0)
 
     def __len__(self) -> int:
-        return len(self._docs)
+        return int(self._live.sum()) + len(self._added)
 
     @property
     def n_positions(self) -> int:
@@ -156,27 +222,73 @@ class CorpusMap:
 
     @property
     def n_tokens(self) -> int:
-        return sum(d.n_tokens for d in self._docs.values())
+        view = self._view()
+        return int((view["ends"] - view["starts"]).sum())
 
     def doc(self, doc_id: str) -> Document:
-        if doc_id not in self._docs:
+        if isinstance(doc_id, str) and doc_id in self._added:
+            self._join_added()
+        row = self._row(doc_id) if isinstance(doc_id, str) else -1
+        if row < 0:
             raise KeyError(f"no document {doc_id!r} in the corpus")
-        return self._docs[doc_id]
+        return self._document(row)
+
+    def doc_ids(self) -> list[str]:
+        """The live documents' ids in position order (decoded from the id column, no Document made)."""
+        self._join_added()
+        out = []
+        for k, run in enumerate(self._runs):
+            live = self._live[self._run_at[k]: self._run_at[k + 1]]
+            out += run.doc_ids(None if live.all() else np.flatnonzero(live))
+        return out
+
+    def id_column(self) -> tuple[np.ndarray, np.ndarray]:
+        """The live documents' ids in position order as one column (UTF-8 bytes, row starts): what the dense
+        stage's rows are matched against without a string per document."""
+        self._join_added()
+        parts = [live_ids(run.a["ids"], run.a["id_at"], self._live[self._run_at[k]: self._run_at[k + 1]])
+                 for k, run in enumerate(self._runs)]
+        if len(parts) == 1:
+            return parts[0]
+        ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.uint8)
+        return ids, row_starts(np.concatenate([np.diff(p[1]) for p in parts]) if parts else np.zeros(0, np.int64))
 
     def documents(self) -> Iterator[Document]:
-        """Live documents in position order; `locate()`'s document indices index this order."""
-        return iter(self._arrays()[2])
+        """Live documents in position order; `locate()`'s document indices index this order. Each is a view made
+        as the iteration reaches it."""
+        rows = self._view()["rows"]
+        return (self._view_of(int(r)) for r in rows)
+
+    def documents_from(self, position: int) -> Iterator[Document]:
+        """The live documents that start at or after `position`, in position order (views, as `documents()`)."""
+        view = self._view()
+        first = int(np.searchsorted(view["starts"], position))
+        return (self._view_of(int(r)) for r in view["rows"][first:])
+
+    def _view_of(self, row: int) -> Document:
+        run, i = self._run_of(row)
+        return Document(run.doc_id(i), int(run.a["starts"][i]), int(run.a["ends"][i]), run.text(i),
+                        run.offsets(i), run.metadata(i), run.sentence_starts(i))
+
+    def document_at(self, index: int) -> Document:
+        """The document at `index` in `documents()` order (what `locate()` returns)."""
+        return self._document(int(self._view()["rows"][index]))
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, ends) of the live documents in position order."""
+        view = self._view()
+        return view["starts"], view["ends"]
 
     def segment_bounds(self) -> np.ndarray:
         """Sorted start and end positions of the live documents (for select.py's segment_bounds)."""
-        starts, ends, _ = self._arrays()
+        starts, ends = self.bounds()
         return np.union1d(starts, ends)
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(document index in `documents()` order, token offset inside it) per position; (-1, -1) for a position
         that belongs to no live document (a removed range or past the end)."""
         positions = np.asarray(positions, dtype=np.int64)
-        starts, ends, _ = self._arrays()
+        starts, ends = self.bounds()
         if len(starts) == 0:
             return np.full(positions.shape, -1), np.full(positions.shape, -1)
         doc = np.searchsorted(starts, positions, side="right") - 1
@@ -191,7 +303,7 @@ class CorpusMap:
         (d_start, d_last), (o_start, o_last) = self.locate(np.array([start, end - 1]))
         if d_start < 0 or d_start != d_last:
             raise ValueError(f"span [{start}, {end}) does not lie inside one document; split it at document bounds")
-        doc = self._arrays()[2][d_start]
+        doc = self.document_at(d_start)
         char_start, char_end = int(doc.offsets[o_start, 0]), int(doc.offsets[o_start:o_last + 1, 1].max())
         return doc.doc_id, char_start, char_end, doc.text[char_start:char_end]
 
@@ -201,30 +313,100 @@ class CorpusMap:
 
     def sentence_starts(self) -> np.ndarray:
         """Sorted global positions where any sentence starts, every document start included."""
-        docs = self._arrays()[2]
-        return np.concatenate([d.sentence_starts for d in docs]) if docs else np.zeros(0, np.int64)
+        view = self._view()
+        if "sentences" not in view:
+            parts = []
+            for k, run in enumerate(self._runs):
+                live = self._live[self._run_at[k]: self._run_at[k + 1]]
+                sent = run.a["sentences"]
+                parts.append(sent if live.all() else sent[np.repeat(live, np.diff(run.a["sent_at"]))])
+            view["sentences"] = (parts[0] if len(parts) == 1 else np.concatenate(parts)) if parts \
+                else np.zeros(0, np.int64)
+        return view["sentences"]
 
     # persistence ------------------------------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the map to the file `path` (.npz) atomically (temp file beside it, then os.replace)."""
+        """Write the live documents' columns to the file `path` atomically (an array file: temp file beside it,
+        then os.replace)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        docs = list(self._docs.values())
-        header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "next": self._next,
-                  "docs": [{"id": d.doc_id, "start": d.start, "end": d.end, "text": d.text, "metadata": d.metadata,
-                            "n_sentences": len(d.sentence_starts)} for d in docs]}
-        arrays = {
-            "header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
-            "offsets": np.concatenate([d.offsets for d in docs]) if docs else np.zeros((0, 2), np.int32),
-            "sentence_starts": self.sentence_starts(),
-        }
-        def write(tmp: Path) -> None:
-            with open(tmp, "wb") as f:
-                np.savez(f, **arrays)
+        self._join_added()
+        runs = [run.taken(self._live[self._run_at[k]: self._run_at[k + 1]]) for k, run in enumerate(self._runs)]
+        columns = joined(runs) if runs else Columns.of_documents([])
+        return write_arrays(path, KIND, columns.a, {"next": self._next})
 
-        atomic_write(path, write)
-        return path
+    def save_in(self, folder: Path, previous: Path | None = None) -> None:
+        """Write the map into an index folder being filled: the base file, hard-linked from the committed folder
+        `previous` where it is the one this map was read from and the changes since stay under COMPACT_SHARE of
+        it (else written anew, all live documents), and the delta file."""
+        self._join_added()
+        base = self._runs[0] if self._runs else None
+        n = base.n if base is not None else 0
+        removed = np.flatnonzero(~self._live[:n])
+        changes = len(removed) + int(self._live[n:].sum())
+        if base is not None and changes <= COMPACT_SHARE * n and \
+                link_unchanged(previous, folder, CORPUS_FILE, base.source):
+            delta = [run.taken(self._live[self._run_at[k]: self._run_at[k + 1]]) for k, run in
+                     enumerate(self._runs) if k > 0]
+        else:  # compacted: one new base of the live documents, which this map reads from its next change on
+            self.save(folder / CORPUS_FILE)
+            with open(folder / CORPUS_FILE, "rb") as f:
+                saved = ArrayFile.read(f, folder / CORPUS_FILE, KIND, check=False)  # just written
+                self._written = (self._changes, Columns(saved.arrays, source=os.fstat(f.fileno())))
+            delta, removed = [], np.zeros(0, np.int64)
+        columns = joined(delta) if delta else Columns.of_documents([])
+        write_arrays(folder / DELTA_FILE, DELTA_KIND, {**columns.a, "removed": removed}, {"next": self._next})
+
+    def _adopt_written(self) -> None:
+        """Before a change: where the last save wrote a new base and nothing changed since, read that base in place
+        of these runs (so the next save links it). Only changes call it, which the index makes alone (its write
+        lock), so no question reads the runs while they are replaced."""
+        written, self._written = self._written, None
+        if written is not None and written[0] == self._changes:
+            self._runs, self._run_at, self._live = [], np.zeros(1, np.int64), np.zeros(0, bool)
+            self._append_run(written[1])
+            self._views = {}
+
+    @classmethod
+    def read_in(cls, open_file, folder: Path) -> CorpusMap:
+        """The map of an index folder (`save_in`'s files, through files.read_folder's `open_file`), every file
+        checked; IndexCorruptError naming the damaged one."""
+        with open_file(CORPUS_FILE) as f:
+            base, source = ArrayFile.read(f, folder / CORPUS_FILE, KIND), os.fstat(f.fileno())
+        with open_file(DELTA_FILE) as f:
+            delta = ArrayFile.read(f, folder / DELTA_FILE, DELTA_KIND)
+        removed, nxt = delta.arrays.pop("removed", None), delta.meta.get("next")
+        for path, arrays in ((folder / CORPUS_FILE, base.arrays), (folder / DELTA_FILE, delta.arrays)):
+            try:
+                if type(nxt) is not int or not 0 <= nxt < MAX_VALUE:
+                    raise ValueError(f"'next' is {nxt!r}")
+                check_columns(arrays, nxt)
+                n = len(base.arrays["starts"])
+                if path.name == DELTA_FILE and not (
+                        removed is not None and removed.dtype == np.int64 and removed.ndim == 1
+                        and (not len(removed) or (removed[0] >= 0 and removed[-1] < n))
+                        and bool(np.all(removed[1:] > removed[:-1]))
+                        and (not n or not len(arrays["starts"]) or arrays["starts"][0] >= base.arrays["ends"][-1])):
+                    raise ValueError("its removed rows or its first position do not fit the base")
+            except (ValueError, TypeError, IndexError) as err:
+                raise IndexCorruptError(f"corpus map {path} is damaged or inconsistent ({err}); delete the index "
+                                        "folder and rebuild it") from None
+        corpus = cls()
+        corpus._append_run(Columns(base.arrays, source=source))
+        if len(delta.arrays["starts"]):
+            corpus._append_run(Columns(delta.arrays))
+        corpus._live[removed] = False
+        corpus._next = nxt
+        return corpus
+
+    @classmethod
+    def read_saved(cls, open_file, folder: Path, columns: bool) -> CorpusMap:
+        """The map of an index folder: `read_in`'s files (`columns`), or the corpus.npz saved before them."""
+        if columns:
+            return cls.read_in(open_file, folder)
+        with open_file(OLD_CORPUS_FILE) as f:
+            return cls.read(f, folder / OLD_CORPUS_FILE)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CorpusMap:
@@ -236,8 +418,27 @@ class CorpusMap:
 
     @classmethod
     def read(cls, f, path: Path) -> CorpusMap:
-        """`load()` from an open file (`path` names it in messages). IndexCorruptError for anything but a map
-        this version wrote, the header's every field checked, so no other exception comes out of a damaged file."""
+        """`load()` from an open file (`path` names it in messages): the columns mapped after every check
+        (`check_columns`), or a map saved before columns (.npz). IndexCorruptError for anything else."""
+        if not is_array_file(f):
+            return cls._read_npz(f, path)
+        saved = ArrayFile.read(f, path, KIND)
+        nxt = saved.meta.get("next")
+        try:
+            if type(nxt) is not int or not 0 <= nxt < MAX_VALUE:
+                raise ValueError(f"'next' is {nxt!r}")
+            check_columns(saved.arrays, nxt)
+        except (ValueError, TypeError, IndexError) as err:
+            raise IndexCorruptError(f"corpus map {path} is damaged or inconsistent ({err}); delete it and rebuild "
+                                    "the index") from None
+        corpus = cls()
+        corpus._append_run(Columns(saved.arrays))
+        corpus._next = nxt
+        return corpus
+
+    @classmethod
+    def _read_npz(cls, f, path: Path) -> CorpusMap:
+        """A map saved before columns: its JSON header of every document and two arrays, every field checked."""
         try:
             with np.load(f, allow_pickle=False) as data:  # zip CRCs catch damaged members
                 header = json.loads(data["header"].tobytes())
@@ -270,7 +471,7 @@ class CorpusMap:
             start, stop, m, text = d["start"], d["end"], d["n_sentences"], d["text"]
             need(all(type(v) is int for v in (start, stop, m)) and end <= start < stop and m >= 1,
                  f"document {d['id']!r} has bad bounds")
-            need(isinstance(d["id"], str) and d["id"] and d["id"] not in corpus._docs, "a document id is bad")
+            need(isinstance(d["id"], str) and d["id"] and d["id"] not in corpus._added, "a document id is bad")
             need(isinstance(text, str) and isinstance(d["metadata"], dict), f"document {d['id']!r} has bad fields")
             n, own, starts = stop - start, offsets[tok:tok + stop - start], sentences[sent:sent + m]
             need(len(own) == n and len(starts) == m, "the arrays are shorter than the documents")
@@ -278,9 +479,10 @@ class CorpusMap:
                  f"document {d['id']!r}: token offsets lie outside its text")
             need(starts[0] == start and np.all(np.diff(starts) > 0) and starts[-1] < stop,
                  f"document {d['id']!r}: sentence starts lie outside it")
-            corpus._docs[d["id"]] = Document(d["id"], start, stop, text, own, d["metadata"], starts)
+            corpus._added[d["id"]] = Document(d["id"], start, stop, text, own, d["metadata"], starts)
             tok, sent, end = tok + n, sent + m, stop
         need(tok == len(offsets) and sent == len(sentences), "the arrays hold more than the documents")
         need(type(header["next"]) is int and end <= header["next"] < MAX_VALUE, "'next' lies outside the positions")
         corpus._next = header["next"]
+        corpus._join_added()
         return corpus

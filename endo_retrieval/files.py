@@ -111,6 +111,20 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def link_unchanged(previous: Path | None, folder: Path, name: str, source: os.stat_result | None) -> bool:
+    """Hard-link `previous/name` (a committed index folder's file) into `folder` (the next generation being filled)
+    where it is still the file `source` describes (the one read from it): files are never changed in place, so
+    both generations hold it whole. False where it is not, or links are not supported: the caller writes it."""
+    try:
+        if previous is None or source is None or not os.path.samestat(os.stat(previous / name), source):
+            return False
+        step(f"link {name}")
+        os.link(previous / name, folder / name)
+    except OSError:
+        return False
+    return True
+
+
 # ---- a folder replaced as a whole ------------------------------------------------------------------------------
 
 

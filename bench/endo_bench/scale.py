@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ann-min", type=int, default=None,
                    help="passages from which the saved index holds cells (default index.dense.ANN_MIN)")
     p.add_argument("--work", default=None, help="folder for the indexes (default a temporary one, deleted)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep each size's index in --work as WORK/nSIZE/index (after the measured update)")
     p.add_argument("--out", default="bench/results/scale", help="folder for scale.json and scale.md")
     model_argument(p)
 
@@ -103,6 +105,7 @@ def build_synthetic(folder: Path, size: int, data: Path, backbone, seed: int = 0
     their embeddings random unit vectors: the real corpus map, BM25 and dense structures, saved as `endo index`
     saves them."""
     from endo_retrieval.index.dense import DenseVectors
+    from endo_retrieval.index.dense_rows import RowMap
     from endo_retrieval.methods.search import EndoIndex
 
     rng = np.random.default_rng(seed)
@@ -127,8 +130,7 @@ def build_synthetic(folder: Path, size: int, data: Path, backbone, seed: int = 0
         block = rng.standard_normal((min(65536, size - a), 384), dtype=np.float32)
         vectors[a: a + len(block)] = block / np.linalg.norm(block, axis=1, keepdims=True)
     index.dense = DenseVectors()
-    index.dense.rows = {f"s{i}": vectors[i: i + 1] for i in range(size)}
-    index.dense._whole = (tuple(index.dense.rows), vectors)  # saved as it is, not stacked again
+    index.dense.rows = RowMap.saved(vectors, [f"s{i}" for i in range(size)], np.ones(size, np.int64))
     index.save(folder / "index")
     del index, vectors
     (folder / "vectors.tmp.npy").unlink()
@@ -152,18 +154,25 @@ def memory() -> dict[str, int]:
 
 
 def parts(index, passages) -> dict[str, int]:
-    """Bytes of the opened index's arrays, by part: what the RAM figure is made of."""
-    docs = list(index.corpus.documents())
+    """Bytes of the opened index's arrays, by part: what the RAM figures are made of (a memory-mapped part is file
+    pages, counted in RssFile as far as it was read, not in the index's own memory)."""
+    runs = index.corpus._runs
+    column = lambda *names: sum(r.a[n].nbytes for r in runs for n in names)
     bm25 = passages.bm25
-    out = {"text": sum(sys.getsizeof(d.text) for d in docs),
-           "corpus_offsets": sum(d.offsets.nbytes + d.sentence_starts.nbytes for d in docs),
+    out = {"text": column("text"), "corpus_offsets": column("offsets", "tok_at", "sentences", "sent_at"),
+           "corpus_ids_meta": column("ids", "id_at", "meta", "meta_at", "id_hash", "id_order", "starts", "ends"),
            "bm25_postings": sum(a.nbytes for a in (bm25.indptr, bm25.docs, bm25.tf, bm25.norm, bm25.okapi.doc_len)),
            "passage_bounds": passages.starts.nbytes + passages.ends.nbytes + passages.sentences.nbytes}
-    if index.dense is not None and index.dense.cells:
-        out["dense_cells"] = sum(c.nbytes for c in index.dense.cells.values())
+    if index.dense is not None and index.dense.centroids is not None:
+        out["dense_cells"] = np.asarray(index.dense.cells.data).nbytes
         if passages.cells:
             out["dense_cells"] += passages.cells.rows.nbytes + passages.cells.bounds.nbytes
     return out
+
+
+def text_in_memory(index) -> int:
+    """Bytes of document text the index holds in its own memory: none where the text column is mapped."""
+    return sum(r.a["text"].nbytes for r in index.corpus._runs if not isinstance(r.a["text"], np.memmap))
 
 
 def measure(folder: str, questions: list[str], whole: int, model: str | None) -> dict:
@@ -211,25 +220,30 @@ def measure(folder: str, questions: list[str], whole: int, model: str | None) ->
     from endo_retrieval.index.passages import Passages
 
     step = max(10, len(index.corpus) // UPDATE_DOCS)  # a tenth of the documents at most
-    gone = [d.doc_id for d in index.corpus.documents()][::step][:UPDATE_DOCS]
+    gone = index.corpus.doc_ids()[::step][:UPDATE_DOCS]
     t = time.perf_counter()
     for doc_id in gone:
         index.remove_document(doc_id)
     index.passages()
     update_s = time.perf_counter() - t
     t = time.perf_counter()
+    index.save(folder)  # the update made durable: a new generation, swapped in
+    update_save_s = time.perf_counter() - t
+    t = time.perf_counter()
     Passages.build(index.corpus)
     rebuild_s = time.perf_counter() - t
     own = after["RssAnon"] - before["RssAnon"] - sys.getsizeof(vectors) - sum(v.nbytes + 112 for v in vectors.values())
+    text = text_in_memory(index)
     return {"passages": n, "documents": len(index.corpus), "opened_s": opened_s, "open_check_ms": check_ms,
             "ram_bytes": own,
             "ram_file_bytes": after["RssFile"] - before["RssFile"], "parts": sizes,
-            "ram_besides_text_per_passage": (own - sizes["text"]) / n,
+            "ram_besides_text_per_passage": (own - text) / n, "text_mapped": text == 0,
             "cells": bool(passages.cells), "depth": pipe.depth,
             "stage1_ms_p50": float(np.median(first_ms)), "stage1_ms_p95": float(np.percentile(first_ms, 95)),
             "stage1_cpu_ms_p50": float(np.median(first_cpu)), "embed_question_ms_p50": float(np.median(embed_ms)),
             "whole_ms_p50": float(np.median(whole_ms)) if whole_ms else None, "whole_n": len(whole_ms),
-            "stage1_n": len(first_ms), "update_docs": len(gone), "update_s": update_s, "rebuild_s": rebuild_s}
+            "stage1_n": len(first_ms), "update_docs": len(gone), "update_s": update_s, "update_save_s": update_save_s,
+            "rebuild_s": rebuild_s, "load_average": os.getloadavg()}
 
 
 def folder_bytes(folder: Path) -> dict[str, int]:
@@ -251,7 +265,10 @@ def run(args) -> int:
     rng = np.random.default_rng(0)
     questions = [real_questions[i] for i in rng.choice(len(real_questions), args.questions, replace=False)]
     rows = []
-    with tempfile.TemporaryDirectory(dir=args.work) as work:
+    if args.keep and not args.work:
+        raise SystemExit("--keep keeps the indexes in --work: name that folder")
+    with tempfile.TemporaryDirectory(dir=args.work) as temp:
+        work = args.work if args.keep else temp
         for size in args.sizes:
             folder = Path(work) / f"n{size}"
             if size <= args.real_max:
@@ -270,7 +287,8 @@ def run(args) -> int:
                          "disk_bytes_per_passage": on_disk["total"] / got["passages"],
                          "disk_embedding_bytes_per_passage": on_disk["embeddings"] / got["passages"], **got})
             print(table_line(rows[-1]), flush=True)
-            subprocess.run(["rm", "-rf", str(folder)], check=False)  # the next size's room on disk
+            if not args.keep:
+                subprocess.run(["rm", "-rf", str(folder)], check=False)  # the next size's room on disk
             write(out, backbone, questions, rows)  # after every size: a long run keeps what it measured
     print(markdown(json.loads((out / "scale.json").read_text())))
     return 0
@@ -289,17 +307,18 @@ def write(out: Path, backbone, questions: list[str], rows: list[dict]) -> None:
 
 HEADER = ("| passages | text | build s | disk B/passage (embedding) | open s (checks ms) | "
           "RAM B/passage besides text | stage 1 p50 ms (CPU ms) | question embedding ms | whole question p50 ms | "
-          f"dense | update s ({UPDATE_DOCS} removed) | BM25 rebuilt s |")
+          f"dense | update s ({UPDATE_DOCS} removed) | saved s | BM25 rebuilt s |")
 
 
 def table_line(r: dict) -> str:
     whole = f"{r['whole_ms_p50']:,.0f}" if r["whole_ms_p50"] is not None else "-"
     checks = f" ({r['open_check_ms']:,.0f})" if "open_check_ms" in r else ""  # rows measured before: none
+    saved = f"{r['update_save_s']:.2f}" if "update_save_s" in r else "-"
     return (f"| {r['passages']:,} | {r['text']} | {r['build_s']:,.0f} | {r['disk_bytes_per_passage']:,.0f} "
             f"({r['disk_embedding_bytes_per_passage']:,.0f}) | {r['opened_s']:,.1f}{checks} | "
             f"{r['ram_besides_text_per_passage']:,.0f} | {r['stage1_ms_p50']:.1f} ({r['stage1_cpu_ms_p50']:.1f}) | "
             f"{r['embed_question_ms_p50']:.1f} | {whole} | {'cells' if r['cells'] else 'exact'} | "
-            f"{r.get('update_s', float('nan')):.2f} | {r.get('rebuild_s', float('nan')):.1f} |")
+            f"{r.get('update_s', float('nan')):.2f} | {saved} | {r.get('rebuild_s', float('nan')):.1f} |")
 
 
 def markdown(result: dict) -> str:
@@ -308,7 +327,8 @@ def markdown(result: dict) -> str:
              f"{result['model']}; cells from {result['ann_min']:,} passages, {result['probe']} probed.", "",
              HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     lines += [table_line(r) for r in result["rows"]]
-    lines += ["", "RAM by part, bytes per passage (arrays only; the rest is Python objects):", "",
+    lines += ["", "Bytes per passage by part (the corpus map and the passages are memory-mapped: file pages, read as "
+              "needed, not the index's own memory), beside the index's own memory measured:", "",
               "| passages | " + " | ".join(result["rows"][0]["parts"]) + " | measured, besides text |",
               "|---|" + "---|" * (len(result["rows"][0]["parts"]) + 1)]
     for r in (r for r in result["rows"] if r.get("parts")):  # a row joined from a table line has none

@@ -14,7 +14,7 @@ from endo_retrieval.core import Span, capped_question
 from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.files import IndexCorruptError, read_folder
 from endo_retrieval.index.hits import whole_document, with_section
-from endo_retrieval.index.passages import PASSAGES_FILE, Passages, passage_span
+from endo_retrieval.index.passages import PASSAGES_FILE, Passages, passage_span, saved_names
 from endo_retrieval.scoring.bm25 import words
 
 SHAPES = ("document", "passages", "whole")  # a hit per document (its best passage), the best passages, whole documents
@@ -40,22 +40,22 @@ def read_saved(folder: Path, passages: bool = False) -> Saved:
             meta = json.loads(f.read().decode("utf-8"))
         if not isinstance(meta, dict) or "segments" in meta:
             return meta, None, None
-        with open_file("corpus.npz") as f:
-            corpus = CorpusMap.read(f, folder / "corpus.npz")
+        passages_file = saved_names(meta)[1]
+        corpus = CorpusMap.read_saved(open_file, folder, meta.get("columns") is True)
         if not passages:
             return meta, corpus, None
+        recorded = (meta.get("sha256") or {}).get(passages_file)
         try:
-            with open_file(PASSAGES_FILE) as f:
-                recorded = (meta.get("sha256") or {}).get(PASSAGES_FILE)
+            with open_file(passages_file) as f:
                 return meta, corpus, Passages.read(f, corpus, sha256=recorded) or Passages.build(corpus)
-        except FileNotFoundError:  # saved before passages were; one whose header records them is damaged
-            if (meta.get("sha256") or {}).get(PASSAGES_FILE):
-                raise IndexCorruptError(f"{folder / PASSAGES_FILE} is missing (endo-index.json records it); "
-                                        "delete the folder and rebuild the index with `endo index PATH... --out "
-                                        "DIR`.") from None
+        except FileNotFoundError:  # saved before passages were; missing since, or where the header records them: damage
+            if recorded or passages_file == PASSAGES_FILE:
+                raise IndexCorruptError(f"{folder / passages_file} is missing; delete the folder and rebuild the "
+                                        "index with `endo index PATH... --out DIR`.") from None
             return meta, corpus, Passages.build(corpus)
-        except (ValueError, KeyError, EOFError, zipfile.BadZipFile, NotImplementedError) as err:
-            raise IndexCorruptError(f"{folder / PASSAGES_FILE} is damaged ({err}); delete the folder and rebuild "
+        except (ValueError, KeyError, EOFError, TypeError, OverflowError, zipfile.BadZipFile,
+                NotImplementedError) as err:
+            raise IndexCorruptError(f"{folder / passages_file} is damaged ({err}); delete the folder and rebuild "
                                     "the index with `endo index PATH... --out DIR`.") from None
 
     try:

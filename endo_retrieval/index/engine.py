@@ -16,8 +16,6 @@ import contextlib
 import sys
 import json
 import os
-import re
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Iterable, Iterator
@@ -29,24 +27,17 @@ from endo_retrieval.model.backbone import PIECES_PER_BATCH, Backbone, Encoding, 
 from endo_retrieval.scoring.bm25 import SentenceBM25
 from endo_retrieval.model.chunk_graph import MIN_REPLAYS
 from endo_retrieval.corpus import CorpusMap, split_sentences
-from endo_retrieval.files import atomic_write, read_folder, replacing_folder, writer_lock
-from endo_retrieval.index.inverted import (INDEX_FILE, SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
-                                           IndexVersionError, sorted_postings)
+from endo_retrieval.index.folder import HEADER, committed_generation, read_index, write_index  # noqa: F401
+from endo_retrieval.index.inverted import (SEGMENT_TOKENS, FeatureIndex, IndexCorruptError,
+                                           sorted_postings)
 from endo_retrieval.index.dense import DEFAULT_EMBEDDER, DenseVectors, EmbedderError, load_embedder
-from endo_retrieval.index.passages import PASSAGE_TOKENS, PASSAGES_FILE, Passages, document_cuts
+from endo_retrieval.index.passages import PASSAGE_TOKENS, Passages, document_cuts
 from endo_retrieval.index.indexing import (HandOff, ahead, index_streams, progress_bar, recorded_event, to_host,
                                            whole_chunks)
 from endo_retrieval.index.rwlock import ReadWriteLock, locked
 from endo_retrieval.model.sae import SAEBank, SAEError, TopKSAE
 from endo_retrieval.index.segments import load_segments
 
-FORMAT = "endo-index"
-VERSION = 1
-HEADER = "endo-index.json"
-HEADER_FIELDS = {"format": str, "version": int, "model": str, "model_hash": str, "method": str, "chunk_size": int,
-                 "sae_layers": list}  # and "prune": a share in (0, 1] or null; "dense", "embedder" and "sha256"
-# (passages.npz's), which an index saved before them lacks
-SHA256 = re.compile(r"[0-9a-f]{64}")
 CHUNK = 2048  # Table 6: streaming chunk size
 GROUP_CHUNKS = MIN_REPLAYS  # whole chunks per stream call while the text arrives: a call replays these shapes
 HANDOFF_TOKENS = SEGMENT_TOKENS  # features kept on the accelerator before one copy to the host (~3 MB for 3 layers,
@@ -126,10 +117,10 @@ class IndexStore:
                 for i, d in enumerate(docs)]
         if not docs:
             raise ValueError("No documents given; pass at least one Document or text.")
-        seen = set() if replace else set(self.doc_ids)
+        seen = set()
         checked = []
         for d in docs:  # validate all first, so a bad document leaves the index untouched
-            if d.doc_id in seen:
+            if d.doc_id in seen or not replace and d.doc_id in self.corpus:
                 raise ValueError(f"Duplicate document id {d.doc_id!r}; ids must be unique (remove the old one first).")
             seen.add(d.doc_id)
             try:
@@ -284,7 +275,7 @@ class IndexStore:
 
     @property
     def doc_ids(self) -> list[str]:
-        return [d.doc_id for d in self.corpus.documents()]
+        return self.corpus.doc_ids()
 
     # ---- phase 2: endogenous scores [S3 Eq. 6-7/9] --------------------------------------------------------------
     def query_features(self, question: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -334,46 +325,21 @@ class IndexStore:
     def _with_vectors(self, passages: Passages) -> Passages:
         """`passages` with the dense stage's embeddings where the index holds them for every document."""
         passages.dense = passages.vectors = passages.cells = None
-        if self.dense is not None and not self.dense.missing(self.doc_ids):
+        if self.dense is not None and self.dense.covers(self.corpus.id_column()):
             passages.dense = self.dense
-            passages.vectors = self.dense.matrix(self.doc_ids)
+            passages.vectors = self.dense.matrix(self.corpus.id_column())
             if len(passages.vectors) != len(passages):
                 raise IndexCorruptError(f"The index holds {len(passages.vectors)} passage embeddings for "
                                         f"{len(passages)} passages; rebuild it.")
         return passages
 
-    # ---- persistence ---------------------------------------------------------------------------------------
+    # ---- persistence (folder.py) ---------------------------------------------------------------------------
     @locked("read")
     def save(self, directory: str | os.PathLike) -> Path:
         """Write the index atomically: a new folder beside `directory` is filled, then swapped in (files.py), by one
         writer at a time (IndexBusyError for another). A crash leaves the old index or the new one."""
         directory = Path(directory)
-        header = {"format": FORMAT, "version": VERSION, "model": self.backbone.model_id,
-                  "model_hash": self.backbone.model_hash, "method": self.method,
-                  "chunk_size": self.chunk_size, "sae_layers": self.saes.layers, "prune": self.prune,
-                  # recorded, so an index whose dense files are all gone is refused, not opened as one without them
-                  "dense": self.dense is not None}
-        if self.dense is not None:
-            header["embedder"] = self.dense.embedder
-        with writer_lock(directory):
-            if directory.is_dir() and any(directory.iterdir()) and not (directory / HEADER).exists():
-                raise ValueError(f"{directory} exists and holds no endo index (no {HEADER}); refusing to replace "
-                                 "it. Pass a new folder, or delete that one first.")
-            # one more than the folder's own: a count per folder, which a rebuild over it continues
-            header["generation"] = committed_generation(directory) + 1
-            with replacing_folder(directory) as tmp:
-                self.index.save(tmp / "features")
-                self.corpus.save(tmp / "corpus.npz")
-                if self.dense is not None:
-                    self.dense.save(tmp, self.doc_ids)
-                # the passages' BM25, built here where no question built it, so opening the index reads no text;
-                # their SHA-256 goes into the header (written last), which opening checks them against
-                def write_passages(path: Path) -> None:
-                    header["sha256"] = {PASSAGES_FILE: self.passages().save(path, self.corpus)}
-
-                atomic_write(tmp / PASSAGES_FILE, write_passages)
-                atomic_write(tmp / HEADER, lambda p: p.write_text(json.dumps(header, indent=1)))
-            self.generation = header["generation"]
+        self.generation = write_index(self, directory)
         return directory
 
     @classmethod
@@ -383,45 +349,8 @@ class IndexStore:
         IndexCorruptError (a ValueError) whose message says what to do. `embedder`: refuse the index unless its
         passages were embedded with this one (None: whichever it holds)."""
         directory = Path(directory)
-
-        def read(open_file):
-            with open_file(HEADER) as f:
-                meta = _check_header(f.read(), directory / HEADER, cls.method_names)
-            if "segments" in meta:
-                return meta, None, None, None, None
-            with open_file(f"features/{INDEX_FILE}") as f:
-                index = FeatureIndex.read(f, directory / "features" / INDEX_FILE)
-            with open_file("corpus.npz") as f:
-                corpus = CorpusMap.read(f, directory / "corpus.npz")
-            recorded = meta.get("sha256", {})  # {}: saved before checksums, read unchecked
-            try:
-                with open_file(PASSAGES_FILE) as f:
-                    passages = Passages.read(f, corpus, recorded.get(PASSAGES_FILE))
-            except FileNotFoundError:
-                if PASSAGES_FILE in recorded:
-                    raise  # missing (named below), or the folder was replaced while read (read_folder reads again)
-                passages = None  # saved before passages were: built at the first question
-            except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile, NotImplementedError) as err:
-                # NotImplementedError: zipfile's, for a compression method it does not know (a changed byte)
-                raise IndexCorruptError(f"{directory / PASSAGES_FILE} is damaged ({err}); delete the index folder "
-                                        "and rebuild it with `endo index PATH... --out DIR`.") from None
-            dense = DenseVectors.read(open_file, directory, recorded=meta.get("dense"), embedder=meta.get("embedder"))
-            return meta, index, corpus, dense, passages
-
-        try:
-            meta, index, corpus, dense, passages = read_folder(directory, read)
-        except FileNotFoundError as err:
-            if err.filename not in (None, HEADER, str(directory)):
-                raise IndexCorruptError(f"the index in {directory} is damaged: {err.filename} is missing; delete "
-                                        "the folder and rebuild the index with `endo index PATH... --out DIR`."
-                                        ) from None
-            raise IndexCorruptError(f"{directory} holds no endo index (no {HEADER}); build one with "
-                                    "`endo index PATH... --out DIR` or EndoIndex.save().") from None
-        except IsADirectoryError as err:
-            raise IndexCorruptError(f"the index in {directory} is damaged ({err}); delete the folder and rebuild "
-                                    "the index.") from None
+        meta, index, corpus, dense, passages = read_index(directory, cls.method_names)
         if "segments" in meta:  # a manifest of index segments (`segments.commit`: Ray workers' builds)
-
             return load_segments(cls, directory, meta, backbone, saes, int8_queries)
         backbone = Backbone.of(backbone)
         if meta["model_hash"] != backbone.model_hash:
@@ -443,7 +372,7 @@ class IndexStore:
                 raise EmbedderError(f"The index in {directory} embedded its passages with {dense.embedder!r}, not "
                                     f"{embedder!r}; query it with {dense.embedder!r} (or embedder=None), or rebuild "
                                     f"it with {embedder!r}.")
-            if dense.missing(d.doc_id for d in corpus.documents()):
+            if not dense.covers(corpus.id_column()):
                 raise IndexCorruptError(f"the index in {directory} is damaged (documents without passage "
                                         "embeddings); delete the folder and rebuild the index.")
             dense.device = _embed_device(backbone)
@@ -470,54 +399,6 @@ def _model_saes(backbone: Backbone, needed: bool):
         return SAEBank.for_backbone(backbone)
     return SAEBank({0: TopKSAE(backbone.head_dim, 64, 1)}, {"d_latent": 64, "k": 1, "stand_in": True,
                                                             "model_hash": backbone.model_hash})
-
-
-def _check_header(raw: bytes, path: Path, method_names: tuple[str, ...]) -> dict:
-    """endo-index.json with every field checked: IndexCorruptError names what is wrong and says what to do."""
-    damaged = f"{path} is damaged ({{}}); delete the index folder and rebuild it with `endo index PATH... --out DIR`."
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except ValueError as err:  # not UTF-8, not JSON
-        raise IndexCorruptError(damaged.format(f"{type(err).__name__}: {err}")) from None
-    if not isinstance(meta, dict):
-        raise IndexCorruptError(damaged.format("not a JSON object"))
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise IndexVersionError(f"{path.parent} is not a version-{VERSION} endo index (format "
-                                f"{meta.get('format')!r}, version {meta.get('version')!r}); rebuild it with this "
-                                "version: `endo index PATH... --out DIR`.")
-    if "segments" in meta:  # a manifest of segments: its own loader checks the rest
-        return meta
-    for key, kind in HEADER_FIELDS.items():
-        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
-            raise IndexCorruptError(damaged.format(f"{key!r} is {meta.get(key)!r}, not a {kind.__name__}"))
-    prune, sha256 = meta.get("prune"), meta.get("sha256", {})
-    checks = {"method": meta["method"] in method_names, "chunk_size": 0 < meta["chunk_size"] < 1 << 31,
-              "sae_layers": all(type(l) is int and 0 <= l < 1 << 16 for l in meta["sae_layers"]),
-              "prune": prune is None or (type(prune) in (int, float) and 0 < prune <= 1),
-              "generation": type(meta.get("generation", 0)) is int and 0 <= meta.get("generation", 0) < 1 << 62,
-              "dense": type(meta.get("dense", False)) is bool,
-              "embedder": isinstance(meta.get("embedder"), str) and meta["embedder"] != ""
-              if meta.get("dense") is True else "embedder" not in meta,  # the dense stage's, and only with one
-              "sha256": isinstance(sha256, dict) and set(sha256) <= {PASSAGES_FILE}
-              and all(isinstance(v, str) and SHA256.fullmatch(v) for v in sha256.values())}
-    for key, ok in checks.items():
-        if not ok:
-            raise IndexCorruptError(damaged.format(f"{key!r} is {meta.get(key)!r}"))
-    return meta
-
-
-def committed_generation(directory: str | os.PathLike) -> int:
-    """The generation in the header of the index saved in `directory`: 0 where there is none, or where it cannot be
-    read (a save then replaces what is there)."""
-    def read(open_file):
-        with open_file(HEADER) as f:
-            return json.loads(f.read().decode("utf-8")).get("generation", 0)
-
-    try:
-        generation = read_folder(directory, read)
-    except (OSError, ValueError, AttributeError):
-        return 0
-    return generation if type(generation) is int and generation >= 0 else 0
 
 
 def unicode_text(text: str, what: str = "text") -> str:

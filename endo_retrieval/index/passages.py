@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from endo_retrieval.core import Span
-from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.corpus import CORPUS_FILE, OLD_CORPUS_FILE, CorpusMap
+from endo_retrieval.array_file import ArrayFile, is_array_file, write_arrays
 from endo_retrieval.files import sha256_of
 from endo_retrieval.index.sections import file_path, headings, markup, paragraph_starts, token_positions
 from endo_retrieval.scoring.bm25 import OkapiPostings, words
@@ -20,7 +21,16 @@ PASSAGE_TOKENS = 256  # a document longer than this is cut into passages of whol
 # recall@2 / @5 / @20 rose from 55.5 / 71.2 / 93.3 to 58.5 / 73.3 / 94.5 (tools/stage1_recall.py; docs/results.md
 # "The first stage indexes stems")
 STEMS = True
-PASSAGES_FILE = "passages.npz"  # the passages and their BM25, saved with the index: opening it reads no text again
+PASSAGES_FILE = "passages.arrays"  # the passages and their BM25, saved with the index: opening it maps them
+OLD_PASSAGES_FILE = "passages.npz"  # what an index saved before array files holds instead (read only)
+KIND = "passages"  # the array file's kind
+
+
+def saved_names(meta: dict) -> tuple[str, str]:
+    """(corpus map's file, passages' file) of an index folder whose header is `meta`: array files, or the .npz files
+    of an index saved before them (its header has no "columns")."""
+    return (CORPUS_FILE, PASSAGES_FILE) if meta.get("columns") is True else (OLD_CORPUS_FILE, OLD_PASSAGES_FILE)
+
 
 @dataclass
 class Passages:
@@ -51,38 +61,38 @@ class Passages:
         if not keep.any():  # nothing left to merge into
             return Passages.build(corpus, stem=self.bm25.stem)
         starts, ends, new = self.starts[keep], self.ends[keep], None
-        docs = [d for d in corpus.documents() if d.start >= self.built_to]
+        docs = list(corpus.documents_from(self.built_to))
         if docs:
             more_starts, more_ends, new = cut(iter(docs), PASSAGE_TOKENS, self.bm25.stem)
             starts, ends = np.concatenate([starts, more_starts]), np.concatenate([ends, more_ends])
         return Passages(starts, ends, corpus.sentence_starts(), self.bm25.merged(keep, new),
                         built_to=corpus.n_positions)
 
-    def save(self, path, corpus: CorpusMap) -> str:
-        """Write the passages and their BM25 to `path`, with what they were cut from (the corpus state,
-        PASSAGE_TOKENS), so `read` can tell when they are stale; returns the file's SHA-256, for `read` to check."""
+    def save(self, path, corpus: CorpusMap) -> None:
+        """Write the passages and their BM25 to `path` (an array file, checked in blocks when read), with what they
+        were cut from (the corpus state, PASSAGE_TOKENS), so `read` can tell when they are stale."""
         state = np.asarray([corpus.n_positions, len(corpus), PASSAGE_TOKENS], np.int64)
-        with open(path, "w+b") as f:  # a file, not a name: np.savez would add ".npz" to it; read back to hash it
-            np.savez(f, state=state, starts=self.starts, ends=self.ends, **self.bm25.arrays())
-            return sha256_of(f)
+        write_arrays(path, KIND, {"state": state, "starts": self.starts, "ends": self.ends, **self.bm25.arrays()})
 
     @classmethod
     def read(cls, f, corpus: CorpusMap, sha256: str | None = None) -> "Passages | None":
-        """The passages `save` wrote, for `corpus`; None where they were cut another way (another PASSAGE_TOKENS
-        or STEMS: they are built again). `sha256`: what `save` returned (None: not recorded, not checked), checked
-        first, through the file in blocks. ValueError saying what is wrong where the file is damaged (its checksum,
-        an array's type, shape or range) or does not fit the corpus; the seconds the checks took: `check_s`."""
+        """The passages `save` wrote, for `corpus`, mapped; None where they were cut another way (another
+        PASSAGE_TOKENS or STEMS: they are built again). ValueError saying what is wrong where the file is damaged
+        (its checksums, an array's type, shape or range) or does not fit the corpus; the seconds the checks took:
+        `check_s`. A file saved before array files (.npz) is checked against `sha256` (None: not recorded, not
+        checked) and read into memory."""
         clock = time.perf_counter()
-        if sha256 is not None:
-            if sha256_of(f) != sha256:
-                raise ValueError("checksum mismatch")
-            f.seek(0)
-        check_s = time.perf_counter() - clock
-        with np.load(f, allow_pickle=False) as saved:
-            arrays = {name: saved[name] for name in saved.files}
-        clock = time.perf_counter()
+        if is_array_file(f):
+            arrays = ArrayFile._read(f, KIND).arrays
+        else:
+            if sha256 is not None:
+                if sha256_of(f) != sha256:
+                    raise ValueError("checksum mismatch")
+                f.seek(0)
+            with np.load(f, allow_pickle=False) as saved:
+                arrays = {name: saved[name] for name in saved.files}
         _check_arrays(arrays)
-        check_s += time.perf_counter() - clock
+        check_s = time.perf_counter() - clock
         state, starts, ends = arrays["state"].tolist(), arrays["starts"], arrays["ends"]
         bm25 = OkapiPostings.from_arrays(arrays)
         if len(bm25.terms) != len(arrays["idf"]):
@@ -108,7 +118,7 @@ class Passages:
         """Each passage's cosine with the question's embedding `query`: all of them, or where the index holds cells
         (dense.py), those of the passages in the cells nearest the question, -inf for the rest."""
         if self.cells is None and self.dense.centroids is not None:
-            self.cells = self.dense.search([d.doc_id for d in corpus.documents()], self.vectors) or False
+            self.cells = self.dense.search(corpus.doc_ids(), self.vectors) or False
         if self.cells:
             return self.cells.scores(self.vectors, query)
         return np.asarray(self.vectors @ query, np.float64)

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from endo_retrieval.array_file import file_crcs
 from endo_retrieval.files import SEAL, read_sealed_json, sealed_json, sha256_of
 from endo_retrieval.index.dense import CELLS_FILE, META_FILE, VECTORS_FILE, EmbedderError
 from endo_retrieval.index.inverted import IndexCorruptError
@@ -18,6 +19,8 @@ from endo_retrieval.methods.pipeline import EndoPipeline
 from endo_retrieval.methods.search import Document, EndoIndex
 from endo_retrieval.scoring.bm25 import words
 from endo_retrieval.scoring.fusion import RRF_K
+
+from old_layout import to_old_layout
 
 DOCS = {"cat": "A small feline slept on the woven rug all afternoon.",
         "bridge": "The Zephyr bridge crosses the Varna river. Workers found quartz under its pillars.",
@@ -118,10 +121,32 @@ def test_adds_and_removes_update_the_passages_reading_only_the_new_documents(tin
 
 def test_a_damaged_passages_file_is_refused_and_an_index_without_one_builds_them(tiny, tmp_path):
     build(tiny).save(tmp_path / "idx")
-    passages_file, header = tmp_path / "idx" / PASSAGES_FILE, tmp_path / "idx" / "endo-index.json"
-    with open(passages_file, "rb") as f:
-        assert json.loads(header.read_text())["sha256"] == {PASSAGES_FILE: sha256_of(f)}
+    passages_file = tmp_path / "idx" / PASSAGES_FILE
     assert EndoIndex.load(tmp_path / "idx", backbone=tiny).passages().check_s > 0
+    whole = passages_file.read_bytes()
+    passages_file.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(IndexCorruptError, match="passages.arrays is damaged .*truncated.*rebuild"):
+        EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    n = int.from_bytes(whole[8:16], "little")
+    at = -(-(16 + n) // 64) * 64 + read_sealed_json(whole[16:16 + n])["arrays"]["docs"]["offset"]
+    passages_file.write_bytes(whole[:at] + bytes([whole[at] ^ 1]) + whole[at + 1:])  # a posting's document
+    with pytest.raises(IndexCorruptError, match="passages.arrays is damaged .*CRC-32.*rebuild"):
+        EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    passages_file.unlink()  # saved with array files: missing is damage
+    with pytest.raises(IndexCorruptError, match="passages.arrays is missing.*rebuild"):
+        EndoIndex.load(tmp_path / "idx", backbone=tiny)
+
+
+def test_an_index_saved_before_array_files_opens_and_its_passages_are_checked(tiny, tmp_path):
+    index = build(tiny)
+    index.save(tmp_path / "idx")
+    to_old_layout(tmp_path / "idx")
+    passages_file, header = tmp_path / "idx" / "passages.npz", tmp_path / "idx" / "endo-index.json"
+    with open(passages_file, "rb") as f:
+        assert json.loads(header.read_text())["sha256"] == {"passages.npz": sha256_of(f)}
+    old = EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    assert old.passages().check_s > 0 and stage1(old, "Where did a cat nap?", "hybrid")[0] == \
+        stage1(index, "Where did a cat nap?", "hybrid")[0]
     whole = passages_file.read_bytes()
     passages_file.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(IndexCorruptError, match="passages.npz is damaged .checksum mismatch.*rebuild"):
@@ -129,10 +154,13 @@ def test_a_damaged_passages_file_is_refused_and_an_index_without_one_builds_them
     passages_file.unlink()  # the header records it: missing is damage
     with pytest.raises(IndexCorruptError, match="passages.npz is missing.*rebuild"):
         EndoIndex.load(tmp_path / "idx", backbone=tiny)
-    old = {k: v for k, v in json.loads(header.read_text()).items() if k != "sha256"}
-    header.write_text(json.dumps(old))  # an index saved before passages were saved with it
-    loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)
+    header.write_text(json.dumps({k: v for k, v in json.loads(header.read_text()).items() if k != "sha256"}))
+    loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)  # saved before passages were saved with it
     assert stage1(loaded, "Where did a cat nap?", "hybrid")[0][0] == "cat"
+    loaded.save(tmp_path / "idx")  # the next save writes the array files
+    assert {"corpus.arrays", "passages.arrays", "dense_rows.arrays"} <= {p.name for p in (tmp_path / "idx").iterdir()}
+    assert stage1(EndoIndex.load(tmp_path / "idx", backbone=tiny), "Where did a cat nap?", "hybrid")[0] == \
+        stage1(index, "Where did a cat nap?", "hybrid")[0]
 
 
 def test_an_index_refuses_another_embedder_and_an_unloadable_one_fails_before_any_work(tiny, tmp_path):
@@ -209,7 +237,7 @@ def test_the_dense_files_carry_checksums_checked_at_open(tiny, tmp_path):
     build(tiny).save(tmp_path / "idx")
     meta = json.loads((tmp_path / "idx" / META_FILE).read_text())
     with open(tmp_path / "idx" / VECTORS_FILE, "rb") as f:
-        assert meta["sha256"] == {VECTORS_FILE: sha256_of(f)}
+        assert meta["crc32"] == {VECTORS_FILE: file_crcs(f)}
     assert list(meta)[-1] == SEAL and read_sealed_json((tmp_path / "idx" / META_FILE).read_bytes())["dim"] == 384
     assert EndoIndex.load(tmp_path / "idx", backbone=tiny).dense.check_s > 0
 
@@ -230,12 +258,12 @@ def damage_dense(folder, how: str) -> str:
         meta.unlink()
     else:  # a field of the wrong type, the header sealed again: its type check, not the checksum, refuses it
         fields = read_sealed_json(meta.read_bytes())
-        meta.write_bytes(sealed_json({**fields, "counts": [str(c) for c in fields["counts"]]}))
+        meta.write_bytes(sealed_json({**fields, "crc32": {k: [str(c) for c in v] for k, v in fields["crc32"].items()}}))
     return vectors.name if "npy" in how else meta.name
 
 
 @pytest.mark.parametrize("how", ["a byte of dense.npy", "dense.npy removed", "dense.json removed",
-                                 "every dense file removed", "counts of the wrong type"])
+                                 "every dense file removed", "checksums of the wrong type"])
 def test_a_damaged_dense_file_is_refused_or_with_bm25_asked_for_is_a_warning(tiny, tmp_path, endo_search, how):
     index = build(tiny)
     index.save(tmp_path / "idx")
@@ -264,7 +292,9 @@ def test_a_wrong_field_is_named_and_an_index_saved_before_checksums_opens_unchec
     for field, bad in [("dim", "384"), ("cells", 1), ("doc_ids", [1, 2, 3, 4]), ("embedder", None)]:
         meta.write_bytes(sealed_json({**fields, field: bad}))
         assert f"{META_FILE} is damaged (field {field}" in damage()
-    old = {k: v for k, v in fields.items() if k != "sha256"}
+    meta.write_bytes(sealed_json(fields))
+    to_old_layout(tmp_path / "idx")
+    old = {k: v for k, v in read_sealed_json(meta.read_bytes()).items() if k != "sha256"}
     meta.write_text(json.dumps(old))  # as saved before checksums: no seal, no sha256
     loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)
     assert loaded.dense_damage is None
@@ -280,7 +310,7 @@ def test_the_cells_file_is_checked_too(tiny, tmp_path, monkeypatch):
     index = build(tiny)
     index.save(tmp_path / "idx")
     cells = tmp_path / "idx" / CELLS_FILE
-    assert set(json.loads((tmp_path / "idx" / META_FILE).read_text())["sha256"]) == {VECTORS_FILE, CELLS_FILE}
+    assert set(json.loads((tmp_path / "idx" / META_FILE).read_text())["crc32"]) == {VECTORS_FILE, CELLS_FILE}
     loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)
     assert loaded.dense.centroids is not None and loaded.dense_damage is None
     data = bytearray(cells.read_bytes())

@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 
 from endo_retrieval import Document
+from endo_retrieval.array_file import ArrayFile, write_arrays
 from endo_retrieval.files import SEAL, read_sealed_json, sealed_json, sha256_of
 from endo_retrieval.index.inverted import MAGIC, IndexCorruptError
 
+from old_layout import to_old_layout
 from tiny import QUESTIONS, answers, docs, load, new_index, tiny_engine
 
 FUZZ_CASES = int(os.environ.get("ENDO_FUZZ_CASES", 1500))
@@ -57,6 +59,16 @@ def saved(tmp_path_factory):
         yield folder, both_answers(clean), endo_answers(clean, "bm25")
 
 
+@pytest.fixture(scope="module")
+def saved_before_arrays(saved, tmp_path_factory):
+    """`saved` turned into the layout saved before array files (corpus.npz, passages.npz with its SHA-256 in the
+    header): it answers as `saved` does."""
+    folder = tmp_path_factory.mktemp("old") / "ix"
+    shutil.copytree(saved[0], folder)
+    to_old_layout(folder)
+    return (folder, *saved[1:])
+
+
 def files_of(folder) -> list[str]:
     """Every file the index folder holds, at any depth."""
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
@@ -64,7 +76,8 @@ def files_of(folder) -> list[str]:
 
 def test_the_fuzzed_index_holds_every_stage(saved):
     held = files_of(saved[0])
-    assert {"endo-index.json", "corpus.npz", "passages.npz", "dense.npy", "dense.json", "dense_cells.npz"} <= set(held)
+    assert {"endo-index.json", "corpus.arrays", "passages.arrays", "dense.npy", "dense.json", "dense_cells.npz",
+            "dense_rows.arrays"} <= set(held)
     assert any(name.startswith("features/") for name in held)
 
 
@@ -178,8 +191,19 @@ def npy_field(data: bytes, rng) -> bytes:
     return out.getvalue() + payload
 
 
+def array_file_field(data: bytes, rng) -> bytes:
+    """An array file (array_file.py) with a field of its sealed header of another type, sealed again and kept at
+    its length where it is no longer (so the arrays stay where they were): the field checks answer, not the seal."""
+    n = int.from_bytes(data[8:16], "little")
+    new = sealed_json(mutate(read_sealed_json(data[16:16 + n]), rng, types_only=True))
+    new = new + b" " * (n - len(new)) if len(new) <= n else new
+    return data[:8] + len(new).to_bytes(8, "little") + new + data[16 + n:]
+
+
 def change_field(name: str, data: bytes, rng) -> bytes:
     """A header field of the file changed, as its format has them. A file type not known here fails: teach it."""
+    if name.endswith(".arrays"):
+        return array_file_field(data, rng)
     if name.endswith(".json"):
         return json_field(data, rng)
     if name.endswith(".npz"):
@@ -319,12 +343,12 @@ def swapped(folder, copy, array: str, swap: str, checksum: bool) -> None:
         (copy / "endo-index.json").write_text(json.dumps(header))
 
 
-def test_passages_arrays_swapped_are_refused_by_the_checksum_or_by_their_checks(saved, tmp_path):
+def test_passages_arrays_swapped_are_refused_by_the_checksum_or_by_their_checks(saved_before_arrays, tmp_path):
     """Every array of passages.npz swapped each of SWAPS' ways: refused by the header's SHA-256 of the file; in an
     index saved before it had one, refused by the checks of the arrays' types, shapes and ranges, or answered as
     before. A change that keeps an array's type and shape (a value, or the terms' text) only the checksum can tell:
     such a copy may answer otherwise without one, but nothing may escape as another exception."""
-    folder, expected, bm25 = saved
+    folder, expected, bm25 = saved_before_arrays
     with np.load(folder / "passages.npz") as z:
         arrays = {name: (z[name].dtype, z[name].shape) for name in z.files}
     outcomes, copy = {}, tmp_path / "ix"
@@ -349,11 +373,44 @@ def test_passages_arrays_swapped_are_refused_by_the_checksum_or_by_their_checks(
     print(f"{len(arrays) * len(SWAPS)} arrays swapped, without the checksum: {outcomes}")
 
 
+ARRAY_FILES = {"corpus.arrays": "corpus-map", "passages.arrays": "passages", "dense_rows.arrays": "dense-rows"}
+
+
+def test_array_files_with_an_array_swapped_under_matching_checksums_are_refused_or_answer_as_before(saved, tmp_path):
+    """Every array of the index's array files swapped each of SWAPS' ways, the file written whole again (its CRC-32s
+    and seal matching, as a faulty writer would): a change of an array's type or shape is always refused by the
+    checks of the columns' types, shapes, bounds and order; one that keeps both may answer otherwise (only the
+    checksums could tell, and they match), but nothing escapes as another exception."""
+    folder, expected, bm25 = saved
+    outcomes, copy = {}, tmp_path / "ix"
+    for name, kind in ARRAY_FILES.items():
+        with open(folder / name, "rb") as f:
+            original = ArrayFile.read(f, folder / name, kind)
+        arrays = {k: np.array(v) for k, v in original.arrays.items()}
+        for array, a in arrays.items():
+            for swap, change in SWAPS.items():
+                shutil.rmtree(copy, ignore_errors=True)
+                shutil.copytree(folder, copy)
+                new = change(a)
+                write_arrays(copy / name, kind, {**arrays, array: new}, original.meta)
+                try:
+                    got = outcome(copy, name, expected, bm25)
+                except AssertionError:  # answered otherwise
+                    got = "answered otherwise"
+                except Exception as err:  # noqa: BLE001
+                    pytest.fail(f"{name} {array} {swap}: {type(err).__name__}: {err}")
+                kept = (new.dtype, new.shape) == (a.dtype, a.shape)
+                assert kept or got.startswith("refused"), f"{name} {array} {swap}: another type or shape, {got}"
+                outcomes[got] = outcomes.get(got, 0) + 1
+    print(f"arrays swapped under matching checksums: {outcomes}")
+    assert outcomes.get("refused", 0) > sum(outcomes.values()) // 2
+
+
 @pytest.mark.parametrize("name, checksum", [("corpus.npz", True), ("passages.npz", True), ("passages.npz", False)])
-def test_a_changed_zip_compression_method_is_refused(saved, tmp_path, name, checksum):
+def test_a_changed_zip_compression_method_is_refused(saved_before_arrays, tmp_path, name, checksum):
     """zipfile's NotImplementedError for a compression method it does not know is the IndexCorruptError, with or
     without passages.npz's checksum (which refuses it first)."""
-    shutil.copytree(saved[0], tmp_path / "ix")
+    shutil.copytree(saved_before_arrays[0], tmp_path / "ix")
     data = bytearray((tmp_path / "ix" / name).read_bytes())
     data[data.index(b"PK\x01\x02") + 10] = 99  # the first member's compression method, in the central directory
     (tmp_path / "ix" / name).write_bytes(bytes(data))

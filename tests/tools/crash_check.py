@@ -110,7 +110,7 @@ def kills(root: Path, n: int, rng: random.Random) -> list[str]:
 
 
 def damage(folder: Path, rng: random.Random) -> str:
-    name = rng.choice(["endo-index.json", "features/feature_index.bin", "corpus.npz"])
+    name = rng.choice(["endo-index.json", "features/feature_index.bin", "corpus.arrays"])
     path = folder / name
     data = bytearray(path.read_bytes())
     kind = rng.choice(["flip", "truncate", "empty", "missing", "wrong-type"])
