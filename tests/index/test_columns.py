@@ -90,6 +90,6 @@ def test_a_column_that_does_not_fit_the_others_is_refused(tmp_path):
     for name, bad in [("ends", arrays["ends"] + 5), ("offsets", arrays["offsets"] * 9),
                       ("id_hash", arrays["id_hash"] + np.uint64(1)), ("sent_at", arrays["sent_at"][::-1].copy())]:
         write_arrays(tmp_path / "bad.arrays", "corpus-map", {**arrays, name: bad}, {"next": corpus.n_positions})
-        with pytest.raises(IndexCorruptError, match=f"damaged or inconsistent.*rebuild"):
+        with pytest.raises(IndexCorruptError, match="damaged or inconsistent.*rebuild"):
             CorpusMap.load(tmp_path / "bad.arrays")
     assert Columns(arrays).doc_id(0) == "a"
