@@ -136,7 +136,7 @@ LAYERS = [
     {"calibration"},
     {"cli"},
 ]
-LAZY_CEILING = 20  # imports of the package's own modules inside functions, each saying why (torch off the CLI's path)
+LAZY_CEILING = 15  # imports of the package's own modules inside functions, each saying why (torch off the CLI's path)
 
 
 def layer_of(module: str) -> int:

@@ -5,25 +5,23 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import json
 import re
 import sys
 import warnings
 from pathlib import Path
 from typing import Callable
 
-from endo_retrieval.cli.commands import model_argument
-from endo_retrieval.calibration.prepare import ready_methods
-from endo_retrieval.model.profiles import MAKERS, heads_profile, heads_profile_path, ilre_profile, sae_card
+from endo_retrieval.cli.verbosity import add_verbose, configure, warning_printer
+
 
 # command -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args).
 COMMANDS = {
-    "info": ("endo_retrieval.cli", "info_", "the model, device, cache, SAEs, ILRe layer and retrieval heads; with "
+    "info": ("endo_retrieval.cli.info", "info_", "the model, device, cache, SAEs, ILRe layer and retrieval heads; with "
              "DIR, an index's committed generation and size"),
     "demo": ("endo_retrieval.cli.demo", "", "the main job on the default model and a built-in task (no network)"),
-    "index": ("endo_retrieval.cli.commands", "index_", "build an endogenous index over text files"),
+    "index": ("endo_retrieval.cli.indexing", "index_", "build an endogenous index over text files"),
     "query": ("endo_retrieval.cli.commands", "query_", "retrieve evidence for a question from an index"),
-    "remove": ("endo_retrieval.cli.commands", "remove_", "remove documents from an index"),
+    "remove": ("endo_retrieval.cli.indexing", "remove_", "remove documents from an index"),
     "compress": ("endo_retrieval.cli.commands", "compress_", "compress one long context for one question"),
     "train-sae": ("endo_retrieval.cli.calibrate", "train_sae_", "train Top-k sparse autoencoders on key projections"),
     "train-phi": ("endo_retrieval.cli.calibrate", "train_phi_", "distil phi feature maps for completion attention"),
@@ -41,132 +39,6 @@ COMMANDS = {
     "serve": ("endo_retrieval.cli.serve", "", "answer `endo query --json` over HTTP from one long-lived process (the "
               "model loads once)"),
 }
-
-
-def info_add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("index", nargs="?", metavar="DIR", help="an index folder: say what it answers as now (model, "
-                   "method, committed generation, documents, passages, bytes), read without loading the model")
-    p.add_argument("--documents", action="store_true", help="with DIR: list its document ids, one a line")
-    p.add_argument("--json", action="store_true", help="print JSON: model, model_hash, layers, device, cache_dir, "
-                   "families, sae, ilre, heads and ready (with DIR: index, model, model_hash, method, generation, "
-                   "documents, passages, tokens, bytes and leftovers)")
-    model_argument(p)
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-
-
-def first_stage_lines(pipeline: dict) -> list[str]:
-    """`endo info`'s line on the model's first stage: the hybrid's dense share and how its scores are fused."""
-    name = pipeline.get("first_stage") or "bm25"
-    entry = (pipeline.get("first_stages") or {}).get(name)
-    if not isinstance(entry, dict):
-        return [f"  stage 1    {name}"]
-    weights = ", ".join(f"{k} {v:g}" for k, v in (entry.get("weights") or {}).items() if isinstance(v, (int, float)))
-    rule = "adaptive per question (scoring/adaptive.py), else " if entry.get("adaptive") else ""
-    return [f"  stage 1    {name}, dense share {entry.get('dense_share')}; fusion {rule}{weights}"]
-
-
-def info_run(args) -> int:
-    if args.index is not None:
-        from endo_retrieval.cli.commands import info_index_run
-
-        return info_index_run(args)
-    from endo_retrieval.model.backbone import SUPPORTED_FAMILIES, Backbone  # torch: off the CLI's fast path
-
-    bb = Backbone(args.model, device=args.device)
-    heads = heads_profile(bb)
-    if heads:  # the chosen heads, the fused weights and the corpus pipeline's settings; the per-head scores and the
-        # pipeline's fit table stay in the profile (and its plot)
-        pipeline = {k: ({kk: vv for kk, vv in v.items() if kk != "fit"} if k == "cpu" else v)
-                    for k, v in (heads.get("pipeline") or {}).items() if k != "fit"} or None
-        heads = {k: heads[k] for k in ("heads", "fusion", "recall_by_count", "context_tokens", "budgets") if k in heads}
-        heads["pipeline"] = pipeline
-    data = {**bb.info(), "families": list(SUPPORTED_FAMILIES), "sae": sae_card(bb), "ilre": ilre_profile(bb),
-            "heads": heads, "ready": ready_methods(bb)}
-    if args.json:
-        print(json.dumps(data, indent=2))
-    else:  # a short summary: each artefact's headline figures (--json: all of it)
-        print("\n".join(model_summary(bb.info(), data, heads_profile(bb), str(heads_profile_path(bb)))))
-    return 0
-
-
-def model_summary(model: dict, data: dict, heads: dict | None, heads_path: str | None = None) -> list[str]:
-    """`endo info`'s lines without --json: the model and its shape, the device, the cache, the methods it is ready
-    for, and each artefact's headline figures (`heads`: the whole heads profile, for its pipeline and reranker
-    fits; `data`: what --json prints). A figure a profile lacks is left out, never an error."""
-    def num(x, digits: int = 3) -> str:
-        return f"{x:.{digits}f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
-
-    def recalls(r) -> str:
-        r = r if isinstance(r, dict) else {}
-        at = [k for k in ("@2", "@5", "@10") if k in r]
-        return f"recall{'/'.join(at)} {'/'.join(num(r[k]) for k in at)}" if at else ""
-
-    def none(kind: str) -> str:
-        return f"none (make it with `{MAKERS[kind][0]}`, or `endo prepare`)"
-
-    window = model.get("max_position")
-    lines = [f"{model.get('model')} ({model.get('family')} family, hash {str(model.get('model_hash'))[:12]})",
-             f"  shape      {model.get('layers')} layers, {model.get('heads')} heads ({model.get('kv_heads')} KV, "
-             f"head_dim {model.get('head_dim')})" + (f", window {window:,} tokens" if isinstance(window, int) else ""),
-             f"  device     {model.get('device')} ({model.get('dtype')})",
-             f"  cache      {model.get('cache_dir')}",
-             f"  families   {', '.join(data.get('families') or [])}",
-             f"  ready      {', '.join(data.get('ready') or []) or 'bm25'}",
-             "artefacts"]
-    if heads:
-        chosen = [tuple(h) for h in heads.get("heads") or []]
-        layers = sorted({layer for layer, _ in chosen})
-        lines.append(f"  heads      {len(chosen)} retrieval heads in layers {layers[0]}-{layers[-1]}" if layers
-                     else "  heads      none listed")
-        fusion = heads.get("fusion") or {}
-        weights = ", ".join(f"{k} {v:g}" for k, v in (fusion.get("weights") or {}).items()
-                            if isinstance(v, (int, float)) and v)
-        single = {k: v for k, v in (fusion.get("single") or {}).items() if isinstance(v, (int, float))}
-        if weights:
-            best = max(single.items(), key=lambda kv: kv[1]) if single else None
-            lines.append(f"  context    one-context fusion {weights}: recall {num(fusion.get('recall'))}"
-                         + (f" ({best[0]} alone {num(best[1])})" if best else ""))
-        pipeline = heads.get("pipeline") or {}
-        if pipeline:
-            cpu, fit = pipeline.get("cpu") or {}, pipeline.get("fit") or {}
-            line = f"  pipeline   depth {pipeline.get('depth')}, read_tokens {pipeline.get('read_tokens')}"
-            if cpu:
-                line += f" (CPU: depth {cpu.get('depth')}, read_tokens {cpu.get('read_tokens')})"
-            if recalls(fit.get("recall")):
-                line += f"; {recalls(fit.get('recall'))} on {fit.get('data', 'its fit data')}"
-            lines.append(line)
-            lines += first_stage_lines(pipeline)
-        for stage, entry in sorted((heads.get("reranker") or {}).items()):
-            if isinstance(entry, dict):
-                fit = entry.get("fit") or {}
-                at5 = (fit.get("recall") or {}).get("@5")
-                alone = (fit.get("first_stage_alone") or {}).get("@5")
-                rule = "adaptive fusion, else " if entry.get("adaptive") else ""
-                lines.append(f"  reranker   after {stage}: {rule}weights {entry.get('first_stage')} first stage, "
-                             f"{entry.get('heads')} heads" + (f"; recall@5 {num(at5)}" if at5 is not None else "")
-                             + (f" ({stage} alone {num(alone)})" if alone is not None else ""))
-        if heads_path:
-            lines.append(f"  profile    {heads_path}")
-    else:
-        lines.append(f"  heads      {none('heads')}")
-    sae = data.get("sae")
-    if sae:
-        layers, fvu = sae.get("layers") or [], sae.get("fvu_k") or {}
-        lines.append(f"  sae        layers {', '.join(map(str, layers))}: {sae.get('d_latent')} latents, "
-                     f"top-{sae.get('k')}" + (f"; key FVU {', '.join(num(fvu.get(str(l), fvu.get(l))) for l in layers)}"
-                                              if fvu else ""))
-    else:
-        lines.append(f"  sae        {none('sae')}")
-    ilre = data.get("ilre")
-    if ilre:
-        layer = ilre.get("layer")
-        recall = (ilre.get("recall") or {}).get(str(layer))
-        lines.append(f"  ilre       layer {layer}" + (f" (calibration recall {num(recall, 2)})" if recall is not None
-                                                       else ""))
-    else:
-        lines.append(f"  ilre       {none('ilre')}")
-    lines.append("all of it: endo info --json")
-    return lines
 
 
 def resolve(table: dict, name: str):
@@ -197,6 +69,7 @@ def add_subcommands(parser: argparse.ArgumentParser, table: dict, dest: str) -> 
     sub = parser.add_subparsers(dest=dest, metavar=dest.upper(), action=CommandParsers)
     for name, (_, _, help_text) in table.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        add_verbose(p, on_command=True)
         sub.pending[name] = functools.partial(_add_arguments, p, table, name, parser.prog)
 
 
@@ -228,6 +101,7 @@ def plugin_commands() -> dict:
 def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="endo", description="Endogenous retrieval: a local LM finds evidence "
                                      "with its own attention signals (S3-Attention, ILRe).")
+    add_verbose(parser)
     add_subcommands(parser, commands or COMMANDS | plugin_commands(), "command")
     return parser
 
@@ -284,11 +158,11 @@ def main(argv=None) -> int:
     if problem:
         print(f"endo {args.command}: error: {problem}", file=sys.stderr)
         return 2
+    configure(args.verbose)
     _, run = resolve(commands, args.command)
     try:
         with warnings.catch_warnings():  # the library's warnings (a question cut): one line, no source line
-            warnings.showwarning = lambda message, *_, **__: print(f"endo {args.command}: warning: {message}",
-                                                                  file=sys.stderr)
+            warnings.showwarning = warning_printer(args.command, args.verbose)
             rc = run(args)
         return rc if isinstance(rc, int) else 0  # some commands return their report (train-sae: the card)
     except (ValueError, OSError) as e:  # a model error (BackboneError), a damaged index, a full disk: one line

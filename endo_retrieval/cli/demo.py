@@ -13,6 +13,7 @@ import random
 import sys
 import time
 
+from endo_retrieval.cli.commands import engine
 from endo_retrieval.core import join_spans
 
 FIRST = ["Oriel", "Tamsin", "Bryn", "Ilse", "Corwin", "Maren", "Eskil", "Liora", "Davin", "Nerys", "Anselm", "Petra"]
@@ -44,8 +45,7 @@ ANSWER = "Kelmscott Bay"
 
 def build_task(seed: int = 7):
     """(documents, gold sentences): a profile and a biography per person, filler around every fact."""
-    from endo_retrieval.index.engine import Document  # torch: `endo demo --help` answers without it
-
+    Document = engine().Document
     rng = random.Random(seed)
     people = [f"{f} {l}" for f, l in zip(FIRST, LAST)]
     towns, goods = TOWNS[:], GOODS[:]
@@ -93,14 +93,13 @@ def _show(text: str, gold: list[str], color: bool) -> str:
 
 
 def run(args) -> int:
-    from endo_retrieval import Backbone, EndoIndex  # torch: `endo demo --help` answers without it
-
+    heavy = engine()
     color = sys.stdout.isatty()
-    bb = Backbone.default(device=args.device)
+    bb = heavy.Backbone.default(device=args.device)
     docs, gold = build_task()
     print(f"endo demo: {bb.model_id} ({bb.n_layers} layers) on {bb.device.type}")
     t = time.perf_counter()
-    idx = EndoIndex(bb, "s3-hybrid")  # also serves the S3 methods the demo compares
+    idx = heavy.EndoIndex(bb, "s3-hybrid")  # also serves the S3 methods the demo compares
     idx.add_documents(docs, progress=sys.stderr.isatty())
     print(f"indexed {len(docs)} documents, {idx.corpus.n_tokens} tokens, {idx.index.n_postings} postings "
           f"at SAE layers {idx.saes.layers} in {time.perf_counter() - t:.1f}s\n")

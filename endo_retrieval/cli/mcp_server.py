@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from endo_retrieval.cli.commands import model_argument
+from endo_retrieval.cli.commands import engine, model_argument
 from endo_retrieval.methods import DEFAULT_METHOD, SEARCH_METHODS
 from endo_retrieval.core import MAX_QUESTION_CHARS
 from endo_retrieval.files import writer_lock
@@ -66,8 +66,7 @@ class IndexHolder:
         self._lock = threading.RLock()
 
     def index(self) -> EndoIndex:
-        from endo_retrieval.methods.search import EndoIndex  # torch: `endo mcp --help` answers without it
-
+        EndoIndex = engine().EndoIndex
         with self._lock:
             if self._index is None:
                 exists = self.folder is not None and (self.folder / "endo-index.json").exists()
@@ -76,10 +75,9 @@ class IndexHolder:
             return self._index
 
     def search_evidence(self, question: str, k: int, budget: int | None) -> list:
-        from endo_retrieval.integrations import search_hits  # torch, as above
-
         with self._lock:  # the k best passages: the pipeline reads at least k candidates
-            return search_hits(self.index(), question, k, budget, self.method, return_passages=True, progress=False)
+            return engine().search_hits(self.index(), question, k, budget, self.method, return_passages=True,
+                                        progress=False)
 
     def add(self, docs: list[Document]) -> list[str]:
         with self._lock, writer_lock(self.folder) if self.folder else contextlib.nullcontext():
@@ -99,8 +97,7 @@ def build_server(holder: IndexHolder, k: int = 4, budget: int | None = None):
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
-    from endo_retrieval.index.engine import Document  # torch, as above
-
+    Document = engine().Document
     server = MCPServer("endo-retrieval", instructions="Evidence retrieval with a local model's own attention "
                        "signals: search_evidence(question) returns the best evidence spans of the indexed documents.")
 

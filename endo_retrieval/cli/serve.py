@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from endo_retrieval.cli import check_arguments
-from endo_retrieval.cli.commands import (bm25_query, check_index_folder, check_question, model_argument,
+from endo_retrieval.cli.commands import (bm25_query, check_index_folder, check_question, engine, model_argument,
                                          model_query, span_json)
 from endo_retrieval.cli.saved import read_header, read_saved
 from endo_retrieval.files import IndexCorruptError
@@ -45,7 +45,8 @@ def run(args) -> int:
     served.warm()  # the model loads before the first question, not during it
     print(f"endo serve: {args.index} at http://{args.host}:{args.port}/query?q=... (Ctrl-C stops it)",
           file=sys.stderr)
-    uvicorn.run(build_app(served), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(build_app(served), host=args.host, port=args.port,
+                log_level="info" if getattr(args, "verbose", False) else "warning")  # --verbose: each request
     return 0
 
 
@@ -68,10 +69,8 @@ class Served:
 
     def loaded(self):
         """The index with its model, loaded at the first question that needs it."""
-        from endo_retrieval.methods.search import EndoIndex  # torch
-
         if self.index is None:
-            self.index = EndoIndex.load(self.folder, self.model)
+            self.index = engine().EndoIndex.load(self.folder, self.model)
         return self.index
 
     def warm(self) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from endo_retrieval.cli import check_arguments, model_summary
+from endo_retrieval.cli import check_arguments
+from endo_retrieval.cli.info import model_summary
 
 ASSETS = Path(__file__).resolve().parents[2] / "endo_retrieval" / "assets"
 # a fresh interpreter runs `endo ...` through main, then reports its exit status and whether torch was imported

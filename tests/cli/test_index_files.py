@@ -107,7 +107,7 @@ def test_a_folder_with_nothing_readable_is_an_error(tmp_path, capsys):
 
 
 def test_the_summary_says_what_the_index_holds_for_its_method(tmp_path, capsys):
-    from endo_retrieval.cli.commands import index_summary
+    from endo_retrieval.cli.indexing import index_summary
     from endo_retrieval.index.engine import Document
 
     from tiny import new_index
