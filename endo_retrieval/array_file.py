@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.files import IndexCorruptError, atomic_write, read_sealed_json, sealed_json, step
+from endo_retrieval.files import IndexCorruptError, atomic_write, read_sealed_json, sealed_json
 
 MAGIC = b"ENDOARR\x01"
 FORMAT_NAME = "endo-arrays"
@@ -60,8 +60,7 @@ def write_arrays(path: str | os.PathLike, kind: str, arrays: dict[str, np.ndarra
         with open(tmp, "wb") as f:
             f.write(MAGIC + len(header).to_bytes(8, "little") + header)
             f.write(b"\0" * (start - 16 - len(header)))
-            for name, view in views.items():
-                step(f"write {name} of {Path(path).name}")
+            for view in views.values():
                 f.write(view)
                 f.write(b"\0" * (-len(view) % ALIGN))
 

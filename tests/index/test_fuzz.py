@@ -399,7 +399,7 @@ def test_array_files_with_an_array_swapped_under_matching_checksums_are_refused_
                     got = "answered otherwise"
                 except Exception as err:  # noqa: BLE001
                     pytest.fail(f"{name} {array} {swap}: {type(err).__name__}: {err}")
-                kept = (new.dtype, new.shape) == (a.dtype, a.shape)
+                kept = (new.dtype, new.shape) == (a.dtype, a.shape) or array == "terms"  # its text, one string
                 assert kept or got.startswith("refused"), f"{name} {array} {swap}: another type or shape, {got}"
                 outcomes[got] = outcomes.get(got, 0) + 1
     print(f"arrays swapped under matching checksums: {outcomes}")
