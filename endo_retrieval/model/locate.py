@@ -73,7 +73,7 @@ def gguf_digest(path: Path) -> str:
     weights)."""
     stat = Path(path).stat()
     key = hashlib.sha256(f"{Path(path).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:32]
-    kept = cache_dir() / "models" / "digests" / key
+    kept = cache_dir() / "digests" / key  # beside models/, which holds only conversions
     try:
         digest = kept.read_text().strip()
         if len(digest) == 64:
