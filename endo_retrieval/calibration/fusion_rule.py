@@ -20,30 +20,54 @@ from endo_retrieval.methods.endo import simplex
 from endo_retrieval.model.backbone import Backbone
 from endo_retrieval.model.profiles import ASSETS, heads_profile_path
 from endo_retrieval.scoring.adaptive import AdaptiveWeights, question_features
-from endo_retrieval.scoring.fusion import fuse, standardise
+from endo_retrieval.scoring.fusion import fuse, merge_reads, standardise
 
 TOP = 10
 PARTS = {"pipe": ("bm25", "dense", "heads", "hop2"), "cpu": ("bm25", "dense", "heads"),
          "minilm": ("first_stage", "heads"), "bm25": ("first_stage", "heads")}
+# reads merged (`merged`): the hybrid pool's and the dense pool's candidates, each read as its own context
+POOLED = {"union": ("pipe", "dense"), "cpu_union": ("cpu", "cpu_dense")}
+PARTS |= {"dense": PARTS["pipe"], "cpu_dense": PARTS["cpu"], "union": PARTS["pipe"], "cpu_union": PARTS["cpu"]}
 L2 = 0.3  # the penalty on the rule's map, chosen by leaving each domain out of the fit (docs/results.md)
 
 
 def items(records: list[dict], part: str) -> list[tuple[dict, list[str], set[str]]]:
-    """(stage scores, candidate documents, gold documents) of each record, for one of PARTS: "cpu" is the first
-    candidates of "pipe" as a CPU reads them (its own heads' read, no second read)."""
+    """(stage scores, candidate documents, gold documents) of each record, for one of PARTS: "cpu" ("cpu_dense") is
+    the first candidates of "pipe" ("dense") as a CPU reads them (its own heads' read, no second read); "union" and
+    "cpu_union" merge two pools' reads (`merged`)."""
+    if part in POOLED:
+        pools = [items(records, name) for name in POOLED[part]]
+        return [merged(list(both)) for both in zip(*pools)]
     out = []
     for r in records:
         gold = set(r["gold"])
-        if part == "cpu":
-            n = len(r["cpu"]["heads"])
-            scores = {"bm25": r["pipe"]["bm25"][:n], "dense": r["pipe"]["dense"][:n], "heads": r["cpu"]["heads"]}
-            docs = r["pipe"]["docs"][:n]
-        elif part == "pipe":
-            scores, docs = {s: r["pipe"][s] for s in PARTS["pipe"]}, r["pipe"]["docs"]
+        if part in ("cpu", "cpu_dense"):
+            pool = r["pipe" if part == "cpu" else "dense"]
+            n = len(r[part]["heads"])
+            scores = {"bm25": pool["bm25"][:n], "dense": pool["dense"][:n], "heads": r[part]["heads"]}
+            docs = pool["docs"][:n]
+        elif part in ("pipe", "dense"):
+            scores, docs = {s: r[part][s] for s in PARTS[part]}, r[part]["docs"]
         else:
             scores, docs = {"first_stage": r[part]["first"], "heads": r[part]["heads"]}, r[part]["docs"]
         out.append((scores, list(docs), gold))
     return out
+
+
+def merged(pools: list[tuple[dict, list[str], set[str]]]) -> tuple[dict, list[str], set[str]]:
+    """One item from the same question's reads of several pools, merged as `EndoPipeline` merges them
+    (`fusion.merge_reads`). The records name documents, not passages, so here a document's k-th candidate in one read
+    is matched with its k-th in another (the pipeline matches passages)."""
+    reads = []
+    for scores, docs, _ in pools:
+        seen: dict[str, int] = {}
+        keys = []
+        for d in docs:
+            seen[d] = seen.get(d, 0) + 1
+            keys.append((d, seen[d]))
+        reads.append((keys, scores))
+    keys, scores = merge_reads(reads)
+    return scores, [d for d, _ in keys], pools[0][2]
 
 
 def ndcg(ranked_docs: list[str], gold: set[str], k: int = TOP) -> float:
@@ -167,9 +191,14 @@ def domain_name(path: Path) -> str:
 def fitted_entries(records: dict[str, list[dict]], share: float) -> dict:
     """The profile's entries fitted on {domain: records}: the hybrid first stage's (GPU and CPU) and each
     reranker's, each with its fixed weights (the rule's start, and what a caller who turns the rule off gets) and
-    its adaptive rule."""
+    its adaptive rule. Where the records hold the dense pool's reads, the first stage's entries are fitted on both
+    pools' reads merged ("union", "cpu_union"), as the pipeline then reads."""
+    pooled = all("dense" in r and "cpu_dense" in r for rs in records.values() for r in rs)
+    names = {"pipe": "union" if pooled else "pipe", "cpu": "cpu_union" if pooled else "cpu",
+             "minilm": "minilm", "bm25": "bm25"}
     out = {}
-    for part, stages in PARTS.items():
+    for entry, part in names.items():
+        stages = PARTS[part]
         domains = {d: items(r, part) for d, r in records.items()}
         fixed = fit_fixed(domains, stages)
         rule = fit_rule(domains, stages, start=fixed)
@@ -177,7 +206,7 @@ def fitted_entries(records: dict[str, list[dict]], share: float) -> dict:
                "ndcg10": {d: {"fixed": round(100 * float(per_question(its, lambda s: fuse(s, fixed)).mean()), 1),
                               "adaptive": round(100 * float(per_question(its, rule.fuse).mean()), 1)}
                           for d, its in domains.items()}}
-        out[part] = {"fixed": fixed, "rule": rule, "fit": fit}
+        out[entry] = {"fixed": fixed, "rule": rule, "fit": fit, "pools": ["hybrid", "dense"] if pooled else None}
     return out
 
 
@@ -190,6 +219,9 @@ def write_entries(profile: dict, entries: dict, share: float, depths: dict[str, 
     hybrid["cpu"] = {"dense_share": share, "weights": entries["cpu"]["fixed"],
                      "adaptive": entries["cpu"]["rule"].to_json(),
                      "fit": entries["cpu"]["fit"] | {"depth": depths["cpu"]}}
+    for name, entry in (("pipe", hybrid), ("cpu", hybrid["cpu"])):
+        if entries[name].get("pools"):
+            entry["pools"] = entries[name]["pools"]
     pipeline.setdefault("first_stages", {})["hybrid"] = hybrid
     pipeline["first_stage"] = "hybrid"
     for part in ("minilm", "bm25"):

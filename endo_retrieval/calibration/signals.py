@@ -63,9 +63,9 @@ def collect(bb, index: EndoIndex, questions: list[dict], out: Path, share: float
     for part, stage, cpu_part in (("pipe", "hybrid", "cpu"), ("dense", "dense", "cpu_dense")):
         if part in parts or cpu_part in parts:
             gpu = EndoPipeline(bb, first_stage=stage, dense_share=share, depth=depth, read_tokens=128,
-                               best_last=True, weights=weights)
+                               best_last=True, weights=weights, pools=(stage,))
             cpu = EndoPipeline(bb, first_stage=stage, dense_share=share, depth=cpu_depth, read_tokens=128,
-                               best_last=True, weights=dict.fromkeys(("bm25", "dense", "heads"), 1.0))
+                               best_last=True, weights=dict.fromkeys(("bm25", "dense", "heads"), 1.0), pools=(stage,))
             reads[part] = (gpu, cpu_part, cpu)
     tmp = Path(out).with_suffix(".part")
     with gzip.open(tmp, "wt", encoding="utf-8") as f:

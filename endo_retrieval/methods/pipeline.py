@@ -38,7 +38,7 @@ from endo_retrieval.model.profiles import heads_profile
 from endo_retrieval.scoring.bm25 import OkapiPostings, words
 from endo_retrieval.index.first_stage import DENSE_SHARE, FIRST_STAGES, FirstStage, first_stage as make_first_stage
 from endo_retrieval.scoring.adaptive import AdaptiveWeights
-from endo_retrieval.scoring.fusion import fuse, rrf, standardise
+from endo_retrieval.scoring.fusion import fuse, merge_reads, rrf, standardise
 
 # the pipeline's settings where the model's profile has none (the shipped profile holds the values fitted on data)
 DEFAULTS = {"depth": 20, "read_tokens": 128, "best_last": True, "weights": {"bm25": 0.5, "heads": 0.5}}
@@ -123,6 +123,10 @@ class EndoPipeline:
     # the fusion's weights per question (scoring/adaptive.py), where the first stage's fit holds a rule and no
     # `weights` are given; False: the fixed weights always
     adaptive: AdaptiveWeights | bool | None = None
+    # first stages whose candidates are read, each as its own context, and merged (`fusion.merge_reads`): a BM25-led
+    # pool and the dense ranking's own, so a passage the dense ranking alone finds is read even where BM25 fills the
+    # fused list. None: the first stage's fitted `pools`, else the first stage alone. One pool with the second hop
+    pools: tuple[str, ...] | None = None
 
     def __post_init__(self):
         self.heads = [tuple(map(int, h)) for h in (self.heads or profile_heads(self.backbone))]
@@ -142,6 +146,12 @@ class EndoPipeline:
             self.dense_share = float(stage.get("dense_share", DENSE_SHARE[self.first_stage]))
         if self.two_hop is None:
             self.two_hop = bool(stage.get("two_hop", False))
+        self.pools = tuple(self.pools or stage.get("pools") or (self.first_stage,))
+        if set(self.pools) - set(FIRST_STAGES):
+            raise ValueError(f"Unknown first stage(s) {sorted(set(self.pools) - set(FIRST_STAGES))} in pools; use "
+                             f"{', '.join(FIRST_STAGES)}.")
+        if self.two_hop:  # the bridge is taken from one read's attention
+            self.pools = self.pools[:1]
         if self.adaptive is None and self.weights is None and stage.get("adaptive"):
             try:
                 self.adaptive = AdaptiveWeights.from_json(stage["adaptive"])
@@ -222,11 +232,38 @@ class EndoPipeline:
         top, signals, ms, _ = self.first_hop(corpus, passages, question, depth, where)
         return top, signals, ms
 
+    def pool_candidates(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None,
+                        where=None) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """Stage 1 of each pool read (`candidates`): one, the first stage's, unless `pools` names several and the
+        passages have embeddings (without them a default first stage is BM25's alone)."""
+        vectors = getattr(passages, "vectors", None) is not None
+        if len(self.pools) == 1 or not (vectors or self.first_stage_asked):
+            return [self.candidates(corpus, passages, question, depth, where)]
+        return [self.candidates(corpus, passages, question, depth, where, pool) for pool in self.pools]
+
     def first_hop(self, corpus: CorpusMap, passages: Passages, question: str, depth: int | None = None, where=None):
-        """`stage_scores` and the read it came from: (top, signals, ms, (PassageReading, read order))."""
+        """`stage_scores` and the read it came from: (top, signals, ms, (PassageReading, read order)); with several
+        pools, their reads merged (`fusion.merge_reads`: standard scores) and no single read (None, None)."""
         t0 = time.perf_counter()
-        top, first = self.candidates(corpus, passages, question, depth, where)
+        pools = self.pool_candidates(corpus, passages, question, depth, where)
         t1 = time.perf_counter()
+        reads = [self.read_candidates(corpus, passages, question, top, first) for top, first in pools]
+        t2 = time.perf_counter()
+        if len(reads) == 1:
+            top, signals, reading, order = reads[0]
+        else:
+            keys, signals = merge_reads([(top.tolist(), signals) for top, signals, _, _ in reads])
+            top, reading, order = np.asarray(keys, np.int64), None, None
+        # "heads": the model's whole part; its stages (`PassageReading.ms`) beside it
+        ms = {"first_stage": 1000 * (t1 - t0), "heads": 1000 * (t2 - t1)}
+        for _, _, r, _ in reads:
+            for name, v in (r.ms if r else {}).items():
+                ms[name] = ms.get(name, 0.0) + v
+        return top, signals, ms, (reading, order)
+
+    def read_candidates(self, corpus: CorpusMap, passages: Passages, question: str, top: np.ndarray,
+                        first: dict[str, np.ndarray]):
+        """Stage 2 over one pool's candidates: (top, {stage: score} with stage 1's, PassageReading, read order)."""
         texts = self.read_texts(corpus, passages, top, question)
         order = np.arange(len(top))[::-1] if self.best_last else np.arange(len(top))
         signals, reading = dict(first), None
@@ -237,10 +274,7 @@ class EndoPipeline:
             for name, s in reading.signals.items():
                 signals[name] = np.empty(len(top))
                 signals[name][order] = s
-        t2 = time.perf_counter()
-        # "heads": the model's whole part; its stages (`PassageReading.ms`) beside it
-        ms = {"first_stage": 1000 * (t1 - t0), "heads": 1000 * (t2 - t1)} | (reading.ms if reading else {})
-        return top, signals, ms, (reading, order)
+        return top, signals, reading, order
 
     def bridge(self, reading, order: np.ndarray, best: np.ndarray, question: str, leads=None
                ) -> list[tuple[str, float]]:

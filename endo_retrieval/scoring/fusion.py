@@ -27,3 +27,18 @@ def rrf(*scores: np.ndarray) -> np.ndarray:
         rank[np.argsort(-np.asarray(s), kind="stable")] = np.arange(len(s))
         out += 1.0 / (RRF_K + rank)
     return out
+
+
+def merge_reads(reads: list[tuple[list, dict[str, np.ndarray]]]) -> tuple[list, dict[str, np.ndarray]]:
+    """Several reads of candidate lists as one: (keys, {stage: score}) each, `keys` naming the candidates. Each
+    stage's scores are standardised within their read (a read's scores are on its own scale: the heads' attention
+    is shared among the passages read together), and a candidate several reads hold gets the mean of its standard
+    scores. The first read's candidates come first, then each later read's new ones, in their order."""
+    at: dict = {}
+    for keys, scores in reads:
+        z = {name: standardise(np.asarray(s, np.float64)) for name, s in scores.items()}
+        for i, key in enumerate(keys):
+            at.setdefault(key, []).append({name: s[i] for name, s in z.items()})
+    stages = [name for name in reads[0][1] if all(name in scores for _, scores in reads)]
+    keys = list(at)
+    return keys, {name: np.array([np.mean([z[name] for z in at[k]]) for k in keys]) for name in stages}
