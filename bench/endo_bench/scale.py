@@ -15,8 +15,10 @@ the index's own; the memory-mapped embeddings are file pages and counted apart),
 building BM25 over its passages; of it, the dense stage's checks apart: dense.json's fields and the SHA-256 of its
 array files), stage 1 over --questions questions (BM25, the dense product or cells, the
 fusion, the top depth; the question's MiniLM forward timed apart), --whole whole questions (`EndoIndex.search`,
-the model's read included) and an update (UPDATE_DOCS documents removed and the passages brought up to date,
-beside building them anew). Writes scale.json and scale.md into --out.
+the model's read included) and an update (UPDATE_DOCS documents removed and the passages brought up to date, then
+saved as the next generation: `saved s`, the base files linked; beside building the passages anew). The corpus map
+and the passages are memory-mapped: their pages are file pages (RssFile, reported apart), not the index's own memory,
+so "RAM besides text" is the anonymous memory less any text held there. Writes scale.json and scale.md into --out.
 """
 from __future__ import annotations
 
