@@ -40,14 +40,23 @@ SIZES = {"cpu": {"tasks": 40, "passkeys": 4, "questions": 40, "context_tokens": 
          "cuda": {"tasks": 128, "passkeys": 8, "questions": 200, "context_tokens": [4096]}}
 
 
-def ready_methods(backbone) -> list[str]:
-    """The methods whose per-model files the model has (bm25 needs none)."""
+def _ready(bb, profile: Path) -> None:
+    """What the model is ready for with the profile just written, and how to use it where the library would not
+    find it by itself."""
+    elsewhere = profile.resolve() != heads_profile_path(bb).resolve()
+    print(f"[prepare] {bb.model_id} is ready for: {', '.join(ready_methods(bb, profile))}"
+          + (f" (set ENDO_HEADS_PROFILE={profile} to use it)" if elsewhere else ""))
+
+
+def ready_methods(backbone, heads_path: Path | None = None) -> list[str]:
+    """The methods whose per-model files the model has (bm25 needs none); `heads_path`: the heads profile to judge
+    by (default: the one the library finds)."""
     out = ["bm25"]
     if sae_card(backbone):
         out += sorted(S3_METHODS)
     try:
         ilre = ilre_profile(backbone)
-        heads = heads_profile(backbone)
+        heads = _read_profile(backbone, heads_path, "heads") if heads_path else heads_profile(backbone)
     except ProfileError:
         return out
     if ilre:
@@ -118,7 +127,7 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
         if asked[phase] and not need[phase]:
             print(f"[prepare] {phase}: already made, skipped")
     if not any(need.values()):
-        print(f"[prepare] {bb.model_id} is ready for: {', '.join(ready_methods(bb))}")
+        _ready(bb, out)
         _finish(args, timings, start, state_path if state_path.exists() else None, bb)
         return 0
     if not args.documents:
@@ -220,7 +229,7 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
             _phase_done(state, state_path, "pipeline", time.perf_counter() - t, timings)
     shutil.rmtree(items, ignore_errors=True)  # every phase is written; the items are not needed again
     print(f"[prepare] wrote {out}")
-    print(f"[prepare] {bb.model_id} is ready for: {', '.join(ready_methods(bb))}")
+    _ready(bb, out)
     _finish(args, timings, start, state_path, bb)
     return 0
 

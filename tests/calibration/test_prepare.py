@@ -219,3 +219,17 @@ def test_the_orders_offered_are_the_pipelines():
     prepare_cli.prepare_add_arguments(parser)
     orders = next(a for a in parser._actions if a.dest == "orders")
     assert set(orders.choices) == set(ORDERS) and set(orders.default) <= set(ORDERS)
+
+
+def test_a_profile_written_elsewhere_says_what_it_makes_ready_and_how_to_use_it(setup, capsys, monkeypatch):
+    from endo_retrieval.calibration import prepare
+    from endo_retrieval.model.backbone import Backbone
+
+    model, docs, root = setup
+    bb = Backbone(str(model), device="cpu")
+    made = root / "elsewhere.json"
+    assert main(prepare_argv(model, docs, "--profile", str(made))) == 0
+    monkeypatch.setattr(prepare, "heads_profile_path", lambda _: root / "none.json")  # the library finds nothing
+    capsys.readouterr()
+    prepare._ready(bb, made)
+    assert f"ready for: bm25, heads, endo (set ENDO_HEADS_PROFILE={made} to use it)" in capsys.readouterr().out
