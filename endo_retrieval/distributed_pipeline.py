@@ -92,34 +92,49 @@ class Reader:
         every shard."""
         pipeline = self.pipeline(depth, read_tokens, first_stage)
         t0 = time.perf_counter()
-        stage = pipeline.stage_one(vectors=True)
-        if embedding is None and "dense" in stage.used:
+        pools = pipeline.pools if len(pipeline.pools) > 1 else (None,)  # None: the pipeline's own first stage
+        stages = [pipeline.stage_one(vectors=True, first_stage=pool) for pool in pools]
+        if embedding is None and any("dense" in stage.used for stage in stages):
             embedding = embed(self.embedder, [question], str(self.backbone.device))[0]
-        found = sharded_candidates(self.shards, stage, question, pipeline.depth, where,
-                                   self.settings(depth, read_tokens, first_stage), embedding)
-        if not len(found):  # no document passes `where`
+        settings = self.settings(depth, read_tokens, first_stage)
+        found = [sharded_candidates(self.shards, stage, question, pipeline.depth, where, settings, embedding)
+                 for stage in stages]
+        if not len(found[0]):  # no document passes `where`
             return []
+        given, owners = given_stage_one(pipeline, found)
         t1 = time.perf_counter()
-        ranked = given_stage_one(pipeline, found.scores, found.texts).ranked(None, None, question, k)
+        ranked = given.ranked(None, None, question, k)
         ranked.ms["first_stage"] = 1000 * (t1 - t0)  # the shards' round trips
         ranked.ms["total"] = 1000 * (time.perf_counter() - t0)
         picks: dict[int, list[int]] = {}
         for r in ranked.rank:
-            picks.setdefault(int(found.shards[r]), []).append(int(r))
+            picks.setdefault(owners[int(ranked.top[r])][0], []).append(int(r))
         asked = [self.shards[shard].passage_hits.remote(
-            [(int(found.passages[r]), float(ranked.fused[r]), ranked.scores[r]) for r in rs], question, budget, k,
-            pipeline.sources, ranked.ms) for shard, rs in picks.items()]
+            [(owners[int(ranked.top[r])][1], float(ranked.fused[r]), ranked.scores[r]) for r in rs], question,
+            budget, k, pipeline.sources, ranked.ms) for shard, rs in picks.items()]
         got = {r: hit for rs, hits in zip(picks.values(), ray_cluster().get(asked)) for r, hit in zip(rs, hits)}
         return [got[int(r)] for r in ranked.rank]
 
 
-def given_stage_one(pipeline, scores: dict[str, np.ndarray], texts: list[str]):
-    """A copy of `pipeline` whose stage 1 is given (each ranking's scores of the candidates, best first, and what the
-    model reads of each): its `ranked` then reads, scores and fuses them exactly as on one process."""
+def given_stage_one(pipeline, found: list) -> tuple[EndoPipeline, list[tuple[int, int]]]:
+    """A copy of `pipeline` whose stage 1 is given, one `Candidates` a pool (each ranking's scores of the candidates,
+    best first, and what the model reads of each), and each candidate's (shard, passage): its `ranked` then reads,
+    scores and fuses them exactly as on one process, a passage two pools hold being one candidate."""
+    at: dict[tuple[int, int], int] = {}
+    texts, pools = [], []
+    for candidates in found:
+        ids = []
+        for shard, passage, text in zip(candidates.shards, candidates.passages, candidates.texts):
+            key = (int(shard), int(passage))
+            if key not in at:
+                at[key] = len(texts)
+                texts.append(text)
+            ids.append(at[key])
+        pools.append((np.asarray(ids, np.int64), dict(candidates.scores)))
     given = copy.copy(pipeline)
-    given.candidates = lambda *_, **__: (np.arange(len(texts)), dict(scores))
+    given.pool_candidates = lambda *_, **__: pools
     given.read_texts = lambda corpus, passages, top, question: [texts[i] for i in top]
-    return given
+    return given, list(at)
 
 
 class ReaderPool:

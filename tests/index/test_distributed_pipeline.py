@@ -43,8 +43,8 @@ def _write_corpus(folder, seed: int, n: int) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The tiny model's folder, and a heads profile for it (with pipeline settings that read the second hop and
-    cut passages to their best part), found through ENDO_HEADS_PROFILE by this process and by Ray's workers."""
+    """The tiny model's folder, and a heads profile for it (with pipeline settings that read the second hop, two
+    pools and cut passages to their best part), found through ENDO_HEADS_PROFILE by this process and by Ray's workers."""
     from tiny import tiny_engine
 
     bb = tiny_engine()[0]
@@ -53,7 +53,9 @@ def tiny(tmp_path_factory):
                                    "fusion": {"weights": {"heads": 1.0}},
                                    "pipeline": {"depth": 6, "read_tokens": 24, "best_last": True,
                                                 "first_stage": "hybrid",
-                                                "weights": {"bm25": 0.4, "heads": 0.3, "hop2": 0.3}}}))
+                                                "weights": {"bm25": 0.4, "heads": 0.3, "hop2": 0.3},
+                                                # two pools read, as the shipped profile's GPU entry reads
+                                                "first_stages": {"hybrid": {"pools": ["hybrid", "dense"]}}}}))
     before = os.environ.get("ENDO_HEADS_PROFILE")
     os.environ["ENDO_HEADS_PROFILE"] = str(profile)  # before the cluster starts: its workers inherit it
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -145,6 +147,7 @@ def _settings(pipeline):
 def test_readers_answer_as_one_process(tiny, one, pool):
     assert len(pool.readers) == 2 and pool.methods == ("endo", "bm25")
     assert pool.pipeline("endo").depth == one.pipeline("endo").depth == 6
+    assert one.pipeline("endo").pools == ("hybrid", "dense")
     for q in QUESTIONS[:3]:
         _same_hits(pool.search(q, k=3), one.search(q, k=3))
         _same_hits(pool.search(q, k=2, budget=20), one.search(q, k=2, budget=20))  # each cut to its best part
