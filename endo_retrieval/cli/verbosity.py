@@ -4,6 +4,7 @@ bars and the warnings raised in their own code are not shown; endo's warnings an
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -11,8 +12,6 @@ import sysconfig
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]  # endo_retrieval/
-# where installed libraries and the standard library live: a warning raised in their code is theirs
-LIBRARIES = tuple({Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib", "stdlib")})
 THIRD_PARTY = ("transformers", "sentence_transformers", "huggingface_hub", "accelerate", "torch", "safetensors",
                "tokenizers", "urllib3", "httpx", "httpcore", "filelock", "uvicorn", "starlette", "mcp")
 VERBOSE_ENV = "ENDO_VERBOSE"  # read by model.locate.quiet_transformers, which otherwise silences transformers
@@ -39,12 +38,18 @@ def configure(verbose: bool) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+@functools.cache
+def libraries() -> tuple[Path, ...]:
+    """Where installed libraries and the standard library live: a warning raised in their code is theirs."""
+    return tuple({Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib", "stdlib")})
+
+
 def theirs(filename: str) -> bool:
     """Whether a warning was raised in a library's code (not endo's, not the user's script)."""
     path = Path(filename).resolve()
     if path.is_relative_to(PACKAGE):
         return False
-    return any(path.is_relative_to(root) for root in LIBRARIES)
+    return any(path.is_relative_to(root) for root in libraries())
 
 
 def warning_printer(command: str, verbose: bool):
