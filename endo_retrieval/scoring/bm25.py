@@ -85,12 +85,12 @@ def _norm(okapi) -> np.ndarray:
     return okapi.k1 * (1 - okapi.b + okapi.b * okapi.doc_len / (okapi.avgdl or 1))
 
 
-def _merge_order(kept: np.ndarray, new: np.ndarray | None) -> np.ndarray:
+def _merge_order(kept: np.ndarray, new: np.ndarray | None) -> np.ndarray | slice:
     """The stable sort of concatenate([kept, new]) where `kept` is sorted already (the postings kept, grouped by
     term): a merge of the few new ones into it (O(n) and a binary search per posting), not a sort of all of them,
     which was most of an update at a million passages."""
     if new is None or not len(new):
-        return np.arange(len(kept) + (0 if new is None else len(new)))
+        return slice(None)  # sorted as they are
     by_term = np.argsort(new, kind="stable")
     new_sorted = new[by_term]
     at_kept = np.arange(len(kept)) + np.searchsorted(new_sorted, kept, side="left")  # kept first among equals
@@ -135,7 +135,7 @@ class OkapiPostings:
 
     @classmethod
     def _assemble(cls, terms: dict[str, int], rows: np.ndarray, docs: np.ndarray, tf: np.ndarray,
-                  doc_len: np.ndarray, stem: bool, order: np.ndarray | None = None) -> "OkapiPostings":
+                  doc_len: np.ndarray, stem: bool, order: np.ndarray | slice | None = None) -> "OkapiPostings":
         """The model of postings given as (term row, document, count) triples, each term's in document order.
         `order`: the stable sort of `rows`, where the caller has it cheaper than a sort."""
         okapi = _okapi(doc_len)
@@ -145,8 +145,8 @@ class OkapiPostings:
         if order is None:
             order = np.argsort(rows, kind="stable")  # by term; within a term the documents keep their order
         small = np.min_scalar_type(int(tf.max())) if len(tf) else np.uint8  # counts are small: 1 byte mostly
-        return cls(okapi, terms, np.concatenate(([0], np.cumsum(counts))), docs[order].astype(np.int32),
-                   tf[order].astype(small), _norm(okapi), stem)
+        return cls(okapi, terms, np.concatenate(([0], np.cumsum(counts))), docs[order].astype(np.int32, copy=False),
+                   tf[order].astype(small, copy=False), _norm(okapi), stem)
 
     def merged(self, keep: np.ndarray, new: "OkapiPostings | None" = None) -> "OkapiPostings":
         """The model of this one's documents where `keep` (a mask over them) followed by `new`'s (if any), without
@@ -159,16 +159,16 @@ class OkapiPostings:
         alive = keep[self.docs]
         renumber = np.cumsum(keep, dtype=np.int64).astype(np.int32) - 1
         rows = [np.repeat(np.arange(len(self.terms), dtype=np.int32), np.diff(self.indptr))[alive]]
-        docs, tf = [renumber[self.docs[alive]]], [self.tf[alive].astype(np.int32)]
+        docs, tf = [renumber[self.docs[alive]]], [self.tf[alive]]
         doc_len = [self.okapi.doc_len[keep]]
         if new is not None:
             new_rows = np.fromiter((terms.setdefault(t, len(terms)) for t in new.terms), np.int32, len(new.terms))
             rows.append(np.repeat(new_rows, np.diff(new.indptr)))
             docs.append(new.docs + int(keep.sum()))
-            tf.append(new.tf.astype(np.int32))
+            tf.append(new.tf)
             doc_len.append(new.okapi.doc_len)
         order = _merge_order(rows[0], rows[1] if new is not None else None)
-        rows, docs, tf = np.concatenate(rows), np.concatenate(docs), np.concatenate(tf)
+        rows, docs, tf = (np.concatenate(parts) if len(parts) > 1 else parts[0] for parts in (rows, docs, tf))
         held = np.bincount(rows, minlength=len(terms)) > 0
         if not held.all():  # drop the terms only removed documents held, keeping the others' order
             row_of = np.cumsum(held) - 1
