@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.calibration.fusion_rule import PARTS, fit_fixed, fit_rule, items, per_question, ranked
+from endo_retrieval.calibration.fusion_rule import PARTS, fit_balanced, fit_fixed, items, per_question, ranked
 from endo_retrieval.calibration.pipeline import recall_at
 from endo_retrieval.calibration.signals import load
 from endo_retrieval.scoring.fusion import fuse
@@ -49,38 +49,49 @@ def first_stage_alone(records, part):
     return per_question(its, lambda s: s["first_stage"])
 
 
+# each entry of the profile: the part its fit reads now (both pools' reads merged, where collected), the part the
+# fusion shipped before read (one pool)
+ENTRIES = {"pipe": ("union", "pipe"), "cpu": ("cpu_union", "cpu"), "minilm": ("minilm", "minilm"),
+           "bm25": ("bm25", "bm25")}
+
+
 def report(folder: Path) -> dict:
     data = domains(folder)
     out = {}
-    for part, stages in PARTS.items():
+    pooled = all("dense" in r for tr, te in data.values() for r in tr + te)
+    for entry, (part, before) in ENTRIES.items():
+        part = part if pooled else before
+        stages = PARTS[part]
         train = {d: items(tr, part) for d, (tr, _) in data.items()}
         test = {d: items(te, part) for d, (_, te) in data.items()}
+        test_before = {d: items(te, before) for d, (_, te) in data.items()}
         fixed_all = fit_fixed(train, stages)
-        rule_all = fit_rule(train, stages, start=fixed_all)
+        rule_all = fit_balanced(train, stages, start=fixed_all)
         rows = {}
         for d in data:
             held = {k: v for k, v in train.items() if k != d}
             fixed_lodo = fit_fixed(held, stages)
-            rule_lodo = fit_rule(held, stages, start=fixed_lodo)
+            rule_lodo = fit_balanced(held, stages, start=fixed_lodo)
             scores = {
                 "bm25": first_stage_alone(data[d][1], "bm25"), "minilm": first_stage_alone(data[d][1], "minilm"),
-                "shipped": per_question(test[d], lambda s: fuse(s, SHIPPED[part])),
+                "shipped": per_question(test_before[d], lambda s: fuse(s, SHIPPED[entry])),
                 "fixed_all": per_question(test[d], lambda s: fuse(s, fixed_all)),
                 "fixed_lodo": per_question(test[d], lambda s: fuse(s, fixed_lodo)),
                 "adaptive_all": per_question(test[d], rule_all.fuse),
                 "adaptive_lodo": per_question(test[d], rule_lodo.fuse)}
             best = "bm25" if scores["bm25"].mean() >= scores["minilm"].mean() else "minilm"
-            ref = {"pipe": best, "cpu": best, "minilm": "minilm", "bm25": "bm25"}[part]
+            ref = {"pipe": best, "cpu": best, "minilm": "minilm", "bm25": "bm25"}[entry]
             rows[d] = {"n": len(test[d]), "reference": ref} | {
                 k: {"ndcg10": round(100 * float(v.mean()), 1), "ci": interval(v),
                     "minus_reference": round(100 * float((v - scores[ref]).mean()), 1),
                     "minus_reference_ci": interval(v - scores[ref])} for k, v in scores.items()}
             rows[d]["recall"] = {name: {f"@{k}": round(100 * float(np.mean(
-                [recall_at(ranked(docs, score(s)), gold, k) for s, docs, gold in test[d]])), 1) for k in (2, 5, 10)}
-                for name, score in (("shipped", lambda s: fuse(s, SHIPPED[part])), ("adaptive_all", rule_all.fuse))}
-            print(part, d, {k: (r["ndcg10"], r["minus_reference"]) for k, r in rows[d].items()
+                [recall_at(ranked(docs, score(s)), gold, k) for s, docs, gold in its])), 1) for k in (2, 5, 10)}
+                for name, score, its in (("shipped", lambda s: fuse(s, SHIPPED[entry]), test_before[d]),
+                                         ("adaptive_all", rule_all.fuse, test[d]))}
+            print(entry, d, {k: (r["ndcg10"], r["minus_reference"]) for k, r in rows[d].items()
                             if isinstance(r, dict) and "ndcg10" in r}, flush=True)
-        out[part] = {"fixed_all": fixed_all, "rule_all": rule_all.to_json(), "rows": rows}
+        out[entry] = {"part": part, "fixed_all": fixed_all, "rule_all": rule_all.to_json(), "rows": rows}
     return out
 
 
@@ -90,8 +101,11 @@ NAMES = {"hotpotqa": "HotpotQA dev300 (multi-hop Wikipedia)", "scifact": "SciFac
          "stackfaq": "StackFAQ (paraphrased FAQ)"}
 
 
-def markdown(result: dict, baselines: Path | None = None) -> str:
-    """The tables of docs/results.md: `endo` on a GPU and a CPU, and both rerankers, per domain."""
+def markdown(result: dict, baselines: Path | None = None, shipped: dict | None = None) -> str:
+    """The tables of docs/results.md: `endo` on a GPU and a CPU, and both rerankers, per domain; `shipped`: {entry:
+    "adaptive" | "fixed"}, which fusion the profile holds (its columns "held out" and after are that one's)."""
+    shipped = shipped or {}
+
     def base(domain: str, system: str) -> str:
         name = {"hotpotqa": "dev300", "scifact": "scifact"}.get(domain, domain)
         path = baselines / f"base_{name}.json" if baselines else None
@@ -107,28 +121,39 @@ def markdown(result: dict, baselines: Path | None = None) -> str:
             return f"{r['minus_reference']:+.1f} [{lo:+.1f}, {hi:+.1f}]"
         return f"{r['ndcg10']:.1f}"
 
+    def lodo(entry: str) -> str:
+        return f"{shipped.get(entry, 'adaptive')}_lodo"
+
     def minus_frameworks(d: str, row: dict) -> str:
         both = [base(d, "llamaindex-bm25"), base(d, "minilm")]
-        return "-" if "-" in both else f"{row['adaptive_lodo']['ndcg10'] - max(map(float, both)):+.1f}"
+        return "-" if "-" in both else f"{row[lodo('pipe')]['ndcg10'] - max(map(float, both)):+.1f}"
 
     out = ["| domain (test questions) | LlamaIndex BM25 | MiniLM store | BM25 | dense | before | fixed | adaptive "
-           "| adaptive, domain held out | held out minus the better of BM25 and dense | held out minus the better "
+           "| shipped, domain held out | held out minus the better of BM25 and dense | held out minus the better "
            "of LlamaIndex BM25 and the MiniLM store |", "|" + "---|" * 11]
     for d, row in result["pipe"]["rows"].items():
         out.append(f"| {NAMES.get(d, d)} ({row['n']}) | {base(d, 'llamaindex-bm25')} | {base(d, 'minilm')} | "
                    f"{cell(row, 'bm25')} | {cell(row, 'minilm')} | {cell(row, 'shipped')} | {cell(row, 'fixed_all')} | "
-                   f"{cell(row, 'adaptive_all')} | {cell(row, 'adaptive_lodo')} | {cell(row, 'adaptive_lodo', True)} | "
+                   f"{cell(row, 'adaptive_all')} | {cell(row, lodo('pipe'))} | {cell(row, lodo('pipe'), True)} | "
                    f"{minus_frameworks(d, row)} |")
-    out += ["", "| domain | CPU entry: before | adaptive | held out | minus the better | MiniLM + `EndoReranker`: "
-            "before | adaptive | held out | minus MiniLM | BM25 + `EndoReranker`: before | held out | minus BM25 |",
-            "|" + "---|" * 12]
+    out += ["", "| domain | CPU entry: before | fixed | adaptive | shipped, held out | minus the better | MiniLM + "
+            "`EndoReranker`: before | shipped, held out | minus MiniLM | BM25 + `EndoReranker`: before | shipped, "
+            "held out | minus BM25 |", "|" + "---|" * 12]
     for d in result["pipe"]["rows"]:
         c, m, b = (result[p]["rows"][d] for p in ("cpu", "minilm", "bm25"))
-        out.append(f"| {NAMES.get(d, d).split(' (')[0]} | {cell(c, 'shipped')} | {cell(c, 'adaptive_all')} | "
-                   f"{cell(c, 'adaptive_lodo')} | {cell(c, 'adaptive_lodo', True)} | {cell(m, 'shipped')} | "
-                   f"{cell(m, 'adaptive_all')} | {cell(m, 'adaptive_lodo')} | {cell(m, 'adaptive_lodo', True)} | "
-                   f"{cell(b, 'shipped')} | {cell(b, 'adaptive_lodo')} | {cell(b, 'adaptive_lodo', True)} |")
+        out.append(f"| {NAMES.get(d, d).split(' (')[0]} | {cell(c, 'shipped')} | {cell(c, 'fixed_all')} | "
+                   f"{cell(c, 'adaptive_all')} | {cell(c, lodo('cpu'))} | {cell(c, lodo('cpu'), True)} | "
+                   f"{cell(m, 'shipped')} | {cell(m, lodo('minilm'))} | {cell(m, lodo('minilm'), True)} | "
+                   f"{cell(b, 'shipped')} | {cell(b, lodo('bm25'))} | {cell(b, lodo('bm25'), True)} |")
     return "\n".join(out) + "\n"
+
+
+def shipped_fusions(profile: Path) -> dict[str, str]:
+    """{entry: "adaptive" | "fixed"}: which fusion a profile holds for each entry `report` judges."""
+    p = json.loads(profile.read_text())
+    hybrid = p["pipeline"]["first_stages"]["hybrid"]
+    entries = {"pipe": hybrid, "cpu": hybrid.get("cpu", {})} | {k: v for k, v in p.get("reranker", {}).items()}
+    return {k: "adaptive" if "adaptive" in v else "fixed" for k, v in entries.items()}
 
 
 if __name__ == "__main__":
@@ -138,8 +163,10 @@ if __name__ == "__main__":
     p.add_argument("--from-json", type=Path, help="a report written before: only its tables")
     p.add_argument("--baselines", type=Path, help="folder of `endo bench corpus` runs base_DOMAIN.json "
                    "(llamaindex-bm25, minilm) on the same questions")
+    p.add_argument("--profile", type=Path, help="the profile `endo calibrate-fusion` wrote: which fusion it ships")
     args = p.parse_args()
     result = json.loads(args.from_json.read_text()) if args.from_json else report(args.folder)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
-        args.out.with_suffix(".md").write_text(markdown(result, args.baselines))
+        shipped = shipped_fusions(args.profile) if args.profile else None
+        args.out.with_suffix(".md").write_text(markdown(result, args.baselines, shipped))

@@ -29,6 +29,9 @@ PARTS = {"pipe": ("bm25", "dense", "heads", "hop2"), "cpu": ("bm25", "dense", "h
 POOLED = {"union": ("pipe", "dense"), "cpu_union": ("cpu", "cpu_dense")}
 PARTS |= {"dense": PARTS["pipe"], "cpu_dense": PARTS["cpu"], "union": PARTS["pipe"], "cpu_union": PARTS["cpu"]}
 L2 = 0.3  # the penalty on the rule's map, chosen by leaving each domain out of the fit (docs/results.md)
+# how hard `fit_balanced` leans towards the domains the rule trails (per nDCG point of regret); chosen by leaving
+# each domain out (docs/results.md)
+BALANCE = 1.0
 
 
 def items(records: list[dict], part: str) -> list[tuple[dict, list[str], set[str]]]:
@@ -180,6 +183,25 @@ def fit_rule(domains: dict[str, list], stages: tuple[str, ...], l2: float = L2, 
     return AdaptiveWeights(tuple(stages), coef.detach().numpy(), bias.detach().numpy(), mean, scale)
 
 
+def fit_balanced(domains: dict[str, list], stages: tuple[str, ...], start: dict | None = None, eta: float = BALANCE,
+                 rounds: int = 4) -> AdaptiveWeights:
+    """`fit_rule` with the domains weighed by how far the rule trails each one's own best fixed fusion (its regret,
+    in nDCG@10 points): after each fit, a domain's weight is multiplied by exp(eta * regret) (the multiplicative
+    weights of group-robust fitting), so no kind of corpus is given up for the mean of the others."""
+    best = {d: float(per_question(its, lambda s, w=fit_fixed({d: its}, stages): fuse(s, w)).mean())
+            for d, its in domains.items()}
+    weigh = dict.fromkeys(domains, 1.0)
+    for i in range(rounds):
+        rule = fit_rule(domains, stages, start=start, weigh=weigh)
+        if i == rounds - 1:
+            return rule
+        regret = {d: max(best[d] - float(per_question(its, rule.fuse).mean()), 0.0) for d, its in domains.items()}
+        weigh = {d: w * np.exp(eta * 100 * regret[d]) for d, w in weigh.items()}
+        total = sum(weigh.values())
+        weigh = {d: len(weigh) * w / total for d, w in weigh.items()}
+    return rule
+
+
 # ------------------------------------------------------------------------- `endo calibrate-fusion`: into the profile
 
 def domain_name(path: Path) -> str:
@@ -201,12 +223,31 @@ def fitted_entries(records: dict[str, list[dict]], share: float) -> dict:
         stages = PARTS[part]
         domains = {d: items(r, part) for d, r in records.items()}
         fixed = fit_fixed(domains, stages)
-        rule = fit_rule(domains, stages, start=fixed)
+        rule = fit_balanced(domains, stages, start=fixed)
+        held = held_out(domains, stages)
+        keep = len(held) > 1 and np.mean([h["adaptive"] for h in held.values()]) > np.mean(
+            [h["fixed"] for h in held.values()])
         fit = {"data": sorted(records), "n_questions": {d: len(r) for d, r in records.items()},
                "ndcg10": {d: {"fixed": round(100 * float(per_question(its, lambda s: fuse(s, fixed)).mean()), 1),
                               "adaptive": round(100 * float(per_question(its, rule.fuse).mean()), 1)}
-                          for d, its in domains.items()}}
-        out[entry] = {"fixed": fixed, "rule": rule, "fit": fit, "pools": ["hybrid", "dense"] if pooled else None}
+                          for d, its in domains.items()},
+               "held_out": held, "rule": "adaptive" if keep else "fixed (the adaptive rule did not carry to a "
+                                                                  "domain held out of its fit)"}
+        out[entry] = {"fixed": fixed, "rule": rule if keep else None, "fit": fit,
+                      "pools": ["hybrid", "dense"] if pooled else None}
+    return out
+
+
+def held_out(domains: dict[str, list], stages: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Each domain's nDCG@10 under the fixed fusion and the rule both fitted without it: how each carries to a
+    corpus no fit has seen, which is what decides whether the rule is shipped."""
+    out = {}
+    for d, its in domains.items() if len(domains) > 1 else ():
+        rest = {k: v for k, v in domains.items() if k != d}
+        fixed = fit_fixed(rest, stages)
+        rule = fit_balanced(rest, stages, start=fixed)
+        out[d] = {"fixed": round(100 * float(per_question(its, lambda s: fuse(s, fixed)).mean()), 1),
+                  "adaptive": round(100 * float(per_question(its, rule.fuse).mean()), 1)}
     return out
 
 
@@ -214,21 +255,22 @@ def write_entries(profile: dict, entries: dict, share: float, depths: dict[str, 
     """`profile` with the fitted entries in place: `pipeline.first_stages.hybrid` (its `cpu` entry inside) made the
     model's first stage, and `reranker.minilm` / `reranker.bm25`."""
     pipeline = profile.setdefault("pipeline", {})
-    hybrid = {"dense_share": share, "weights": entries["pipe"]["fixed"], "adaptive": entries["pipe"]["rule"].to_json(),
-              "fit": entries["pipe"]["fit"] | {"depth": depths["pipe"], "rule": "adaptive (scoring/adaptive.py)"}}
+    hybrid = {"dense_share": share, "weights": entries["pipe"]["fixed"],
+              "fit": entries["pipe"]["fit"] | {"depth": depths["pipe"]}}
     hybrid["cpu"] = {"dense_share": share, "weights": entries["cpu"]["fixed"],
-                     "adaptive": entries["cpu"]["rule"].to_json(),
                      "fit": entries["cpu"]["fit"] | {"depth": depths["cpu"]}}
     for name, entry in (("pipe", hybrid), ("cpu", hybrid["cpu"])):
         if entries[name].get("pools"):
             entry["pools"] = entries[name]["pools"]
+        if entries[name]["rule"] is not None:
+            entry["adaptive"] = entries[name]["rule"].to_json()
     pipeline.setdefault("first_stages", {})["hybrid"] = hybrid
     pipeline["first_stage"] = "hybrid"
     for part in ("minilm", "bm25"):
-        fixed = entries[part]["fixed"]
+        fixed, rule = entries[part]["fixed"], entries[part]["rule"]
         profile.setdefault("reranker", {})[part] = {"first_stage": fixed["first_stage"], "heads": fixed["heads"],
-                                                    "adaptive": entries[part]["rule"].to_json(),
-                                                    "fit": entries[part]["fit"]}
+                                                    "fit": entries[part]["fit"]} | (
+            {"adaptive": rule.to_json()} if rule is not None else {})
     return profile
 
 

@@ -82,16 +82,25 @@ def test_the_real_model_retrieves_with_its_shipped_profile_and_no_prepare():
     assert set(hits[0].node.metadata["endo_stage_scores"]) >= {"bm25", "heads"}
 
 
-def test_the_default_model_ships_the_adaptive_fusion_on_both_devices_and_for_both_rerankers():
-    """The default's hybrid first stage (GPU entry and its CPU entry) and both rerankers carry a fusion rule that
-    loads, over the stages each reads, fitted on the seven domains' train splits."""
+def test_the_default_model_ships_the_fusions_that_carried_to_held_out_domains_on_both_devices():
+    """The default's hybrid first stage (GPU entry and its CPU entry) reads two pools, and each entry (both rerankers
+    too) carries the adaptive rule exactly where, fitted without a domain, it ranked that domain better than the
+    fixed fusion did (its `fit.held_out`), else its fixed weights; fitted on the seven domains' train splits."""
     from endo_retrieval.scoring.adaptive import AdaptiveWeights
 
     profile = shipped("heads")["smollm2-135m-instruct"]
     hybrid = profile["pipeline"]["first_stages"]["hybrid"]
     assert profile["pipeline"]["first_stage"] == "hybrid"
-    for entry, stages in ((hybrid, ("bm25", "dense", "heads", "hop2")), (hybrid["cpu"], ("bm25", "dense", "heads"))):
-        assert AdaptiveWeights.from_json(entry["adaptive"]).stages == stages
-        assert 0 < entry["dense_share"] < 1 and len(entry["fit"]["data"]) == 7
-    for name in ("minilm", "bm25"):
-        assert AdaptiveWeights.from_json(profile["reranker"][name]["adaptive"]).stages == ("first_stage", "heads")
+    entries = [(hybrid, ("bm25", "dense", "heads", "hop2")), (hybrid["cpu"], ("bm25", "dense", "heads"))]
+    entries += [(profile["reranker"][name], ("first_stage", "heads")) for name in ("minilm", "bm25")]
+    for entry, stages in entries:
+        held = entry["fit"]["held_out"]
+        assert len(held) == len(entry["fit"]["data"]) == 7
+        wins = sum(h["adaptive"] for h in held.values()) > sum(h["fixed"] for h in held.values())
+        assert ("adaptive" in entry) == wins
+        if wins:
+            assert AdaptiveWeights.from_json(entry["adaptive"]).stages == stages
+    for entry in entries[:2]:
+        assert entry[0]["pools"] == ["hybrid", "dense"] and 0 < entry[0]["dense_share"] < 1
+        assert set(entry[0]["weights"]) == set(entry[1])
+    assert "adaptive" in hybrid["cpu"]  # the CPU entry's rule carried
