@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", default=None, help="folder for the indexes (default a temporary one, deleted)")
     p.add_argument("--keep", action="store_true",
                    help="keep each size's index in --work as WORK/nSIZE/index (after the measured update)")
+    p.add_argument("--reopen", default=None, metavar="DIR",
+                   help="build nothing: measure the index `--keep` left in DIR again (a quieter moment), without "
+                        "rebuilding BM25; writes reopen.json into --out")
     p.add_argument("--out", default="bench/results/scale", help="folder for scale.json and scale.md")
     model_argument(p)
 
@@ -177,7 +180,7 @@ def text_in_memory(index) -> int:
     return sum(r.a["text"].nbytes for r in index.corpus._runs if not isinstance(r.a["text"], np.memmap))
 
 
-def measure(folder: str, questions: list[str], whole: int, model: str | None) -> dict:
+def measure(folder: str, questions: list[str], whole: int, model: str | None, rebuild: bool = True) -> dict:
     """In a fresh process: open the index, then time its stage 1 and whole questions."""
     from endo_retrieval.model.backbone import Backbone
     from endo_retrieval.index.dense import load_embedder
@@ -185,6 +188,7 @@ def measure(folder: str, questions: list[str], whole: int, model: str | None) ->
 
     backbone = Backbone.default() if model is None else Backbone(model)
     load_embedder()
+    load_before = os.getloadavg()
     before = memory()
     t = time.perf_counter()
     index = EndoIndex.load(folder, backbone=backbone)
@@ -232,8 +236,9 @@ def measure(folder: str, questions: list[str], whole: int, model: str | None) ->
     index.save(folder)  # the update made durable: a new generation, swapped in
     update_save_s = time.perf_counter() - t
     t = time.perf_counter()
-    Passages.build(index.corpus)
-    rebuild_s = time.perf_counter() - t
+    if rebuild:
+        Passages.build(index.corpus)
+    rebuild_s = time.perf_counter() - t if rebuild else None
     own = after["RssAnon"] - before["RssAnon"] - sys.getsizeof(vectors) - sum(v.nbytes + 112 for v in vectors.values())
     text = text_in_memory(index)
     return {"passages": n, "documents": len(index.corpus), "opened_s": opened_s, "open_check_ms": check_ms,
@@ -245,7 +250,7 @@ def measure(folder: str, questions: list[str], whole: int, model: str | None) ->
             "stage1_cpu_ms_p50": float(np.median(first_cpu)), "embed_question_ms_p50": float(np.median(embed_ms)),
             "whole_ms_p50": float(np.median(whole_ms)) if whole_ms else None, "whole_n": len(whole_ms),
             "stage1_n": len(first_ms), "update_docs": len(gone), "update_s": update_s, "update_save_s": update_save_s,
-            "rebuild_s": rebuild_s, "load_average": os.getloadavg()}
+            "rebuild_s": rebuild_s, "load_average_before": load_before, "load_average": os.getloadavg()}
 
 
 def folder_bytes(folder: Path) -> dict[str, int]:
@@ -266,6 +271,19 @@ def run(args) -> int:
     _, real_questions = real_documents(data)
     rng = np.random.default_rng(0)
     questions = [real_questions[i] for i in rng.choice(len(real_questions), args.questions, replace=False)]
+    if args.reopen:
+        child = subprocess.run([sys.executable, "-m", "endo_bench.scale", json.dumps(
+            [args.reopen, questions, args.whole, args.model, False])], capture_output=True, text=True,
+            env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+        if child.returncode:
+            sys.stderr.write(child.stderr)
+            return 1
+        got = json.loads(child.stdout.strip().splitlines()[-1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "reopen.json").write_text(json.dumps({"bench": "scale --reopen", "cpus": os.cpu_count(),
+                                                     "model": backbone.model_id, "row": got}, indent=1))
+        print(json.dumps(got))
+        return 0
     rows = []
     if args.keep and not args.work:
         raise SystemExit("--keep keeps the indexes in --work: name that folder")
@@ -320,7 +338,7 @@ def table_line(r: dict) -> str:
             f"({r['disk_embedding_bytes_per_passage']:,.0f}) | {r['opened_s']:,.1f}{checks} | "
             f"{r['ram_besides_text_per_passage']:,.0f} | {r['stage1_ms_p50']:.1f} ({r['stage1_cpu_ms_p50']:.1f}) | "
             f"{r['embed_question_ms_p50']:.1f} | {whole} | {'cells' if r['cells'] else 'exact'} | "
-            f"{r.get('update_s', float('nan')):.2f} | {saved} | {r.get('rebuild_s', float('nan')):.1f} |")
+            f"{r.get('update_s', float('nan')):.2f} | {saved} | {r.get('rebuild_s') or float('nan'):.1f} |")
 
 
 def markdown(result: dict) -> str:
