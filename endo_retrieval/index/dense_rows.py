@@ -126,6 +126,8 @@ class GatheredRows:
         if index.dtype == bool:
             index = np.flatnonzero(index)
         index = np.where(index < 0, index + len(self), index)
+        if not len(self.extra):  # saved rows only: one gather
+            return self.data[self.rows[index]]
         out = np.empty((*index.shape, *self.data.shape[1:]), self.dtype)
         saved = index < len(self.rows)
         out[saved] = self.data[self.rows[index[saved]]]
