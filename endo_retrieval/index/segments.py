@@ -1,6 +1,6 @@
 """An index in segments: parts built apart (by Ray workers, `distributed/`) and committed together by a manifest.
 
-    DIR/segments/<name>/   each an index in the usual layout (`EndoIndex.save`: features/, corpus.npz, header)
+    DIR/segments/<name>/   each an index in the usual layout (`EndoIndex.save`: features/, corpus.arrays, header)
     DIR/endo-index.json    the manifest: the usual header plus "segments", the parts in position order
 
 The manifest is written last (`atomic_write`), so a worker or driver that dies before it leaves the previous index
@@ -15,19 +15,21 @@ import shutil
 import uuid
 from pathlib import Path
 
-import numpy as np
 
-from endo_retrieval.corpus import CorpusMap
+from endo_retrieval.corpus import CORPUS_FILE, OLD_CORPUS_FILE, CorpusMap
+from endo_retrieval.corpus import DELTA_FILE as CORPUS_DELTA
 from endo_retrieval.files import IndexCorruptError, atomic_write, fsync_dir, read_folder
-from endo_retrieval.index.dense import CELLS_FILE, META_FILE, VECTORS_FILE, DenseVectors
+from endo_retrieval.index.dense import CELLS_FILE, META_FILE, ROWS_FILE, VECTORS_FILE, DenseVectors
+from endo_retrieval.index.dense import DELTA_FILE as DENSE_DELTA
 from endo_retrieval.index.inverted import FeatureIndex
-from endo_retrieval.index.passages import PASSAGES_FILE
+from endo_retrieval.index.passages import OLD_PASSAGES_FILE, PASSAGES_FILE
 
 SEGMENTS = "segments"
 HEAD = "endo-index.json"
 # segments must agree ("embedder": the passages' embedder, None where they hold no embeddings)
 SAME = ("format", "version", "model_hash", "method", "chunk_size", "sae_layers", "prune", "embedder")
-PLAIN_FILES = ("corpus.npz", PASSAGES_FILE, VECTORS_FILE, META_FILE, CELLS_FILE)  # a plain index's, beside features/
+PLAIN_FILES = (CORPUS_FILE, CORPUS_DELTA, OLD_CORPUS_FILE, PASSAGES_FILE, OLD_PASSAGES_FILE, VECTORS_FILE, META_FILE,
+               CELLS_FILE, ROWS_FILE, DENSE_DELTA)  # a plain index's, beside features/
 
 
 def new_name() -> str:
@@ -58,15 +60,15 @@ def write(directory: str | Path, files: dict[str, bytes]) -> dict:
 def entry(folder: Path) -> dict:
     """The manifest entry of a segment folder: its name, header and sizes."""
     head = json.loads((folder / HEAD).read_text())
-    docs = _corpus_header(folder)
+    corpus = _corpus(folder)
     return {"name": folder.name, "header": {k: head.get(k) for k in ("model",) + SAME},
-            "documents": [d["id"] for d in docs["docs"]], "positions": docs["next"],
-            "tokens": sum(d["end"] - d["start"] for d in docs["docs"])}
+            "documents": corpus.doc_ids(), "positions": corpus.n_positions, "tokens": corpus.n_tokens}
 
 
-def _corpus_header(folder: Path) -> dict:
-    with np.load(folder / "corpus.npz", allow_pickle=False) as data:  # reads the header member only
-        return json.loads(data["header"].tobytes())
+def _corpus(folder: Path) -> CorpusMap:
+    """A segment's corpus map (its columns mapped, or the .npz of one saved before array files)."""
+    columns = json.loads((folder / HEAD).read_text()).get("columns") is True
+    return read_folder(folder, lambda open_file: CorpusMap.read_saved(open_file, folder, columns))
 
 
 def listed(directory: str | Path) -> list[dict]:
@@ -120,7 +122,7 @@ def load_parts(directory: str | Path, parts: list[dict]) -> tuple[FeatureIndex, 
     features, corpus = None, CorpusMap()
     for p in parts:
         folder = Path(directory) / SEGMENTS / p["name"]
-        shift = corpus.extend(CorpusMap.load(folder / "corpus.npz"))
+        shift = corpus.extend(_corpus(folder))
         part = FeatureIndex.load(folder / "features")
         if features is None:
             features = FeatureIndex(part.layers, part.d_latent, part.stop_freq, part.meta)
