@@ -249,6 +249,8 @@ class EndoPipeline:
         t1 = time.perf_counter()
         reads = [self.read_candidates(corpus, passages, question, top, first) for top, first in pools]
         t2 = time.perf_counter()
+        if len(reads) > 1:  # a pool `where` leaves empty adds nothing to the merge
+            reads = [r for r in reads if len(r[0])] or reads[:1]
         if len(reads) == 1:
             top, signals, reading, order = reads[0]
         else:

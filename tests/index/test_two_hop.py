@@ -169,7 +169,7 @@ def test_endo_2hop_with_batched_reads_ranks_as_its_plain_twin_in_fewer_forwards(
             count[0] = 0
             # a fusion that weighs the first hop's second hop (the GPU's; a CPU's own leaves it out)
             hits[batched] = EndoPipeline(backbone, depth=2, two_hop=True, batched_reads=batched,
-                                         weights={"bm25": 0.4, "heads": 0.3, "hop2": 0.3}).search(
+                                         weights={"bm25": 0.4, "heads": 0.3, "hop2": 0.3}).passage_hits(
                 corpus, passages, QUESTION, k=len(TWO_HOP))
             forwards[batched] = count[0]
     finally:
