@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,8 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from endo_retrieval.array_file import ArrayFile, is_array_file, write_arrays
-from endo_retrieval.corpus_columns import Columns, check_columns, joined, live_ids, row_starts
+from endo_retrieval.corpus_columns import (Columns, check_columns, check_delta, columns_of_header, joined, live_ids,
+                                           row_starts)
 from endo_retrieval.files import MAX_VALUE, IndexCorruptError, check_json, link_unchanged
+from endo_retrieval.sentences import ABBREVIATIONS, split_sentences  # noqa: F401 (the corpus's, re-exported)
 
 FORMAT_NAME = "endo-corpus-map"  # the .npz map saved before columns (read only)
 FORMAT_VERSION = 1
@@ -32,42 +33,6 @@ CORPUS_FILE, OLD_CORPUS_FILE = "corpus.arrays", "corpus.npz"  # its name in an i
 DELTA_FILE, DELTA_KIND = "corpus_delta.arrays", "corpus-delta"
 COMPACT_SHARE = 0.1  # once removed and added documents pass this share of the base, a save writes a new base
 VIEWS_KEPT = 256  # Document views kept for the next lookup (a hit's text is read several times per question)
-
-# Words whose trailing period does not end a sentence (compared lower-case, without the final period).
-ABBREVIATIONS = frozenset(
-    "e.g i.e cf vs al mr mrs ms dr prof sr jr st mt no fig figs eq eqs approx ca inc ltd co corp dept est "
-    "jan feb mar apr jun jul aug sep sept oct nov dec u.s u.k ph.d".split()
-)
-# . ! ? then whitespace; a newline; or the full-width 。！？ of scripts written without spaces (no space follows them)
-_SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*\s+|\n\s*"
-                           r"|[\u3002\uff01\uff1f]+[\u300d\u300f\u201d\u2019\uff09]*\s*")
-
-
-def split_sentences(text: str, start: int = 0, end: int | None = None) -> np.ndarray:
-    """Character offsets where sentences start: after . ! ? (plus closing quotes/brackets) and whitespace, and after
-    every newline. A period does not split after a known abbreviation ('e.g.'), a single-letter initial ('J.'), or
-    when the next word starts in lower case; decimals ('3.5') never split since no whitespace follows the period.
-
-    `start`, `end`: only the starts in [start, end), where `start` is 0 or follows a newline and a non-blank
-    character (a cut of `Backbone.encode_pieces`): no match crosses such a point, so the starts are the whole
-    text's (the indexer splits each piece while the accelerator runs)."""
-    end = len(text) if end is None else end
-    starts = [start]
-    for m in _SENTENCE_END.finditer(text, start, end):
-        nxt = m.end()
-        if nxt >= end:
-            break
-        if "\n" not in m.group():
-            if text[nxt].islower():
-                continue
-            if set(m.group().rstrip().rstrip("\"'\u201d\u2019)]")) == {"."}:  # ended by periods only
-                before = text[max(0, m.start() - 64): m.start()].split()  # the word before (not the whole prefix)
-                word = before[-1].lstrip("(\"'[").lower() if before else ""
-                if word in ABBREVIATIONS or (len(word) == 1 and word.isalpha()):
-                    continue
-        starts.append(nxt)
-    return np.unique(np.asarray(starts, dtype=np.int64))
-
 
 @dataclass(frozen=True, eq=False)
 class Document:
@@ -382,13 +347,8 @@ class CorpusMap:
                 if type(nxt) is not int or not 0 <= nxt < MAX_VALUE:
                     raise ValueError(f"'next' is {nxt!r}")
                 check_columns(arrays, nxt)
-                n = len(base.arrays["starts"])
-                if path.name == DELTA_FILE and not (
-                        removed is not None and removed.dtype == np.int64 and removed.ndim == 1
-                        and (not len(removed) or (removed[0] >= 0 and removed[-1] < n))
-                        and bool(np.all(removed[1:] > removed[:-1]))
-                        and (not n or not len(arrays["starts"]) or arrays["starts"][0] >= base.arrays["ends"][-1])):
-                    raise ValueError("its removed rows or its first position do not fit the base")
+                if path.name == DELTA_FILE:
+                    check_delta(base.arrays, arrays, removed)
             except (ValueError, TypeError, IndexError) as err:
                 raise IndexCorruptError(f"corpus map {path} is damaged or inconsistent ({err}); delete the index "
                                         "folder and rebuild it") from None
@@ -438,7 +398,8 @@ class CorpusMap:
 
     @classmethod
     def _read_npz(cls, f, path: Path) -> CorpusMap:
-        """A map saved before columns: its JSON header of every document and two arrays, every field checked."""
+        """A map saved before columns: its JSON header of every document and two arrays, made columns and checked
+        as the columns of an array file are."""
         try:
             with np.load(f, allow_pickle=False) as data:  # zip CRCs catch damaged members
                 header = json.loads(data["header"].tobytes())
@@ -452,37 +413,15 @@ class CorpusMap:
             raise IndexCorruptError(f"corpus map {path} is not a {FORMAT_NAME!r} version {FORMAT_VERSION} "
                                     f"(version {version!r}); rebuild the index with this version.")
         try:
-            return cls._from_header(header, offsets, sentences)
+            nxt = header["next"]
+            if type(nxt) is not int or not 0 <= nxt < MAX_VALUE:
+                raise ValueError("'next' lies outside the positions")
+            columns = columns_of_header(header["docs"], offsets, sentences)
+            check_columns(columns.a, nxt)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as err:
             raise IndexCorruptError(f"corpus map {path} is damaged or inconsistent ({type(err).__name__}: {err}); "
                                     "delete it and rebuild the index") from None
-
-    @classmethod
-    def _from_header(cls, header: dict, offsets: np.ndarray, sentences: np.ndarray) -> CorpusMap:
-        """The map a saved header and its arrays describe; ValueError where they do not fit together."""
-        def need(ok, what: str) -> None:
-            if not ok:
-                raise ValueError(what)
-
-        need(offsets.dtype.kind == "i" and offsets.ndim == 2 and offsets.shape[1] == 2, "offsets are not (n, 2) ints")
-        need(sentences.dtype.kind == "i" and sentences.ndim == 1, "sentence starts are not ints")
-        corpus, tok, sent, end = cls(), 0, 0, 0
-        for d in header["docs"]:
-            start, stop, m, text = d["start"], d["end"], d["n_sentences"], d["text"]
-            need(all(type(v) is int for v in (start, stop, m)) and end <= start < stop and m >= 1,
-                 f"document {d['id']!r} has bad bounds")
-            need(isinstance(d["id"], str) and d["id"] and d["id"] not in corpus._added, "a document id is bad")
-            need(isinstance(text, str) and isinstance(d["metadata"], dict), f"document {d['id']!r} has bad fields")
-            n, own, starts = stop - start, offsets[tok:tok + stop - start], sentences[sent:sent + m]
-            need(len(own) == n and len(starts) == m, "the arrays are shorter than the documents")
-            need(own.min() >= 0 and own.max() <= len(text) and np.all(own[:, 0] <= own[:, 1]),
-                 f"document {d['id']!r}: token offsets lie outside its text")
-            need(starts[0] == start and np.all(np.diff(starts) > 0) and starts[-1] < stop,
-                 f"document {d['id']!r}: sentence starts lie outside it")
-            corpus._added[d["id"]] = Document(d["id"], start, stop, text, own, d["metadata"], starts)
-            tok, sent, end = tok + n, sent + m, stop
-        need(tok == len(offsets) and sent == len(sentences), "the arrays hold more than the documents")
-        need(type(header["next"]) is int and end <= header["next"] < MAX_VALUE, "'next' lies outside the positions")
-        corpus._next = header["next"]
-        corpus._join_added()
+        corpus = cls()
+        corpus._append_run(columns)
+        corpus._next = nxt
         return corpus

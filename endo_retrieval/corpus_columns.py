@@ -140,6 +140,37 @@ def encoded_ids(doc_ids) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(b"".join(raw), np.uint8), row_starts(map(len, raw))
 
 
+def columns_of_header(docs: list, offsets: np.ndarray, sentences: np.ndarray) -> Columns:
+    """The columns of a corpus map saved before array files: the JSON header's documents (id, start, end, text,
+    metadata, n_sentences) beside the token offsets and sentence starts of all of them. ValueError or TypeError
+    where a field has another type; `check_columns` checks how they fit together."""
+    if not isinstance(docs, list):
+        raise ValueError("its documents are not a list")
+    for d in docs:
+        if not (isinstance(d["id"], str) and d["id"] and isinstance(d["text"], str)
+                and isinstance(d["metadata"], dict)
+                and all(type(d[k]) is int for k in ("start", "end", "n_sentences"))):
+            raise ValueError(f"document {d.get('id')!r} has bad fields")
+    ids = [d["id"].encode("utf-8") for d in docs]
+    if len(set(ids)) != len(ids):
+        raise ValueError("a document id is listed twice")
+    texts = [d["text"].encode("utf-8") for d in docs]
+    metas = [dumps(d["metadata"]) for d in docs]
+    if offsets.dtype.kind != "i" or sentences.dtype.kind != "i":
+        raise ValueError("its offsets or sentence starts are not integers")
+    arrays = {"starts": np.array([d["start"] for d in docs], np.int64),
+              "ends": np.array([d["end"] for d in docs], np.int64),
+              "ids": np.frombuffer(b"".join(ids), np.uint8), "id_at": row_starts(map(len, ids)),
+              "text": np.frombuffer(b"".join(texts), np.uint8), "text_at": row_starts(map(len, texts)),
+              "meta": np.frombuffer(b"".join(metas), np.uint8), "meta_at": row_starts(map(len, metas)),
+              "offsets": offsets, "tok_at": row_starts(d["end"] - d["start"] for d in docs),
+              "sentences": sentences.astype(np.int64, copy=False),
+              "sent_at": row_starts(d["n_sentences"] for d in docs)}
+    if arrays["tok_at"][-1] != len(offsets) or arrays["sent_at"][-1] != len(sentences):
+        raise ValueError("the arrays do not hold what the documents count")
+    return Columns(with_id_index(arrays))
+
+
 def with_id_index(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     hashes = id_hashes(arrays["ids"], arrays["id_at"])
     order = np.argsort(hashes, kind="stable")
@@ -201,6 +232,15 @@ def check_columns(a: dict[str, np.ndarray], next_position: int) -> None:
                                             <= np.diff(a["text_at"]))),  # chars <= UTF-8 bytes
          "its token offsets lie outside their texts")
     check_id_index(a, n)
+
+
+def check_delta(base: dict[str, np.ndarray], delta: dict[str, np.ndarray], removed: np.ndarray | None) -> None:
+    """ValueError where a delta's removed rows (of the base, ascending) or its first position do not fit the base."""
+    n = len(base["starts"])
+    if not (removed is not None and removed.dtype == np.int64 and removed.ndim == 1
+            and (not len(removed) or (removed[0] >= 0 and removed[-1] < n)) and bool(np.all(removed[1:] > removed[:-1]))
+            and (not n or not len(delta["starts"]) or delta["starts"][0] >= base["ends"][-1])):
+        raise ValueError("its removed rows or its first position do not fit the base")
 
 
 def check_id_index(a: dict[str, np.ndarray], n: int) -> None:
