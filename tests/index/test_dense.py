@@ -367,7 +367,7 @@ def test_every_first_stage_is_one_registry_entry_with_one_protocol(tiny, monkeyp
     class Longest:
         name = "length"
 
-        def scores(self, corpus, passages, question):
+        def scores(self, corpus, passages, question, embedding=None):
             return (passages.ends - passages.starts).astype(np.float64)
 
     monkeypatch.setitem(fs.RANKINGS, "length", Longest)
