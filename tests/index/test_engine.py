@@ -116,7 +116,7 @@ def test_nan_keys_leave_the_index_as_it_was(tiny, handoff, piece_chars, monkeypa
     if handoff:
         monkeypatch.setattr("endo_retrieval.index.engine.HANDOFF_TOKENS", handoff)
     if piece_chars:
-        monkeypatch.setattr("endo_retrieval.model.backbone.PIECE_CHARS", piece_chars)
+        monkeypatch.setattr("endo_retrieval.model.tokens.PIECE_CHARS", piece_chars)
     idx = EndoIndex(bb, "s3-hybrid", saes=bank, chunk_size=64)
     idx.add_documents([Document("a", FILLER)])
     before = idx.s3_scores(QUESTION)
@@ -197,8 +197,8 @@ def test_a_document_indexed_piece_by_piece_is_indexed_as_in_one_piece(tiny, monk
     text = (FILLER.replace(". ", ".\n") + NEEDLE) * 3
 
     def build(piece_chars):
-        monkeypatch.setattr("endo_retrieval.model.backbone.PIECE_CHARS", piece_chars)
-        monkeypatch.setattr("endo_retrieval.model.backbone.PIECES_PER_BATCH", 2)
+        monkeypatch.setattr("endo_retrieval.model.tokens.PIECE_CHARS", piece_chars)
+        monkeypatch.setattr("endo_retrieval.model.tokens.PIECES_PER_BATCH", 2)
         idx = EndoIndex(bb, "s3-hybrid", saes=bank, chunk_size=64)
         idx.add_documents([Document("d", text)])
         return idx
