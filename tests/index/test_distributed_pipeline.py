@@ -44,7 +44,8 @@ def _write_corpus(folder, seed: int, n: int) -> None:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny model's folder, and a heads profile for it (with pipeline settings that read the second hop, two
-    pools and cut passages to their best part), found through ENDO_HEADS_PROFILE by this process and by Ray's workers."""
+    pools and cut passages to their best part), found through ENDO_HEADS_PROFILE by this process and by Ray's
+    workers."""
     from tiny import tiny_engine
 
     bb = tiny_engine()[0]
