@@ -305,8 +305,9 @@ def test_a_rows_forwards_are_counted_per_question_and_cuda_counts_only_on_cuda()
 @pytest.mark.slow
 def test_the_endo_rows_forwards_are_the_pipelines_calls_batched_and_plain(tmp_path, backbone, monkeypatch):
     """`endo bench corpus` reports the forwards each question made, counted apart from the bench by wrapping the
-    decoder's forward: at the GPU's setting (depth 20, whose fusion weighs the second hop) 2 a question with
-    batched reads, 5 with --plain-reads; at a CPU's own setting (no second hop) 1; the model's stages in the table."""
+    decoder's forward: the shipped profile reads two pools, each its own read, so at the GPU's setting (depth 20,
+    whose fusion weighs the second hop) 2 a pool with batched reads, 5 with --plain-reads; at a CPU's own setting (no
+    second hop) 1 a pool; the model's stages in the table."""
     from endo_retrieval.cli import main
     from endo_retrieval.methods.pipeline import EndoPipeline
 
@@ -315,7 +316,10 @@ def test_the_endo_rows_forwards_are_the_pipelines_calls_batched_and_plain(tmp_pa
     monkeypatch.setattr(backbone.model.model, "forward", lambda *a, **k: made.append(1) or forward(*a, **k))
     data = made_up_hotpotqa(tmp_path / "toy.json")
     gpu = ["--depth", "20"]
-    for flags, per_question in ((gpu, 2), ([*gpu, "--plain-reads"], 5), ([], 1)):
+    pools = len(EndoPipeline(backbone).pools)
+    assert pools == 2
+    for flags, per_pool in ((gpu, 2), ([*gpu, "--plain-reads"], 5), ([], 1)):
+        per_question = pools * per_pool
         out = tmp_path / f"corpus{len(flags)}.json"
         made.clear()
         assert main(["bench", "corpus", "--data", str(data), "--out", str(out), "--systems", "endo", *flags]) == 0
