@@ -178,7 +178,7 @@ def test_questions_written_by_the_model_make_the_tasks(setup, monkeypatch, capsy
     write them: the tiny random one writes noise, which gets the clear error)."""
     import re
 
-    from endo_retrieval.model.backbone import Backbone
+    from endo_retrieval.model.chat import Chat
     from endo_retrieval.calibration import zero_label
 
     model, docs, root = setup
@@ -197,7 +197,7 @@ def test_questions_written_by_the_model_make_the_tasks(setup, monkeypatch, capsy
             out.append("Which record mentions " + " and ".join(picked) + "?")
         return out
 
-    monkeypatch.setattr(Backbone, "generate_many", write)
+    monkeypatch.setattr(Chat, "generate_many", write)  # the model's generation (bb.chat)
     assert main(argv) == 0
     profile = json.loads((root / "written.json").read_text())
     assert set(profile["zero_label"]["forms"]) <= {zero_label.WRITTEN, f"{zero_label.WRITTEN} two-hop"}
