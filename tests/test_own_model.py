@@ -101,7 +101,7 @@ def test_index_query_retrieve_and_compress(models, docs_dir, tmp_path, capsys, f
         assert DOCS[Path(h["doc_id"]).name][h["char_start"]:h["char_end"]] == h["text"]
     from endo_retrieval.cli.mcp_server import IndexHolder  # what `endo mcp --index DIR --model PATH` serves
 
-    assert [s.text for s in IndexHolder(str(index), "s3-hybrid", path).search(QUESTION, 2, None)] == \
+    assert [s.text for s in IndexHolder(str(index), "s3-hybrid", path).search_evidence(QUESTION, 2, None)] == \
         [h["text"] for h in hits]
 
     context = FILLER + DOCS["vault.txt"]
