@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.calibration.fusion_rule import PARTS, fit_balanced, fit_fixed, items, per_question, ranked
+from endo_retrieval.calibration.fusion_rule import (PARTS, POOLED_PART, fit_balanced, fit_fixed, items, per_question,
+                                                   ranked)
 from endo_retrieval.calibration.pipeline import recall_at
 from endo_retrieval.calibration.signals import load
 from endo_retrieval.scoring.fusion import fuse
@@ -49,17 +50,14 @@ def first_stage_alone(records, part):
     return per_question(its, lambda s: s["first_stage"])
 
 
-# each entry of the profile: the part its fit reads now (both pools' reads merged, where collected), the part the
-# fusion shipped before read (one pool)
-ENTRIES = {"pipe": ("union", "pipe"), "cpu": ("cpu_union", "cpu"), "minilm": ("minilm", "minilm"),
-           "bm25": ("bm25", "bm25")}
 
 
 def report(folder: Path) -> dict:
     data = domains(folder)
     out = {}
     pooled = all("dense" in r for tr, te in data.values() for r in tr + te)
-    for entry, (part, before) in ENTRIES.items():
+    for entry, part in POOLED_PART.items():  # `before`: the part the fusion shipped before read (one pool)
+        before = entry
         part = part if pooled else before
         stages = PARTS[part]
         train = {d: items(tr, part) for d, (tr, _) in data.items()}

@@ -29,9 +29,11 @@ PARTS = {"pipe": ("bm25", "dense", "heads", "hop2"), "cpu": ("bm25", "dense", "h
 POOLED = {"union": ("pipe", "dense"), "cpu_union": ("cpu", "cpu_dense")}
 PARTS |= {"dense": PARTS["pipe"], "cpu_dense": PARTS["cpu"], "union": PARTS["pipe"], "cpu_union": PARTS["cpu"]}
 L2 = 0.3  # the penalty on the rule's map, chosen by leaving each domain out of the fit (docs/results.md)
-# how hard `fit_balanced` leans towards the domains the rule trails (per nDCG point of regret); chosen by leaving
-# each domain out (docs/results.md)
+# how hard `fit_balanced` leans towards the domains the rule trails (per nDCG point of regret): one value tried, not
+# tuned; whether the rule ships at all is decided by leaving each domain out (`held_out`)
 BALANCE = 1.0
+# each profile entry -> the part its fit reads where the records hold both pools' reads (else the entry's own)
+POOLED_PART = {"pipe": "union", "cpu": "cpu_union", "minilm": "minilm", "bm25": "bm25"}
 
 
 def items(records: list[dict], part: str) -> list[tuple[dict, list[str], set[str]]]:
@@ -199,7 +201,7 @@ def fit_balanced(domains: dict[str, list], stages: tuple[str, ...], start: dict 
         weigh = {d: w * np.exp(eta * 100 * regret[d]) for d, w in weigh.items()}
         total = sum(weigh.values())
         weigh = {d: len(weigh) * w / total for d, w in weigh.items()}
-    return rule
+    raise ValueError(f"rounds must be at least 1, got {rounds}")
 
 
 # ------------------------------------------------------------------------- `endo calibrate-fusion`: into the profile
@@ -216,10 +218,9 @@ def fitted_entries(records: dict[str, list[dict]], share: float) -> dict:
     its adaptive rule. Where the records hold the dense pool's reads, the first stage's entries are fitted on both
     pools' reads merged ("union", "cpu_union"), as the pipeline then reads."""
     pooled = all("dense" in r and "cpu_dense" in r for rs in records.values() for r in rs)
-    names = {"pipe": "union" if pooled else "pipe", "cpu": "cpu_union" if pooled else "cpu",
-             "minilm": "minilm", "bm25": "bm25"}
     out = {}
-    for entry, part in names.items():
+    for entry, part in POOLED_PART.items():
+        part = part if pooled else entry
         stages = PARTS[part]
         domains = {d: items(r, part) for d, r in records.items()}
         fixed = fit_fixed(domains, stages)
