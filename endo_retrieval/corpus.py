@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import threading
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ class CorpusMap:
         self._views: dict[int, Document] = {}
         self._changes = 0  # adds and removes so far
         self._written: tuple[int, Columns] | None = None  # the base a save wrote anew, after that many changes
+        # readers share the index (a writer is alone), but lookups fill the lazy parts above: one at a time
+        self._lazy = threading.RLock()
 
     # building ---------------------------------------------------------------------------------------------------
 
@@ -103,15 +106,17 @@ class CorpusMap:
 
     def _join_added(self) -> None:
         """The documents added since, as one more run of columns."""
-        if self._added:
-            self._append_run(Columns.of_documents(list(self._added.values())))
-            self._added = {}
+        with self._lazy:
+            if self._added:
+                self._append_run(Columns.of_documents(list(self._added.values())))
+                self._added = {}
 
     def _append_run(self, run: Columns) -> None:
-        self._runs.append(run)
-        self._run_at = np.append(self._run_at, self._run_at[-1] + run.n)
+        # bounds first, the run last: a reader walking `_runs` meanwhile finds every run's rows in `_live`
         self._live = np.concatenate([self._live, np.ones(run.n, bool)])
+        self._run_at = np.append(self._run_at, self._run_at[-1] + run.n)
         self._state = None
+        self._runs.append(run)
 
     def _row(self, doc_id: str) -> int:
         """The global row of a live document in the runs, -1 where there is none (or it waits in `_added`)."""
@@ -148,15 +153,17 @@ class CorpusMap:
 
     def _view(self) -> dict:
         """The live documents' rows and bounds in position order, made once per state."""
-        self._join_added()
-        if self._state is None:
-            rows = np.flatnonzero(self._live)
-            starts, ends = (np.concatenate([r.a[c] for r in self._runs]) if len(self._runs) > 1 else
-                            self._runs[0].a[c] if self._runs else np.zeros(0, np.int64) for c in ("starts", "ends"))
-            every = len(rows) == len(self._live)
-            self._state = {"rows": rows, "starts": starts if every else starts[rows],
-                           "ends": ends if every else ends[rows]}
-        return self._state
+        with self._lazy:
+            self._join_added()
+            if self._state is None:
+                rows = np.flatnonzero(self._live)
+                starts, ends = (np.concatenate([r.a[c] for r in self._runs]) if len(self._runs) > 1 else
+                                self._runs[0].a[c] if self._runs else np.zeros(0, np.int64)
+                                for c in ("starts", "ends"))
+                every = len(rows) == len(self._live)
+                self._state = {"rows": rows, "starts": starts if every else starts[rows],
+                               "ends": ends if every else ends[rows]}
+            return self._state
 
     def _run_of(self, row: int) -> tuple[Columns, int]:
         k = int(np.searchsorted(self._run_at, row, side="right")) - 1
@@ -164,15 +171,16 @@ class CorpusMap:
 
     def _document(self, row: int) -> Document:
         """The view of global row `row` (the last VIEWS_KEPT are kept)."""
-        doc = self._views.get(row)
-        if doc is None:
-            run, i = self._run_of(row)
-            doc = Document(run.doc_id(i), int(run.a["starts"][i]), int(run.a["ends"][i]), run.text(i),
-                           run.offsets(i), run.metadata(i), run.sentence_starts(i))
-            if len(self._views) >= VIEWS_KEPT:
-                self._views.pop(next(iter(self._views)))
-            self._views[row] = doc
-        return doc
+        with self._lazy:
+            doc = self._views.get(row)
+            if doc is None:
+                run, i = self._run_of(row)
+                doc = Document(run.doc_id(i), int(run.a["starts"][i]), int(run.a["ends"][i]), run.text(i),
+                               run.offsets(i), run.metadata(i), run.sentence_starts(i))
+                if len(self._views) >= VIEWS_KEPT:
+                    self._views.pop(next(iter(self._views)))
+                self._views[row] = doc
+            return doc
 
     def __contains__(self, doc_id: str) -> bool:
         return isinstance(doc_id, str) and (doc_id in self._added or self._row(doc_id) >= 0)

@@ -148,3 +148,30 @@ def test_two_writers_one_wins_the_other_gets_a_clear_error_and_nothing_is_lost(t
     assert errors == [] and sorted(results) == [0, 1]
     assert sorted(load(folder).doc_ids) == ["cafe", "mill", "ship", "vault"]
     assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["ix"]  # no lock file after a clean exit
+
+
+def test_readers_that_join_the_added_documents_at_once_join_them_once(monkeypatch):
+    """The first lookups after adds join the added documents into a run; readers share the corpus, so two at once
+    must not both join them (a run twice over puts every later position in the wrong document)."""
+    import time
+
+    import numpy as np
+
+    from endo_retrieval import corpus_columns
+    from endo_retrieval.corpus import CorpusMap
+
+    corpus = CorpusMap()
+    for i, text in enumerate(["a b c", "d e", "f g h i"]):
+        corpus.add_document(f"d{i}", text, np.array([[j * 2, j * 2 + 1] for j in range(len(text.split()))]))
+    slow = corpus_columns.Columns.of_documents.__func__
+
+    def slowly(cls, docs):  # widens the window in which a second reader could join the same documents
+        time.sleep(0.2)
+        return slow(cls, docs)
+
+    monkeypatch.setattr(corpus_columns.Columns, "of_documents", classmethod(slowly))
+    threads, errors = run_threads(4, lambda i: corpus.locate(np.arange(9)))
+    for t in threads:
+        t.join()
+    assert errors == [] and len(corpus._runs) == 1
+    assert corpus.locate(np.arange(9))[0].tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2]
