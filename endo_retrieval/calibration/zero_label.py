@@ -43,9 +43,13 @@ from endo_retrieval.index.text_files import read_text_file, text_files
 from endo_retrieval.scoring.bm25 import OkapiPostings, stems, words
 from endo_retrieval.calibration.datasets import Example, PARAGRAPH_SEPARATOR, make_passkey, passkey_needle
 from endo_retrieval.calibration.heads import hard_haystacks
-from endo_retrieval.methods.endo import GRID_STEP, SIGNALS, recall_in_budget, simplex
-from endo_retrieval.methods.heads import HeadsError
-from endo_retrieval.scoring.fusion import standardise
+# one question from one sentence, in each form (made_questions); inflect is public here too, where callers import it
+from endo_retrieval.calibration.made_questions import (  # noqa: F401
+    SENTENCE_BREAK, TOKEN, WRITE_ONE, WRITE_TWO, cloze_question, content_words, inflect, keyword_question, sentences,
+    two_hop_question, written_question)
+# the fit on these tasks' haystacks (zero_label_fit), public here too, where callers import it
+from endo_retrieval.calibration.zero_label_fit import (cheapest_setting, fit_fusion, flattest,  # noqa: F401
+                                                      most_heads, near_best)
 
 TASK_FORMS = ("keywords", "cloze")
 TWO_HOP = "two-hop"
@@ -56,15 +60,6 @@ TWO_HOP_SHARE = 1 / 3
 # other chunks holding it would be as good a second passage as the gold
 BRIDGE_CHUNKS = 3
 _PARAGRAPHS = re.compile(r"\n\s*\n")
-# a sentence ends at . ! ? (closing quotes or a [7] note after it) before a capital or digit, spaced or glued
-_SENTENCE = re.compile(r"(?<=[.!?])[\"'\u201d\u2019)]*(?:\[\d+\])?\s+(?=[\"'\u201c\u2018(]?[A-Z0-9])"
-                       r"|(?<=[a-z][.!?])(?:\[\d+\])?(?=[A-Z][a-z])")
-# words that carry no topic, beyond BM25's stop words: a question made of them would match anything
-_WEAK = set("""can could would should might must may will shall not any one two also such many much more most
-very just even still well really thing things way ways lot lots like make made get got let say said says see
-seem seems know knew want good bad new old first last other others another every each some something about
-since though although indeed without anything everything nothing along while whether yet already""".split())
-_TOKEN = re.compile(r"[A-Za-z][A-Za-z'-]*[A-Za-z]|\d[\d,.]*\d|\d")
 
 
 @dataclass
@@ -128,7 +123,7 @@ def chunk_documents(documents: list[tuple[str, str]], count_tokens, chunk_tokens
             if count_tokens(paragraph) <= chunk_tokens:
                 pieces.append(paragraph)
             else:
-                pieces += [s for s in _SENTENCE.split(paragraph) if s.strip()]
+                pieces += [s for s in SENTENCE_BREAK.split(paragraph) if s.strip()]
         current, used = [], 0
         for piece in pieces:
             n = count_tokens(piece)
@@ -140,78 +135,6 @@ def chunk_documents(documents: list[tuple[str, str]], count_tokens, chunk_tokens
         if current:
             out.append(Chunk(f"{name}#{len(out)}", name, " ".join(current)))
     return out
-
-
-def sentences(text: str) -> list[str]:
-    return [s.strip() for s in _SENTENCE.split(text) if s.strip()]
-
-
-def content_words(sentence: str) -> list[str]:
-    """The sentence's words that BM25 keeps (stop words out), at least three letters or a number, first
-    occurrence order, no repeats (case-insensitive)."""
-    kept = set(words(sentence))
-    out, seen = [], set()
-    for w in _TOKEN.findall(sentence):
-        low = w.lower()
-        if low in kept and low not in _WEAK and low not in seen and (len(low) >= 3 or low.isdigit()):
-            out.append(w)
-            seen.add(low)
-    return out
-
-
-def inflect(word: str) -> str:
-    """Another inflection of an English word (the same word to a reader, another term to BM25)."""
-    low = word.lower()
-    if low.isdigit() or len(low) < 4 or word[0].isupper() or low.endswith(("ly", "ss", "us")):
-        return word
-    for suffix, repl in (("ies", "y"), ("ing", ""), ("ed", ""), ("es", ""), ("s", "")):
-        if low.endswith(suffix) and len(low) - len(suffix) >= 3:
-            return word[: len(word) - len(suffix)] + repl
-    return word + ("es" if low.endswith(("s", "x", "ch", "sh")) else "s")
-
-
-def key_span(sentence: str, rng: random.Random) -> str | None:
-    """What a cloze removes: a number, else a capitalised word inside the sentence, else the longest content word."""
-    tokens = _TOKEN.findall(sentence)
-    numbers = [t for t in tokens if t[0].isdigit()]
-    if numbers:
-        return rng.choice(numbers)
-    names = [t for t in tokens[1:] if t[0].isupper() and t.lower() in set(words(t))]
-    if names:
-        return rng.choice(names)
-    content = content_words(sentence)
-    return max(content, key=len) if content else None
-
-
-def keyword_question(sentence: str, subject: list[str], rng: random.Random) -> str | None:
-    content = content_words(sentence)
-    if len(content) < 3:
-        return None
-    kept = rng.sample(content, rng.randint(2, min(len(content), 6)))  # few words: BM25 has less to match
-    for i in rng.sample(range(len(kept)), (len(kept) + 1) // 2):
-        kept[i] = inflect(kept[i])
-    extra = [w for w in subject if w.lower() not in {k.lower() for k in content}]
-    if extra and rng.random() < 0.5:
-        kept.append(rng.choice(extra))
-    rng.shuffle(kept)
-    return "Which passage tells about " + ", ".join(kept[:-1]) + " and " + kept[-1] + "?"
-
-
-def cloze_question(sentence: str, rng: random.Random) -> tuple[str, str] | None:
-    span = key_span(sentence, rng)
-    if span is None:
-        return None
-    at = re.search(r"(?<![\w])" + re.escape(span) + r"(?![\w])", sentence)
-    if at is None:
-        return None
-    rest = [w for w in content_words(sentence) if w != span]
-    changed = dict.fromkeys(rng.sample(rest, len(rest) // 3), "")  # a third of the other content words dropped,
-    changed |= {w: inflect(w) for w in rng.sample(rest, len(rest) // 3) if w not in changed}  # a third inflected
-    text = sentence[: at.start()] + "\0" + sentence[at.end():]
-    for w, new in changed.items():
-        text = re.sub(r"(?<![\w])" + re.escape(w) + r"(?![\w])", new, text, count=1)
-    question = " ".join(text.replace("\0", "what").split()).strip().rstrip(".!?\"'") + "?"
-    return question[0].upper() + question[1:], span
 
 
 def make_tasks(chunks: list[Chunk], n: int, seed: int = 0, forms: tuple[str, ...] = TASK_FORMS,
@@ -250,7 +173,7 @@ def _bridge_candidates(text: str) -> set[str]:
     in `text`: words specific enough to link two passages."""
     out = set()
     for sentence in sentences(text):
-        for k, t in enumerate(_TOKEN.findall(sentence)):
+        for k, t in enumerate(TOKEN.findall(sentence)):
             if t[0].isdigit():
                 if len(t.replace(",", "").replace(".", "")) >= 3:
                     out.add(t)
@@ -265,11 +188,11 @@ def bridges(chunks: list[Chunk]) -> dict[str, list[int]]:
     overstated; a capitalised word also written in lower case somewhere ("Visual", "Units" of a title) is a common
     word, not a name."""
     candidates = set().union(*(_bridge_candidates(c.text) for c in chunks)) if chunks else set()
-    lower = {t for c in chunks for t in _TOKEN.findall(c.text) if t.islower()}
+    lower = {t for c in chunks for t in TOKEN.findall(c.text) if t.islower()}
     candidates = {b for b in candidates if b.lower() not in lower}
     where: dict[str, list[int]] = {}
     for i, c in enumerate(chunks):
-        for t in set(_TOKEN.findall(c.text)) & candidates:
+        for t in set(TOKEN.findall(c.text)) & candidates:
             where.setdefault(t, []).append(i)
     return {b: ids for b, ids in sorted(where.items()) if 2 <= len(ids) <= BRIDGE_CHUNKS}
 
@@ -277,23 +200,6 @@ def bridges(chunks: list[Chunk]) -> dict[str, list[int]]:
 def _holding(text: str, bridge: str) -> list[str]:
     at = re.compile(r"(?<![\w])" + re.escape(bridge) + r"(?![\w])")
     return [s for s in sentences(text) if at.search(s)]
-
-
-def two_hop_question(first: str, second: str, bridge: str, rng: random.Random) -> str | None:
-    """A few content words of `first` (2 to 4) and fewer of `second` (1 or 2), none holding the bridge, half of
-    them inflected: the second passage is named less, as a bridge question names it through the bridge."""
-    def usable(sentence: str) -> list[str]:
-        return [w for w in content_words(sentence) if bridge.lower() not in w.lower()]
-
-    a, b = usable(first), [w for w in usable(second) if w.lower() not in {x.lower() for x in usable(first)}]
-    if len(a) < 2 or not b:
-        return None
-    kept_a = rng.sample(a, rng.randint(2, min(len(a), 4)))
-    kept_b = rng.sample(b, rng.randint(1, min(len(b), 2)))
-    for kept in (kept_a, kept_b):
-        for i in rng.sample(range(len(kept)), len(kept) // 2):
-            kept[i] = inflect(kept[i])
-    return "Which passages tell about " + ", ".join(kept_a) + " and what links it to " + " and ".join(kept_b) + "?"
 
 
 def two_hop_tasks(chunks: list[Chunk], n: int, seed: int = 0, min_words: int = 5, max_words: int = 60
@@ -322,30 +228,8 @@ def two_hop_tasks(chunks: list[Chunk], n: int, seed: int = 0, min_words: int = 5
 
 # ---------------------------------------------------------------- questions the model writes itself
 
-# A made question is a bag of the evidence's words (inflected or not); a reader's question is a sentence that names
-# what it asks in its own words, and the model's retrieval heads read the two differently. `--questions-by model`
-# asks the model to write each task's question from its evidence (two-hop: from both sentences, never naming the
-# bridge), so the tasks are in the form the heads meet at query time.
-WRITE_ONE = ("Here is a sentence from a document:\n\n{evidence}\n\nWrite one short question that this sentence "
-             "answers, as someone who has not read it would ask: in your own words, not the sentence's. Reply with "
-             "the question only.")
-WRITE_TWO = ("Here are two sentences from two documents, linked by \"{bridge}\":\n\n1. {evidence}\n2. {evidence2}"
-             "\n\nWrite one short question that needs both sentences to answer, in your own words, without saying "
-             "\"{bridge}\". Reply with the question only.")
+# the form of a task whose question the model wrote from its evidence (made_questions.WRITE_ONE, WRITE_TWO)
 WRITTEN = "written"
-# a question that points at its prompt ("...mentioned in the sentence?") asks nothing a reader would
-_ABOUT_PROMPT = re.compile(r"\b(?:sentences?|passages?|paragraphs?|documents?)\b", re.I)
-
-
-def written_question(reply: str) -> str | None:
-    """The question in a model's reply: its first line, a leading "Question:" dropped, up to its first "?";
-    None unless that is 3 to 40 words and does not point at the prompt (the sentence, the passage)."""
-    line = next((x.strip() for x in reply.splitlines() if x.strip()), "")
-    line = re.sub(r"^(?:\*\*)?(?:question|q)\s*\d*\s*[:.](?:\*\*)?\s*", "", line, flags=re.I).strip().strip('"*')
-    if "?" not in line:
-        return None
-    line = line[: line.index("?") + 1]
-    return line if 3 <= len(line.split()) <= 40 and not _ABOUT_PROMPT.search(line) else None
 
 
 def _terms(text: str) -> set[str]:
@@ -385,9 +269,6 @@ def _zip_longest(lists: list[list[int]]):
 
 def passkey_tasks(chunks: list[Chunk], n: int, context_tokens: int, count_tokens, seed: int = 0):
     """`n` passkey haystacks of `context_tokens` tokens in the user's text (eval.data's maker), the needle gold."""
-    import numpy as np
-
-
     rng = random.Random(f"passkey/{seed}")
     start = rng.randrange(len(chunks))
     filler = " ".join(c.text for c in (chunks[start:] + chunks[:start])[: max(1, 4 * context_tokens // 100)])
@@ -474,107 +355,3 @@ def forms(tasks: list[Task]) -> dict[str, int]:
     for t in tasks:
         out[t.form] = out.get(t.form, 0) + 1
     return dict(sorted(out.items()))
-
-
-# ---------------------------------------------------------------- the whole-context fusion on made haystacks
-
-# Made haystacks are easy: every signal finds the one evidence sentence within an eighth of the context, so at that
-# budget every weight ties and a tie-break decides. The fit halves the budget while the best single signal still
-# keeps more than SATURATED of the gold: below it, at least a tenth of the evidence is missed by the best signal,
-# which is where the signals can differ.
-SATURATED = 0.9
-# never below this budget: a made evidence sentence is at most 60 words (about 80 tokens), so it always fits
-MIN_BUDGET = 128
-# weights whose recall is within this many standard errors of the best (paired over the items) are as good as it
-NEAR = 1.0
-
-
-def _flatness(w: dict) -> float:
-    return sum(v * v for v in w.values())  # least for equal weights, most for one signal alone
-
-
-def near_best(table: np.ndarray) -> list[int]:
-    """The options (rows of `table`, options x items, higher is better) as good as the best: its row first, then
-    every row whose mean is within NEAR standard errors of its mean (paired per-item differences), in row order.
-    Fitted on made tasks, the best row is partly the draw's luck; any near row is as likely the method's best."""
-    means = table.mean(1)
-    best = int(np.argmax(means))
-    diff = table[best] - table  # per item, how much each option loses to the best
-    n = table.shape[1]
-    se = diff.std(1, ddof=1) / np.sqrt(n) if n > 1 else np.zeros(len(table))
-    return [best] + [i for i in range(len(table)) if i != best and diff[i].mean() <= NEAR * se[i] + 1e-12]
-
-
-def flattest(grid: list[dict], table: np.ndarray) -> int:
-    """Of the weights `grid` scored per item in `table` (weights x items), the flattest near the best: when the
-    signals cannot be told apart the fusion hedges over them instead of falling to whichever corner a tie-break
-    lists first; when one mixture is clearly best, only it and its close neighbours are near."""
-    return min(near_best(table), key=lambda i: (_flatness(grid[i]), i))
-
-
-def most_heads(counts: list[int], table: np.ndarray) -> int:
-    """Of the head counts scored per item in `table` (counts x items), the most heads near the best: two
-    zero-label runs on the same documents kept 4 and 12 heads of the 1.5B model (recall 0.978 against 0.975), and
-    more heads average out what one draw of tasks favours."""
-    return max(counts[i] for i in near_best(table))
-
-
-def cheapest_setting(rows: list[dict], table: np.ndarray) -> int:
-    """Of the pipeline's settings (`rows` of pipeline.fit_settings, scored per task in `table`), the one that reads
-    least (depth x tokens per candidate) near the best; the better mean among equals."""
-    means = table.mean(1)
-    return min(near_best(table), key=lambda i: (rows[i]["depth"] * rows[i]["read_tokens"], -means[i]))
-
-
-def fit_fusion(items: list[tuple[dict, np.ndarray, np.ndarray, int]], names: tuple[str, ...] | None = None,
-               step: float | None = None) -> dict:
-    """The whole-context fusion's weights on zero-label haystacks, `items` = [(signals, gold, lengths, budget)]
-    as heads_calibrate.calibrate makes them:
-
-    1. balanced: as many items on which BM25 does not rank the gold sentences first as items on which it does
-       (the surplus of the larger kind dropped, in item order), as `balanced` does for the pipeline's tasks;
-    2. budget: every item's budget halved, all together, while the best single signal's mean recall is above
-       SATURATED and every budget stays at or above MIN_BUDGET;
-    3. weights: on the simplex grid, the best mean recall; among the weights within NEAR standard errors of it
-       (paired per-item differences), the flattest. When the signals cannot be told apart the fusion hedges over
-       them instead of falling to whichever corner a tie-break lists first; when one mixture is clearly best, only
-       it and its close neighbours are near, so the fit still picks it.
-    """
-    step = step or GRID_STEP
-    items = [it for it in items if it[1].any()]
-    if not items:
-        raise HeadsError("No calibration item has a gold sentence in its haystack: check the documents.")
-    names = [s for s in (names or SIGNALS) if all(s in it[0] for it in items)]
-    z = [{s: standardise(sig[s]) for s in names} for sig, *_ in items]
-
-    if "bm25" in names:
-        first = [bool(g[np.argsort(-zi["bm25"], kind="stable")[: int(g.sum())]].all())
-                 for zi, (_, g, *_) in zip(z, items)]
-        hard = [i for i, f in enumerate(first) if not f]
-        easy = [i for i, f in enumerate(first) if f]
-        k = min(len(hard), len(easy))
-        keep = sorted(hard[:k] + easy[:k]) if k else list(range(len(items)))
-        items, z = [items[i] for i in keep], [z[i] for i in keep]
-
-    def recalls(w: dict, scale: int) -> np.ndarray:
-        return np.array([recall_in_budget(sum(w[s] * zi[s] for s in names), gold, lengths, budget // scale)
-                         for zi, (_, gold, lengths, budget) in zip(z, items)])
-
-    corners = {s: {t: float(t == s) for t in names} for s in names}
-    scale = 1
-    while True:
-        single = {s: float(recalls(w, scale).mean()) for s, w in corners.items()}
-        if max(single.values()) <= SATURATED or min(b for *_, b in items) // (2 * scale) < MIN_BUDGET:
-            break
-        scale *= 2
-
-    grid = list(simplex(names, step))
-    table = np.stack([recalls(w, scale) for w in grid])  # weights x items
-    means = table.mean(1)
-    near = near_best(table)
-    best, chosen = near[0], flattest(grid, table)
-    return {"weights": grid[chosen], "recall": round(float(means[chosen]), 4),
-            "best": {"weights": grid[best], "recall": round(float(means[best]), 4)},
-            "single": {s: round(r, 4) for s, r in single.items()}, "step": step, "n_items": len(items),
-            "budget_scale": 1 / scale, "near_best": len(near),
-            "rule": "zero-label: balanced items, budget halved past saturation, flattest near-best weights"}

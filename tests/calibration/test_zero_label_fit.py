@@ -50,7 +50,7 @@ def test_two_hop_tasks_never_ask_the_bridge_and_keep_both_golds():
         assert t.evidence in cs[t.chunk].text and t.evidence2 in cs[t.chunk2].text
         assert t.bridge in t.evidence and t.bridge in t.evidence2
         # the question names both sentences: a content word of each, the bridge aside
-        asked = {w.lower() for w in zero_label._TOKEN.findall(t.question)}
+        asked = {w.lower() for w in zero_label.TOKEN.findall(t.question)}
         for sentence in t.evidences:
             own = {w.lower() for w in zero_label.content_words(sentence)}
             assert asked & {w for w in own | {zero_label.inflect(x).lower() for x in own}}
