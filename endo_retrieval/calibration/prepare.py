@@ -22,6 +22,7 @@ import argparse
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -86,11 +87,8 @@ def _write(path: Path, data: dict) -> None:
 
 def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> int:
     """`endo prepare`; `command_args(command, argv)` reads another command's arguments as its parser does."""
-    from tqdm import tqdm
-
     # torch: `endo prepare --help` and its argument errors answer before these load
-    from endo_retrieval.calibration import heads as heads_calibrate, ilre as ilre_calibrate, \
-        fusion_rule, pipeline as pipeline_calibrate, train_sae, zero_label
+    from endo_retrieval.calibration import ilre as ilre_calibrate, train_sae
     from endo_retrieval.model.backbone import Backbone  # torch, as above
 
     start = time.perf_counter()
@@ -100,16 +98,40 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
         raise ValueError(f"Unknown method(s) {sorted(methods - set(METHODS))}; prepare knows {', '.join(METHODS)}.")
     bb = Backbone.of(args.model, device=args.device)
     timings["load"] = time.perf_counter() - start
-    sizes = SIZES["cuda" if bb.device.type == "cuda" else "cpu"]
-    n_tasks = sizes["tasks"] if args.tasks is None else args.tasks
-    n_passkeys = sizes["passkeys"] if args.passkeys is None else args.passkeys
-    n_questions = sizes["questions"] if args.questions is None else args.questions
-    lengths = args.context_tokens or sizes["context_tokens"]
+    out, state_dir, need = _plan(args, bb, methods)
+    state_path = state_dir / "state.json"
+    if not any(need.values()):
+        _ready(bb, out)
+        _finish(args, timings, start, state_path if state_path.exists() else None, bb)
+        return 0
+    if not args.documents:
+        raise ValueError("prepare makes its calibration tasks from your documents: pass --documents DIR (a folder "
+                         "of .txt/.md files, the kind of text you will search).")
 
+    sizes = _sizes(args, bb)
+    made, state = _tasks(args, bb, sizes, state_dir, timings)
+    if need["sae"]:
+        t = time.perf_counter()
+        train_sae.run(command_args("train-sae", ["--corpus", args.documents, "--heldout", "none"]
+                                + _model_args(args)))
+        _phase_done(state, state_path, "sae", time.perf_counter() - t, timings)
+    if need["ilre"]:
+        t = time.perf_counter()
+        ilre_calibrate.run(command_args("calibrate-ilre", ["--data", args.documents] + _model_args(args)))
+        _phase_done(state, state_path, "ilre", time.perf_counter() - t, timings)
+    _calibrate(args, bb, need, sizes, made, out, state, state_dir, timings)
+    print(f"[prepare] wrote {out}")
+    _ready(bb, out)
+    _finish(args, timings, start, state_path, bb)
+    return 0
+
+
+def _plan(args, bb, methods: set[str]) -> tuple[Path, Path, dict[str, bool]]:
+    """(the profile to write, the folder of this run's state, which phases to run): a phase runs when it is asked
+    for and what it makes is missing or `--force`; the asked-for phases already made are said to be skipped."""
     out = Path(args.profile) if args.profile else heads_profile_path(bb)
     shipped = ASSETS.resolve() in out.resolve().parents
     state_dir = (user_artefacts(bb) if shipped else out.parent) / f"{out.stem}.prepare"
-    state_path = state_dir / "state.json"
     try:
         existing = _read_profile(bb, out, "heads")
     except ProfileError:  # damaged: made again
@@ -126,23 +148,48 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
     for phase in need:
         if asked[phase] and not need[phase]:
             print(f"[prepare] {phase}: already made, skipped")
-    if not any(need.values()):
-        _ready(bb, out)
-        _finish(args, timings, start, state_path if state_path.exists() else None, bb)
-        return 0
-    if not args.documents:
-        raise ValueError("prepare makes its calibration tasks from your documents: pass --documents DIR (a folder "
-                         "of .txt/.md files, the kind of text you will search).")
+    return out, state_dir, need
+
+
+def _sizes(args, bb) -> dict:
+    """The calibration's sizes: the arguments given, SIZES of the device kind for the rest."""
+    sizes = SIZES["cuda" if bb.device.type == "cuda" else "cpu"]
+    return {"tasks": sizes["tasks"] if args.tasks is None else args.tasks,
+            "passkeys": sizes["passkeys"] if args.passkeys is None else args.passkeys,
+            "questions": sizes["questions"] if args.questions is None else args.questions,
+            "context_tokens": args.context_tokens or sizes["context_tokens"]}
+
+
+@dataclass
+class _Made:
+    """What the tasks phase made, for the calibrations: the documents' chunks, the tasks of each calibration."""
+
+    documents: int
+    chunks: list
+    heads_tasks: list
+    pipeline_tasks: list
+    questions_by: str
+
+
+def _tasks(args, bb, sizes: dict, state_dir: Path, timings: dict) -> tuple[_Made, dict]:
+    """The tasks phase: zero-label tasks from the documents (kept beside the profile, and read back while the
+    documents and settings are the same), and this run's state (a fresh one when they changed)."""
+    from tqdm import tqdm
+
+    from endo_retrieval.calibration import zero_label  # torch, as in run
 
     t = time.perf_counter()
+    n_tasks, n_questions = sizes["tasks"], sizes["questions"]
     documents = zero_label.read_documents(args.documents)
     share = zero_label.TWO_HOP_SHARE
-    settings = [n_tasks, n_passkeys, n_questions, lengths, args.seed, round(share, 4), zero_label.HARD_SHARE]
+    settings = [n_tasks, sizes["passkeys"], n_questions, sizes["context_tokens"], args.seed, round(share, 4),
+                zero_label.HARD_SHARE]
     questions_by = args.questions_by
     if questions_by == "auto":
         questions_by = "model" if sum(p.numel() for p in bb.model.parameters()) >= WRITER_PARAMS else "rules"
     settings += [questions_by] if questions_by != "rules" else []  # earlier rules runs' states still apply
     fingerprint = f"{zero_label.fingerprint(documents)}/{settings}"
+    state_path = state_dir / "state.json"
     state = {} if args.force else _state(state_path, bb.model_hash)
     if state.get("fingerprint") != fingerprint:  # other documents or sizes: nothing of an earlier run applies
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -171,29 +218,31 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
         raise ValueError(f"{args.documents}: too little text to make calibration tasks from ({len(tasks)} made); "
                          "give a few pages of sentences at least.")
     n_heads = min(n_tasks, max(1, len(tasks) * n_tasks // max(1, n_tasks + n_questions)))  # fewer made: shared
-    heads_tasks, pipeline_tasks = tasks[:n_heads], tasks[n_heads:]
     _phase_done(state, state_path, "tasks", time.perf_counter() - t, timings,
                 {"documents": len(documents), "chunks": len(chunks), "tasks": len(tasks),
                  "forms": zero_label.forms(tasks)})
+    return _Made(len(documents), chunks, tasks[:n_heads], tasks[n_heads:], questions_by), state
 
-    if need["sae"]:
-        t = time.perf_counter()
-        train_sae.run(command_args("train-sae", ["--corpus", args.documents, "--heldout", "none"]
-                                + _model_args(args)))
-        _phase_done(state, state_path, "sae", time.perf_counter() - t, timings)
-    if need["ilre"]:
-        t = time.perf_counter()
-        ilre_calibrate.run(command_args("calibrate-ilre", ["--data", args.documents] + _model_args(args)))
-        _phase_done(state, state_path, "ilre", time.perf_counter() - t, timings)
 
+def _calibrate(args, bb, need: dict, sizes: dict, made: _Made, out: Path, state: dict, state_dir: Path,
+               timings: dict) -> None:
+    """The heads and pipeline phases, under one progress bar: each finished item is kept under the state folder,
+    so a stopped run resumes at the item where it stopped."""
+    from tqdm import tqdm
+
+    # torch, as in run
+    from endo_retrieval.calibration import fusion_rule, heads as heads_calibrate, pipeline as pipeline_calibrate, \
+        zero_label
+
+    state_path, lengths, share = state_dir / "state.json", sizes["context_tokens"], zero_label.TWO_HOP_SHARE
     cells = []
     if need["heads"]:
         for L in lengths:
-            examples = zero_label.haystacks(heads_tasks, chunks, bb.count_tokens, L, args.seed)
-            examples += zero_label.passkey_tasks(chunks, n_passkeys, L, bb.count_tokens, args.seed)
+            examples = zero_label.haystacks(made.heads_tasks, made.chunks, bb.count_tokens, L, args.seed)
+            examples += zero_label.passkey_tasks(made.chunks, sizes["passkeys"], L, bb.count_tokens, args.seed)
             cells.append((L // 8, examples))
     n_settings = len(args.depths) * len(args.read_tokens) * len(args.orders)
-    total = 2 * sum(len(e) for _, e in cells) + (len(pipeline_tasks) * n_settings if need["pipeline"] else 0)
+    total = 2 * sum(len(e) for _, e in cells) + (len(made.pipeline_tasks) * n_settings if need["pipeline"] else 0)
     items = state_dir / "items"
     with tqdm(total=total, desc="calibrating", unit="item", disable=None) as bar:
         if need["heads"]:
@@ -203,10 +252,10 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
             scale = profile["fusion"]["budget_scale"]
             profile |= {"data": ["zero-label"], "distractors": "zero-label", "context_tokens": lengths,
                         "budgets": [int(b * scale) for b, _ in cells], "seed": args.seed,
-                        "zero_label": {"documents": len(documents), "chunks": len(chunks),
-                                       "tasks": len(heads_tasks), "passkeys": n_passkeys * len(lengths),
-                                       "forms": zero_label.forms(heads_tasks), "two_hop_share": round(share, 4),
-                                       "questions_by": questions_by,
+                        "zero_label": {"documents": made.documents, "chunks": len(made.chunks),
+                                       "tasks": len(made.heads_tasks), "passkeys": sizes["passkeys"] * len(lengths),
+                                       "forms": zero_label.forms(made.heads_tasks), "two_hop_share": round(share, 4),
+                                       "questions_by": made.questions_by,
                                        "head_count": "the most heads near the best"},
                         "wall_s": round(time.perf_counter() - t, 1)}
             heads_calibrate.write_profile(profile, out)
@@ -214,24 +263,20 @@ def run(args, command_args: Callable[[str, list[str]], argparse.Namespace]) -> i
         if need["pipeline"]:
             t = time.perf_counter()
             profile = json.loads(out.read_text())
-            titles, texts, questions = zero_label.corpus_questions(pipeline_tasks, chunks)
+            titles, texts, questions = zero_label.corpus_questions(made.pipeline_tasks, made.chunks)
             best, table, _ = pipeline_calibrate.fit_settings(
                 bb, titles, texts, questions, args.depths, args.read_tokens, args.orders, heads=profile["heads"],
                 progress=bar, cache=items, choose_weights=zero_label.flattest,
                 choose_setting=zero_label.cheapest_setting)
             profile["pipeline"] = pipeline_calibrate.section(best, table, "zero-label", len(questions),
                                                              time.perf_counter() - t)
-            profile["pipeline"]["fit"] |= {"forms": zero_label.forms(pipeline_tasks),
+            profile["pipeline"]["fit"] |= {"forms": zero_label.forms(made.pipeline_tasks),
                                            "rule": "zero-label: the flattest near-best weights, the cheapest "
                                                    "near-best setting"}
             fusion_rule.transferred(profile)  # the hybrid first stage: its share and fusion, fitted across domains
             pipeline_calibrate.write_json(profile, out)
             _phase_done(state, state_path, "pipeline", time.perf_counter() - t, timings)
     shutil.rmtree(items, ignore_errors=True)  # every phase is written; the items are not needed again
-    print(f"[prepare] wrote {out}")
-    _ready(bb, out)
-    _finish(args, timings, start, state_path, bb)
-    return 0
 
 
 def _model_args(args) -> list[str]:
