@@ -76,7 +76,8 @@ def prhs_step(q, qr, keys, values, ref_q, ref_set, ref_block, retrievals, use_ke
 
 
 @functools.cache
-def _kernels():
+def _device_functions():
+    """The device functions both kernels call: the CIS gate, row loads, logits, and the radix select's parts."""
     import triton
     import triton.language as tl
 
@@ -99,24 +100,6 @@ def _kernels():
     def logits(k_head, k_row_stride, idx, ok, q, scaling, D: tl.constexpr):
         """q . k * scaling for the keys idx; -inf where not ok."""
         return tl.where(ok, tl.sum(rows(k_head, k_row_stride, idx, ok, D) * q[None, :], 1) * scaling, float("-inf"))
-
-    @triton.jit(do_not_specialize=["lo", "hi", "block", "score_stride"])
-    def score_middle(q_ptr, qr_ptr, k_ptr, ref_q_ptr, ref_block_ptr, score_ptr, k_head_stride, k_row_stride,
-                     score_stride, lo, hi, block, tau, GROUP: tl.constexpr, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-        kv = tl.program_id(0)  # one KV head's tile, scored for each of its query heads that retrieves
-        cols = lo + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        dims = tl.arange(0, D)
-        any_need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, kv * GROUP, block, tau, D)
-        for g in tl.static_range(1, GROUP):
-            any_need = any_need | ~shares(q_ptr, ref_q_ptr, ref_block_ptr, kv * GROUP + g, block, tau, D)
-        ok = (cols < hi) & any_need  # a group whose heads all share loads nothing
-        kt = rows(k_ptr + kv * k_head_stride, k_row_stride, cols, ok, D)
-        for g in tl.static_range(GROUP):
-            h = kv * GROUP + g
-            need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, h, block, tau, D)
-            q = tl.load(qr_ptr + h * D + dims).to(tl.float32)
-            tl.store(score_ptr + h * score_stride + cols, tl.sum(kt * q[None, :], 1), mask=ok & need)
 
     @triton.jit
     def top(key, valid, K):
@@ -146,6 +129,46 @@ def _kernels():
         """float32 -> int32 with the same order."""
         bits = s.to(tl.int32, bitcast=True)
         return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+    return shares, rows, logits, top, sortable
+
+
+@functools.cache
+def _score_middle():
+    """Kernel A: the retrieving heads' scores over the middle."""
+    import triton
+    import triton.language as tl
+
+    shares, rows, _, _, _ = _device_functions()
+
+    @triton.jit(do_not_specialize=["lo", "hi", "block", "score_stride"])
+    def score_middle(q_ptr, qr_ptr, k_ptr, ref_q_ptr, ref_block_ptr, score_ptr, k_head_stride, k_row_stride,
+                     score_stride, lo, hi, block, tau, GROUP: tl.constexpr, D: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+        kv = tl.program_id(0)  # one KV head's tile, scored for each of its query heads that retrieves
+        cols = lo + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, D)
+        any_need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, kv * GROUP, block, tau, D)
+        for g in tl.static_range(1, GROUP):
+            any_need = any_need | ~shares(q_ptr, ref_q_ptr, ref_block_ptr, kv * GROUP + g, block, tau, D)
+        ok = (cols < hi) & any_need  # a group whose heads all share loads nothing
+        kt = rows(k_ptr + kv * k_head_stride, k_row_stride, cols, ok, D)
+        for g in tl.static_range(GROUP):
+            h = kv * GROUP + g
+            need = ~shares(q_ptr, ref_q_ptr, ref_block_ptr, h, block, tau, D)
+            q = tl.load(qr_ptr + h * D + dims).to(tl.float32)
+            tl.store(score_ptr + h * score_stride + cols, tl.sum(kt * q[None, :], 1), mask=ok & need)
+
+    return score_middle
+
+
+@functools.cache
+def _select_attend():
+    """Kernel B: per head, the top-k and the CIS reference, the dilated set's duplicates removed, the attention."""
+    import triton
+    import triton.language as tl
+
+    shares, rows, logits, top, sortable = _device_functions()
 
     @triton.jit(do_not_specialize=["N", "lo", "hi", "window", "block", "score_stride", "owner_stride"])
     def select_attend(q_ptr, qr_ptr, k_ptr, v_ptr, ref_q_ptr, ref_set_ptr, ref_block_ptr, score_ptr, owner_ptr,
@@ -204,7 +227,7 @@ def _kernels():
         total = tl.sum(p_sink) + tl.sum(p_local) + tl.sum(p_set)
         tl.store(out_ptr + h * D + dims, (acc / total).to(out_ptr.dtype.element_ty))
 
-    return score_middle, select_attend
+    return select_attend
 
 
 def prhs_step_triton(q, qr, keys, values, ref_q, ref_set, ref_block, retrievals, *, block: int, window: int,
@@ -213,7 +236,7 @@ def prhs_step_triton(q, qr, keys, values, ref_q, ref_set, ref_block, retrievals,
     """The fused kernels on CUDA: same contract as `prhs_step_reference`."""
     import triton
 
-    score_middle, select_attend = _kernels()
+    score_middle, select_attend = _score_middle(), _select_attend()
     H, D = q.shape
     N = keys.shape[1]
     lo, hi = max(sink, window), N - local
