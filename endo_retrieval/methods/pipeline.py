@@ -35,6 +35,7 @@ from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.index.passages import Passages, best_part, part_text, passage_span
 from endo_retrieval.methods.heads import bridge_terms, profile_heads, read_passages
 from endo_retrieval.model.profiles import heads_profile
+from endo_retrieval.model.watchdog import Watchdog
 from endo_retrieval.scoring.bm25 import OkapiPostings, words
 from endo_retrieval.index.first_stage import DENSE_SHARE, FIRST_STAGES, FirstStage, first_stage as make_first_stage
 from endo_retrieval.scoring.adaptive import AdaptiveWeights
@@ -127,8 +128,12 @@ class EndoPipeline:
     # pool and the dense ranking's own, so a passage the dense ranking alone finds is read even where BM25 fills the
     # fused list. None: the first stage's fitted `pools`, else the first stage alone. One pool with the second hop
     pools: tuple[str, ...] | None = None
+    # a question's model work (`ranked`: both hops) past its timeout raises GPUStallError naming the GPU's other
+    # processes (model/watchdog.py); None: one on the backbone's device, timed by ENDO_GPU_TIMEOUT_S (default 120 s)
+    watchdog: Watchdog | None = None
 
     def __post_init__(self):
+        self.watchdog = self.watchdog or Watchdog(self.backbone.device)
         self.heads = [tuple(map(int, h)) for h in (self.heads or profile_heads(self.backbone))]
         self.batched_reads = BATCHED_READS if self.batched_reads is None else self.batched_reads
         pipeline = (heads_profile(self.backbone) or {}).get("pipeline") or {}
@@ -378,7 +383,11 @@ class EndoPipeline:
 
     def ranked(self, corpus: CorpusMap, passages: Passages, question: str, k: int, where=None) -> Ranked | None:
         """Both hops read and fused, the k best picked (`Ranked`); None when no document passes `where`. The Ray
-        reader runs it on a copy whose stage 1 the shards gave (distributed_pipeline.py)."""
+        reader runs it on a copy whose stage 1 the shards gave (distributed_pipeline.py). The one place a
+        question's GPU work runs under the watchdog: past its timeout, GPUStallError."""
+        return self.watchdog.run(self._ranked, corpus, passages, question, k, where)
+
+    def _ranked(self, corpus: CorpusMap, passages: Passages, question: str, k: int, where=None) -> Ranked | None:
         t0 = time.perf_counter()
         top, signals, ms, first = self.first_hop(corpus, passages, question, where=where)
         if not len(top):  # no document passes `where`
