@@ -3,7 +3,7 @@
 Documents are laid out one after another in one global position space (the positions the feature index stores).
 A removed document's range is never reused, so positions held elsewhere stay valid. The documents are held as
 columns (`corpus_columns.py`): saved as one array file (`array_file.py`, written atomically) that opening maps, and a
-`Document` is a view made when one is asked for. A map saved before columns (`.npz`, a JSON header of every
+`DocumentView` is made when one is asked for. A map saved before columns (`.npz`, a JSON header of every
 document) still reads.
 """
 from __future__ import annotations
@@ -33,10 +33,13 @@ CORPUS_FILE, OLD_CORPUS_FILE = "corpus.arrays", "corpus.npz"  # its name in an i
 # most of the documents, and a delta rewritten at each save: the documents added since and the base's removed rows
 DELTA_FILE, DELTA_KIND = "corpus_delta.arrays", "corpus-delta"
 COMPACT_SHARE = 0.1  # once removed and added documents pass this share of the base, a save writes a new base
-VIEWS_KEPT = 256  # Document views kept for the next lookup (a hit's text is read several times per question)
+VIEWS_KEPT = 256  # DocumentViews kept for the next lookup (a hit's text is read several times per question)
 
 @dataclass(frozen=True, eq=False)
-class Document:
+class DocumentView:
+    """A document as the corpus holds it: its global positions, text, token offsets and sentence starts (the
+    document a user indexes is index.engine's `Document`)."""
+
     doc_id: str
     start: int  # first global position
     end: int  # one past the last global position
@@ -53,16 +56,16 @@ class Document:
 class CorpusMap:
     """Global token positions <-> (document, token offset, character span), plus sentence boundaries. The
     documents are runs of columns (`Columns`: the saved file's, mapped, then those added since), with a mask of
-    the rows still live; documents added since the last lookup wait as `Document`s until one is asked for."""
+    the rows still live; documents added since the last lookup wait as `DocumentView`s until one is asked for."""
 
     def __init__(self) -> None:
         self._runs: list[Columns] = []
         self._run_at = np.zeros(1, np.int64)  # first global row of each run, and the total
         self._live = np.zeros(0, bool)  # per global row: not removed
-        self._added: dict[str, Document] = {}  # documents added since the runs were last joined
+        self._added: dict[str, DocumentView] = {}  # documents added since the runs were last joined
         self._next = 0  # positions are never reused, even after removal
         self._state: dict | None = None  # what lookups read, made once per state (`_view`)
-        self._views: dict[int, Document] = {}
+        self._views: dict[int, DocumentView] = {}
         self._changes = 0  # adds and removes so far
         self._written: tuple[int, Columns] | None = None  # the base a save wrote anew, after that many changes
         # readers share the index (a writer is alone), but lookups fill the lazy parts above: one at a time
@@ -100,7 +103,7 @@ class CorpusMap:
         sentences = start + np.unique(np.concatenate(([0], local[local < len(offsets)])))
         # int32 halves the map's largest part (16 bytes a token in int64, most of an index's RAM at a million passages)
         offsets = offsets.astype(np.int32) if len(text) < 2 ** 31 else offsets
-        self._added[doc_id] = Document(doc_id, start, end, text, offsets, metadata, sentences)
+        self._added[doc_id] = DocumentView(doc_id, start, end, text, offsets, metadata, sentences)
         self._next, self._state, self._changes = end, None, self._changes + 1
         return start, end
 
@@ -169,14 +172,14 @@ class CorpusMap:
         k = int(np.searchsorted(self._run_at, row, side="right")) - 1
         return self._runs[k], row - int(self._run_at[k])
 
-    def _document(self, row: int) -> Document:
+    def _document(self, row: int) -> DocumentView:
         """The view of global row `row` (the last VIEWS_KEPT are kept)."""
         with self._lazy:
             doc = self._views.get(row)
             if doc is None:
                 run, i = self._run_of(row)
-                doc = Document(run.doc_id(i), int(run.a["starts"][i]), int(run.a["ends"][i]), run.text(i),
-                               run.offsets(i), run.metadata(i), run.sentence_starts(i))
+                doc = DocumentView(run.doc_id(i), int(run.a["starts"][i]), int(run.a["ends"][i]), run.text(i),
+                                   run.offsets(i), run.metadata(i), run.sentence_starts(i))
                 if len(self._views) >= VIEWS_KEPT:
                     self._views.pop(next(iter(self._views)))
                 self._views[row] = doc
@@ -198,7 +201,7 @@ class CorpusMap:
         view = self._view()
         return int((view["ends"] - view["starts"]).sum())
 
-    def doc(self, doc_id: str) -> Document:
+    def doc(self, doc_id: str) -> DocumentView:
         if isinstance(doc_id, str) and doc_id in self._added:
             self._join_added()
         row = self._row(doc_id) if isinstance(doc_id, str) else -1
@@ -207,7 +210,7 @@ class CorpusMap:
         return self._document(row)
 
     def doc_ids(self) -> list[str]:
-        """The live documents' ids in position order (decoded from the id column, no Document made)."""
+        """The live documents' ids in position order (decoded from the id column, no DocumentView made)."""
         self._join_added()
         out = []
         for k, run in enumerate(self._runs):
@@ -226,24 +229,24 @@ class CorpusMap:
         ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.uint8)
         return ids, row_starts(np.concatenate([np.diff(p[1]) for p in parts]) if parts else np.zeros(0, np.int64))
 
-    def documents(self) -> Iterator[Document]:
+    def documents(self) -> Iterator[DocumentView]:
         """Live documents in position order; `locate()`'s document indices index this order. Each is a view made
         as the iteration reaches it."""
         rows = self._view()["rows"]
         return (self._view_of(int(r)) for r in rows)
 
-    def documents_from(self, position: int) -> Iterator[Document]:
+    def documents_from(self, position: int) -> Iterator[DocumentView]:
         """The live documents that start at or after `position`, in position order (views, as `documents()`)."""
         view = self._view()
         first = int(np.searchsorted(view["starts"], position))
         return (self._view_of(int(r)) for r in view["rows"][first:])
 
-    def _view_of(self, row: int) -> Document:
+    def _view_of(self, row: int) -> DocumentView:
         run, i = self._run_of(row)
-        return Document(run.doc_id(i), int(run.a["starts"][i]), int(run.a["ends"][i]), run.text(i),
-                        run.offsets(i), run.metadata(i), run.sentence_starts(i))
+        return DocumentView(run.doc_id(i), int(run.a["starts"][i]), int(run.a["ends"][i]), run.text(i),
+                            run.offsets(i), run.metadata(i), run.sentence_starts(i))
 
-    def document_at(self, index: int) -> Document:
+    def document_at(self, index: int) -> DocumentView:
         """The document at `index` in `documents()` order (what `locate()` returns)."""
         return self._document(int(self._view()["rows"][index]))
 
@@ -280,7 +283,7 @@ class CorpusMap:
         char_start, char_end = int(doc.offsets[o_start, 0]), int(doc.offsets[o_start:o_last + 1, 1].max())
         return doc.doc_id, char_start, char_end, doc.text[char_start:char_end]
 
-    def sentence_bounds(self, doc: str | Document) -> np.ndarray:
+    def sentence_bounds(self, doc: str | DocumentView) -> np.ndarray:
         """Global token positions where the document's sentences start (its first position included)."""
         return (self.doc(doc) if isinstance(doc, str) else doc).sentence_starts
 

@@ -46,7 +46,7 @@ class Columns:
 
     @classmethod
     def of_documents(cls, docs: list) -> "Columns":
-        """The columns of corpus Documents (their offsets kept in int32 where every text is below 2**31 chars)."""
+        """The columns of corpus DocumentViews (their offsets kept in int32 where every text is below 2**31 chars)."""
         ids = [d.doc_id.encode("utf-8") for d in docs]
         texts = [d.text.encode("utf-8") for d in docs]
         metas = [dumps(d.metadata) for d in docs]

@@ -213,7 +213,7 @@ class ReaderPool:
         if method not in PIPELINE_METHODS:
             return self.index.search(question, k, budget, method, where)
         reader = self.readers[next(self._turn) % len(self.readers)]
-        question, stage = _question(question), self._first_stage(first_stage)
+        question, stage = _search_question(question), self._first_stage(first_stage)
         return _get(reader.read.remote(question, self._embedding(question, depth, read_tokens, stage), k, budget,
                                        where, depth, read_tokens, stage))
 
@@ -229,7 +229,7 @@ class ReaderPool:
             return [self.search(q, k, budget, method, where) for q in questions]
         out: list = [None] * len(questions)
         slots = [r for _ in range(self.calls_per_reader) for r in self.readers]
-        asked = [(i, _question(q)) for i, q in enumerate(questions)]
+        asked = [(i, _search_question(q)) for i, q in enumerate(questions)]
         stage = self._first_stage(first_stage)
         submit = lambda reader, job: reader.read.remote(  # noqa: E731
             job[1], self._embedding(job[1], depth, read_tokens, stage), k, budget, where, depth, read_tokens, stage)
@@ -273,7 +273,7 @@ _READ_ONLY = ("A sharded index is read-only: add documents with RayIndexer(...).
               "open it again; it is saved where it was built.")
 
 
-def _question(question: str) -> str:
+def _search_question(question: str) -> str:
     """The question as `EndoIndex.search` takes it: text, capped in length, valid Unicode."""
     return unicode_text(as_text(capped_question(question)), "question")
 

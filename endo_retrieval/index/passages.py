@@ -190,7 +190,7 @@ def passage_cuts(sentence_starts: np.ndarray, end: int, max_tokens: int, paragra
 
 
 def document_cuts(doc, max_tokens: int) -> list[int]:
-    """Bounds [start, ..., end] of the passages of `doc` (a corpus Document): a document read from a file
+    """Bounds [start, ..., end] of the passages of `doc` (a corpus DocumentView): a document read from a file
     (sections.py) is cut at its headings, each section into passages that end at paragraphs where they can, and no
     passage starts inside a heading (between its text and its underline); any other document as `passage_cuts`."""
     if file_path(doc.metadata) is None:
