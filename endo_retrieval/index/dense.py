@@ -193,7 +193,7 @@ class DenseVectors:
     def missing_cells(self, doc_ids) -> list[str]:
         return [d for d in doc_ids if d not in self.cells]
 
-    def search(self, doc_ids, matrix: np.ndarray) -> "Cells | None":
+    def cells_for(self, doc_ids, matrix: np.ndarray) -> "Cells | None":
         """The inverted file over `matrix` (these documents' passages in this order: a list of ids or the
         corpus's id column), None without cells."""
         if self.centroids is None:

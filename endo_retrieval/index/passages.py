@@ -118,7 +118,7 @@ class Passages:
         """Each passage's cosine with the question's embedding `query`: all of them, or where the index holds cells
         (dense.py), those of the passages in the cells nearest the question, -inf for the rest."""
         if self.cells is None and self.dense.centroids is not None:
-            self.cells = self.dense.search(corpus.doc_ids(), self.vectors) or False
+            self.cells = self.dense.cells_for(corpus.doc_ids(), self.vectors) or False
         if self.cells:
             return self.cells.scores(self.vectors, query)
         return np.asarray(self.vectors @ query, np.float64)

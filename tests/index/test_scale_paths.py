@@ -132,7 +132,7 @@ def test_cells_are_trained_at_save_follow_adds_and_removes_and_load_back(tmp_pat
     np.testing.assert_array_equal(loaded.centroids, vectors.centroids)
     assert all(np.array_equal(loaded.cells[d], vectors.cells[d]) for d in ids[1:])
     whole = loaded.matrix(ids)
-    lists = loaded.search(ids, whole)
+    lists = loaded.cells_for(ids, whole)
     query = unit(rng, 1)[0]
     scores = lists.scores(whole, query)
     np.testing.assert_allclose(scores[np.isfinite(scores)], (whole @ query)[np.isfinite(scores)], atol=1e-6)
