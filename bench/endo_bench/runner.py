@@ -41,7 +41,7 @@ METHODS = {
     "heads": REGISTRY["heads"],
     "endo": REGISTRY["endo"],
     "endo-context": "endo_retrieval.methods.endo:Endo",  # endo reading the whole context (one forward per window)
-    "endo-2stage": "endo_retrieval.methods.endo:TwoStageEndo",  # endo reading only BM25's candidate windows
+    "endo-2stage": "endo_bench.two_stage:TwoStageEndo",  # endo reading only BM25's candidate windows
     "bm25": f"{_BASELINES}:BM25Chunks",
     "bm25-sent": REGISTRY["bm25"],
     "dense": f"{_BASELINES}:Dense",

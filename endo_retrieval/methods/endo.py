@@ -23,16 +23,10 @@ import numpy as np
 
 from endo_retrieval.scoring.fusion import fuse, rrf, standardise
 from endo_retrieval.scoring.select import sentence_spans, sentences_in_budget
-from endo_retrieval.methods.base import BaseMethod
-from endo_retrieval.methods.pipeline import EndoPipeline
-from endo_retrieval.index.passages import Passages
-from endo_retrieval.corpus import CorpusMap
-from endo_retrieval.methods.heads import (HeadsError, Prepared, RetrievalHeads, _question, calibrated_attention,
-                                          calibrated_scores, sentence_max)
+from endo_retrieval.methods.heads import (HeadsError, Prepared, RetrievalHeads, calibrated_attention, calibrated_scores,
+                                          checked_question, sentence_max)
 from endo_retrieval.model.profiles import heads_profile, ilre_profile
 from endo_retrieval.scoring.attention import attention_scores
-from endo_retrieval.model.backbone import Backbone
-from endo_retrieval.scoring.bm25 import words
 
 SIGNALS = ("bm25", "heads", "hop2", "ilre")
 HOP_SENTENCES = 2  # first-hop sentences the second hop re-reads
@@ -130,7 +124,7 @@ class Endo(RetrievalHeads):
         return signals(self.backbone, prepared, question, self.heads, self.ilre_layer, self.second_hop)
 
     def rank(self, prepared: Prepared, question: str, budget: int):
-        sig = self.signals(prepared, _question(question))
+        sig = self.signals(prepared, checked_question(question))
         score = fuse(sig, self.weights)
         order = np.argsort(-score, kind="stable")
         lengths = np.diff(np.append(prepared.sentence_starts, prepared.corpus.n_positions))
@@ -161,49 +155,3 @@ def signals(backbone, prepared: Prepared, question: str, heads, ilre_layer: int 
         evidence = " ".join(prepared.sentence_text(int(i)).strip() for i in sorted(first))
         out["hop2"] = calibrated_scores(backbone, prepared, heads, question, prefix=f"\n\nEvidence: {evidence}")
     return out
-
-
-@dataclass
-class TwoStageEndo(BaseMethod):
-    """`endo` over one context read in two stages, as over a corpus (pipeline.py): the context's runs of whole
-    sentences of at most `window_tokens` are the candidates; BM25 keeps the best, the model reads them and the
-    question, and the fused stage scores rank them. The budget takes whole sentences of the candidates in that
-    order, then of the other windows in BM25's order. The model reads a fixed number of tokens whatever the
-    context's length, so time and memory do not grow with it beyond BM25's."""
-
-    name: ClassVar[str] = "endo"
-
-    backbone: object = None
-    window_tokens: int = 96
-    pipeline: object = None  # an EndoPipeline (None: the model's fitted one)
-
-    def __post_init__(self):
-        self.backbone = Backbone.of(self.backbone)
-        self.pipeline = self.pipeline or EndoPipeline(self.backbone)
-
-    def prepare(self, context: str):
-        if not isinstance(context, str) or not context.strip():
-            raise HeadsError("The context is empty; give the text to retrieve from.")
-        corpus = CorpusMap()
-        corpus.add_document("context", context, self.backbone.encode(context).offsets)
-        return corpus, Passages.build(corpus, self.window_tokens)
-
-    def rank(self, prepared, question: str, budget: int):
-        corpus, passages = prepared
-        question = _question(question)
-        top, stage, _ = self.pipeline.stage_scores(corpus, passages, question)
-        fused = fuse(stage, self.pipeline.weights)
-        ranked = top[np.lexsort((np.arange(len(top)), -fused))]
-        rest = np.argsort(-passages.bm25.get_scores(words(question)), kind="stable")
-        order = np.concatenate([ranked, rest[~np.isin(rest, ranked)]])
-        starts = corpus.sentence_starts()
-        first = np.searchsorted(starts, passages.starts)  # each window's first and last sentence
-        last = np.searchsorted(starts, passages.ends)
-        sentences = [i for p in order for i in range(first[p], last[p])]
-        score = np.full(len(starts), -np.inf)
-        for p, s in zip(top, fused):
-            score[first[p]:last[p]] = s
-        score = np.where(np.isfinite(score), score, 0.0)
-        chose = {i: tuple(sorted(w for w, v in self.pipeline.weights.items() if v))
-                 for p in top for i in range(first[p], last[p])}
-        return lambda target: sentence_spans(corpus, sentences, target, self.name, chose, score)

@@ -207,7 +207,7 @@ class RetrievalHeads(BaseMethod):
                                sink=self.sink, window=self.window, chunk_size=self.chunk_size)
 
     def sentence_scores(self, prepared: Prepared, question: str) -> np.ndarray:
-        return calibrated_scores(self.backbone, prepared, self.heads, _question(question))
+        return calibrated_scores(self.backbone, prepared, self.heads, checked_question(question))
 
     def rank(self, prepared: Prepared, question: str, budget: int):
         score = self.sentence_scores(prepared, question)
@@ -215,7 +215,8 @@ class RetrievalHeads(BaseMethod):
         return lambda target: sentence_spans(prepared.corpus, order, target, self.name, score=score)
 
 
-def _question(question: str) -> str:
+def checked_question(question: str) -> str:
+    """The question, stripped; a HeadsError when it is empty (the heads rank by its attention)."""
     if not isinstance(question, str) or not question.strip():
         raise HeadsError("question is empty: the heads rank the context by the question's attention; give one.")
     return question.strip()
@@ -276,7 +277,7 @@ def read_passages(backbone, passages: Sequence[str], question: str, heads: Seque
     if any(not isinstance(p, str) for p in passages):
         raise HeadsError("passages must be strings")
     heads = [tuple(map(int, h)) for h in (heads or profile_heads(backbone))]
-    question = _question(question)
+    question = checked_question(question)
     text, chars = "", []
     for p in passages:
         body = p.strip() or "-"
