@@ -12,6 +12,7 @@ k-means, each passage's cell, and a question is compared with the passages of it
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
@@ -93,6 +94,13 @@ def embed(name: str, texts: list[str], device: str = "cpu", progress: bool = Fal
                         show_progress_bar=progress).astype(np.float32, copy=False)
 
 
+@functools.lru_cache(maxsize=64)
+def _question_embedding(embedder: str, device: str, question: str) -> np.ndarray:
+    vector = embed(embedder, [question], device)[0]
+    vector.setflags(write=False)  # shared by every caller that asks for this question
+    return vector
+
+
 class DenseVectors:
     """Each document's passage embeddings, in the corpus's document order, with the embedder that made them."""
 
@@ -164,7 +172,8 @@ class DenseVectors:
         return next((v.shape[1] for v in self.rows.added.values()), 0)
 
     def query(self, question: str) -> np.ndarray:
-        return embed(self.embedder, [question], self.device)[0]
+        """The question's embedding, made once for all the stages and pools of a query (read-only)."""
+        return _question_embedding(self.embedder, self.device, question)
 
     def train_cells(self, doc_ids, matrix: np.ndarray | None = None) -> None:
         """Cells for these documents' passages (`Cells`), once they number ANN_MIN; `save` calls it."""

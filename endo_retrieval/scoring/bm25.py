@@ -8,6 +8,7 @@ documents that hold it.
 """
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from array import array
@@ -29,10 +30,24 @@ _STOP = frozenset("a an and are as at be by did do does for from had has have he
 _NO_SPACES = re.compile(r"([\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+)")
 
 
+SHORT_TEXT = 1_000  # characters: a question's words are kept for the next stage that asks (`words`)
+
+
 def words(text: str) -> list[str]:
     """The one tokenizer rule of every BM25 here: lowercased runs of Unicode word characters, English stop words
     dropped; a run in a script written without spaces gives each character and each pair of neighbours (the usual
-    unigram + bigram terms for Chinese and Japanese), so a query term need not match a whole unsegmented clause."""
+    unigram + bigram terms for Chinese and Japanese), so a query term need not match a whole unsegmented clause.
+    A short text's words are kept (a question's are asked by each pool's first stage, its read and its hits), a
+    document's are not (they would pin its text)."""
+    return list(_short_words(text)) if len(text) <= SHORT_TEXT else _words(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _short_words(text: str) -> tuple[str, ...]:
+    return tuple(_words(text))
+
+
+def _words(text: str) -> list[str]:
     lowered = text.lower()
     if not _NO_SPACES.search(lowered):  # the common case, one search per text instead of one per word
         return [w for w in _WORD.findall(lowered) if w not in _STOP]
