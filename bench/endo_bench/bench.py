@@ -1,6 +1,6 @@
-"""`endo bench quality|perf|attention|signals|rerank|corpus|fit-reranker|scale`: each benchmark is a module exposing
-`add_arguments(parser)` and `run(args)`; add one by adding a line to BENCHES. A benchmark whose module is absent
-says so when run."""
+"""`endo bench quality|perf|attention|signals|rerank|corpus|fit-reranker|scale|ann`: each benchmark is a module
+exposing `add_arguments(parser)` and `run(args)`; add one by adding a line to BENCHES. A benchmark whose module is
+absent says so when run."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ import sys
 
 from endo_retrieval.cli.commands import int_list, model_argument
 
-HELP = "benchmarks: quality | perf | attention | signals | rerank | corpus | fit-reranker | scale"
+HELP = "benchmarks: quality | perf | attention | signals | rerank | corpus | fit-reranker | scale | ann"
 
 # benchmark -> (module, prefix, help): the module exposes {prefix}add_arguments(parser) and {prefix}run(args)
 BENCHES = {
@@ -24,6 +24,7 @@ BENCHES = {
     "fit-reranker": ("endo_bench.fit_reranker", "",
                      "fit EndoReranker's fusion weights per first stage into the model's heads profile"),
     "scale": ("endo_bench.scale", "", "an endo index at 10k / 100k / 1M passages: build, bytes, RAM, stage 1"),
+    "ann": ("endo_bench.ann", "", "the dense stage's cells against the exact product: recall@20 and time, real and 1M"),
 }
 
 
