@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from endo_retrieval.calibration.fusion_rule import (PARTS, POOLED_PART, fit_balanced, fit_fixed, items, per_question,
+from endo_retrieval.calibration.fusion_rule import (PARTS, POOLED_PART, GridTables, fit_balanced, items, per_question,
                                                    ranked)
 from endo_retrieval.calibration.pipeline import recall_at
 from endo_retrieval.calibration.signals import load
@@ -63,12 +63,13 @@ def report(folder: Path) -> dict:
         train = {d: items(tr, part) for d, (tr, _) in data.items()}
         test = {d: items(te, part) for d, (_, te) in data.items()}
         test_before = {d: items(te, before) for d, (_, te) in data.items()}
-        fixed_all = fit_fixed(train, stages)
+        tables = GridTables(train, stages)
+        fixed_all, temperature = tables.fit()
         rule_all = fit_balanced(train, stages, start=fixed_all)
         rows = {}
         for d in data:
             held = {k: v for k, v in train.items() if k != d}
-            fixed_lodo = fit_fixed(held, stages)
+            fixed_lodo = tables.fit(list(held))[0]
             rule_lodo = fit_balanced(held, stages, start=fixed_lodo)
             scores = {
                 "bm25": first_stage_alone(data[d][1], "bm25"), "minilm": first_stage_alone(data[d][1], "minilm"),
@@ -86,10 +87,13 @@ def report(folder: Path) -> dict:
             rows[d]["recall"] = {name: {f"@{k}": round(100 * float(np.mean(
                 [recall_at(ranked(docs, score(s)), gold, k) for s, docs, gold in its])), 1) for k in (2, 5, 10)}
                 for name, score, its in (("shipped", lambda s: fuse(s, SHIPPED[entry]), test_before[d]),
-                                         ("adaptive_all", rule_all.fuse, test[d]))}
+                                         ("adaptive_all", rule_all.fuse, test[d]),
+                                         ("fixed_all", lambda s: fuse(s, fixed_all), test[d]),
+                                         ("fixed_lodo", lambda s: fuse(s, fixed_lodo), test[d]))}
             print(entry, d, {k: (r["ndcg10"], r["minus_reference"]) for k, r in rows[d].items()
                             if isinstance(r, dict) and "ndcg10" in r}, flush=True)
-        out[entry] = {"part": part, "fixed_all": fixed_all, "rule_all": rule_all.to_json(), "rows": rows}
+        out[entry] = {"part": part, "fixed_all": fixed_all, "temperature": temperature, "rule_all": rule_all.to_json(),
+                      "rows": rows}
     return out
 
 

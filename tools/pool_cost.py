@@ -2,7 +2,7 @@
 the dense ranking's, each read as its own context) and with the hybrid pool alone, side by side on the same
 questions (alternating), and the adaptive rule's own time (its weights from the candidates' scores).
 
-    python tools/pool_cost.py SPEC [--docs N] [--questions Q] [--device cpu|cuda] [--out FILE.json]
+    python tools/pool_cost.py SPEC [--docs N] [--questions Q] [--device cpu|cuda] [--model M] [--out FILE.json]
 
 SPEC: a labelled set as `endo calibrate-fusion --data` takes it (a HotpotQA file, or PATH:SPLIT).
 """
@@ -28,8 +28,9 @@ def main() -> None:
     p.add_argument("--questions", type=int, default=20)
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--model", default=None, help="a model as Backbone.of takes it (default: the default model)")
     args = p.parse_args()
-    bb = Backbone.of(None, device=args.device)
+    bb = Backbone.of(args.model, device=args.device)
     titles, texts, questions = corpus_questions(args.spec, args.questions)
     keep = list(dict.fromkeys([t for q in questions for t, _ in q["supporting_facts"]] + titles))[: args.docs]
     text_of = dict(zip(titles, texts))
@@ -48,7 +49,8 @@ def main() -> None:
             t0 = time.perf_counter()
             two.adaptive.weights(signals)
             ms["rule"].append(1000 * (time.perf_counter() - t0))
-    out = {"spec": args.spec, "device": str(bb.device), "docs": len(keep), "questions": len(questions),
+    out = {"spec": args.spec, "model": bb.model_id, "device": str(bb.device), "docs": len(keep),
+           "questions": len(questions),
            "pools": list(two.pools), "depth": two.depth, "load_average": os.getloadavg()[0],
            "p50_ms": {k: round(float(np.median(v)), 2) for k, v in ms.items() if v},
            "ratio_two_to_one": round(float(np.median(ms["two pools"]) / np.median(ms["one pool"])), 2)}

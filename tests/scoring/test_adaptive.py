@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from endo_retrieval.calibration.fusion_rule import fit_fixed, fit_rule, per_question
+from endo_retrieval.calibration.fusion_rule import (TEMPERATURES, GridTables, fit_fixed, fit_rule, per_question,
+                                                   soft_minimum)
 from endo_retrieval.scoring.adaptive import AdaptiveWeights, feature_names, question_features
 from endo_retrieval.scoring.fusion import fuse
 
@@ -74,3 +75,41 @@ def test_the_fit_learns_which_stage_to_trust_per_question_where_one_fixed_fusion
     for name, its in test.items():
         adaptive = per_question(its, rule.fuse).mean()
         assert adaptive > per_question(its, lambda s: fuse(s, fixed)).mean() + 0.02, name
+
+
+def boosted_domain(rng, boosts: dict[str, float], n: int = 60) -> list:
+    """Questions whose gold candidate each stage favours by its boost (noise elsewhere)."""
+    out = []
+    for _ in range(n):
+        docs = [f"d{i}" for i in range(20)]
+        gold = int(rng.integers(20))
+        scores = {s: rng.normal(size=20) for s in STAGES}
+        for s, b in boosts.items():
+            scores[s][gold] += b
+        out.append((scores, docs, {docs[gold]}))
+    return out
+
+
+def test_the_soft_minimum_runs_from_the_worst_domain_to_the_mean():
+    gains = np.array([[1.0, 4.0], [5.0, 0.0], [3.0, 2.0]])  # domains x fusions
+    assert soft_minimum(gains, 0.01) == pytest.approx(gains.min(0), abs=0.05)
+    assert soft_minimum(gains, 1e4) == pytest.approx(gains.mean(0), abs=0.01)
+    assert soft_minimum(gains, None) == pytest.approx(gains.mean(0))
+
+
+def test_the_fixed_fit_gives_up_no_domain_for_the_mean_of_the_others():
+    """Two domains where the heads add much to weak first stages, one where the embedder is near-perfect and the
+    heads only add noise: the mean of the domains' nDCG takes the heads' weight and puts that domain below its
+    embedder alone; the soft minimum keeps every domain at or above its better first stage."""
+    rng = np.random.default_rng(3)
+    domains = {"wiki": boosted_domain(rng, {"bm25": 1.0, "dense": 1.0, "heads": 3.0}),
+               "claims": boosted_domain(rng, {"bm25": 1.5, "dense": 0.5, "heads": 3.0}),
+               "faq": boosted_domain(rng, {"bm25": 0.5, "dense": 3.5, "heads": 0.0})}
+    tables = GridTables(domains, STAGES)
+    by_mean = tables.gains(list(domains))[:, tables.best(list(domains), None)]
+    by_worst = tables.gains(list(domains))[:, tables.best(list(domains), 0.5)]
+    assert by_mean[2] < -0.5  # the mean gives the paraphrase domain up
+    assert by_worst.min() >= -0.5 and by_worst.min() > by_mean.min() + 1.0
+    weights, temperature = tables.fit()
+    assert temperature in TEMPERATURES and weights == tables.grid[tables.best(list(domains), temperature)]
+    assert fit_fixed(domains, STAGES) == weights
