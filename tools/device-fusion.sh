@@ -5,6 +5,8 @@
 # Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), and under $MODELS
 # (tools/device-parts.sh, default /root/parts/models/models): smollm/ and minilm/ (the two model packages); MODEL=PATH
 # for another model; PARTS=pipe,cpu,... the parts of each record to collect (signals.py's PARTS; default all).
+# BASE=only: the bench rows alone, no signals: SYSTEMS (default llamaindex-bm25,minilm) on each test split, written
+# as $res/${PREFIX:-base}_DOMAIN.json (SYSTEMS=endo,minilm+reranker,bm25+reranker PREFIX=run: the shipped fusions run).
 #   start:   setsid nohup bash tools/device-fusion.sh run > /root/fusion.log 2>&1 &
 #   collect: bash tools/device-fusion.sh collect   (packs /root/sig into $OUT/signals.tgz)
 # The machine goes back 30 s after a call ends, background work or not: keep a call waiting on the run in flight.
@@ -36,8 +38,9 @@ if [ -z "${MODEL:-}" ] && [ "${BASE:-1}" != 0 ]; then  # the first stages alone,
   for s in "$dom/arguana.json.gz" "$dom/fiqa2018_pooled.json.gz" "$dom/stackfaq.json.gz" "$dom/conala.json.gz" \
            "$dom/csn_style_python.json.gz" "$sci" "$hot/dev300.json"; do
     spec=$s; [ "${s%.json}" != "$s" ] || spec="$s:test"
-    endo bench corpus --data "$spec" --limit 300 --systems llamaindex-bm25,minilm --out "$res/base_$(basename "$s" | cut -d. -f1).json"
-  done > "$res/base.log" 2>&1 &
+    endo bench corpus --data "$spec" --limit 300 --systems "${SYSTEMS:-llamaindex-bm25,minilm}" \
+      --out "$res/${PREFIX:-base}_$(basename "$s" | cut -d. -f1).json" > "$res/${PREFIX:-base}_$(basename "$s" | cut -d. -f1).log" 2>&1 &
+  done
 fi
 wait
 echo finished
