@@ -151,7 +151,7 @@ class GridTables:
                  else soft_minimum(self.gains(names), temperature))
         return int(np.argmax(value))
 
-    def held_out(self, names, temperature: float | None) -> np.ndarray:
+    def held_out_gains(self, names, temperature: float | None) -> np.ndarray:
         """Each domain's gain under the fusion fitted on the others."""
         return np.array([self.gains([d])[0, self.best([x for x in names if x != d], temperature)] for d in names])
 
@@ -162,7 +162,7 @@ class GridTables:
         if len(names) < 3:
             return TEMPERATURES[-1]
         scored = [(round(float(held.min()), 6), float(held.mean()), -i)
-                  for i, held in enumerate(self.held_out(names, t) for t in TEMPERATURES)]
+                  for i, held in enumerate(self.held_out_gains(names, t) for t in TEMPERATURES)]
         return TEMPERATURES[-max(scored)[2]]
 
     def fit(self, names=None) -> tuple[dict[str, float], float | None]:
