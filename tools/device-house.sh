@@ -7,18 +7,20 @@
 #   bash tools/device-house.sh          (writes into $OUT)
 set -uo pipefail
 OLD=${OLD:-.device-parts/oldwhl}
-for site in /root/site /root/site_old; do
-  [ -x $site/bin/endo ] && continue
-  python3 -m pip install -q --no-index --no-deps --no-compile --target $site .whl/*.whl || exit 1
-  cp -r /root/parts/sm/models/minilm/* /root/parts/sm/models/smollm/* $site/
-done
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /root/site_old "$OLD"/*.whl || exit 1
+if [ ! -x /root/site/bin/endo ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/*.whl || exit 1
+  cp -r /root/parts/sm/models/minilm/* /root/parts/sm/models/smollm/* /root/site/
+fi
+# the other build's own wheels in a folder of their own, first on its path (installed over /root/site with --upgrade,
+# pip would replace the whole llama_index folder, llama_index.core with it)
+[ -d /root/site_old ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site_old \
+  "$OLD"/*.whl || exit 1
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1 JAX_PLATFORMS=cpu
 export TIKTOKEN_CACHE_DIR=/root/site/llama_index/core/_static/tiktoken_cache
 d=$PWD/.device-data; rows=endo,endo-2hop,minilm+reranker,bm25+reranker
 for build in new old; do
-  site=/root/site; [ $build = old ] && site=/root/site_old
-  (cd /root && PYTHONPATH=$site PATH=$site/bin:$PATH python3 "$OLDPWD/tools/rankings_dump.py" "$OUT/rankings_$build.json.gz" \
+  site=/root/site; [ $build = old ] && site=/root/site_old:/root/site
+  (cd /root && PYTHONPATH=$site PATH=/root/site/bin:$PATH python3 "$OLDPWD/tools/rankings_dump.py" "$OUT/rankings_$build.json.gz" \
      --data "$d/hotpotqa/dev300.json" --systems $rows --out "$OUT/rankings_$build.json") > "$OUT/rankings_$build.log" 2>&1 &
 done
 wait
