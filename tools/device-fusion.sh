@@ -4,7 +4,7 @@
 #
 # Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), and under $MODELS
 # (tools/device-parts.sh, default /root/parts/models/models): smollm/ and minilm/ (the two model packages); MODEL=PATH
-# for another model; PARTS=pipe,cpu,... the parts of each record to collect (signals.py's PARTS; default all).
+# for another model (one process a GPU, GPUS=2 on two); TRAIN, TEST: questions per split (200, 300); PARTS=pipe,cpu,... the parts of each record to collect (signals.py's PARTS; default all).
 # BASE=only: the bench rows alone, no signals: SYSTEMS (default llamaindex-bm25,minilm) on each test split, written
 # as $res/${PREFIX:-base}_DOMAIN.json (SYSTEMS=endo,minilm+reranker,bm25+reranker PREFIX=run: the shipped fusions run).
 #   start:   setsid nohup bash tools/device-fusion.sh run > /root/fusion.log 2>&1 &
@@ -25,14 +25,23 @@ d=$PWD/.device-data; dom=$d/domains; sci=$d/scifact/scifact.json.gz; hot=$d/hotp
 model=(${MODEL:+--model "$MODEL"} ${PARTS:+--parts "$PARTS"})
 signals=1; [ "${BASE:-1}" != only ] || signals=0
 collect() { (cd /root && python3 -m endo_retrieval.calibration.signals "$res/${TAG:-default}" "$@" "${model[@]}"); }  # the installed wheels, not the tree
-[ $signals = 0 ] || collect "$dom/arguana.json.gz:train@200" "$dom/arguana.json.gz:test@300" "$hot/dev300.json" \
-  > "$res/g1.log" 2>&1 &
-[ $signals = 0 ] || collect "$dom/fiqa2018_pooled.json.gz:train@200" "$dom/fiqa2018_pooled.json.gz:test@300" \
-  "$hot/fit300.json@200" > "$res/g2.log" 2>&1 &
-[ $signals = 0 ] || collect "$dom/stackfaq.json.gz:train@200" "$sci:train@200" "$dom/stackfaq.json.gz:test@300" \
-  "$sci:test" > "$res/g3.log" 2>&1 &
-[ $signals = 0 ] || collect "$dom/csn_style_python.json.gz:train@200" "$dom/conala.json.gz:train@200" \
-  "$dom/csn_style_python.json.gz:test@300" "$dom/conala.json.gz:test@300" > "$res/g4.log" 2>&1 &
+tr=${TRAIN:-200}; te=${TEST:-300}
+groups=("$dom/arguana.json.gz:train@$tr $dom/arguana.json.gz:test@$te $hot/dev300.json"
+        "$dom/fiqa2018_pooled.json.gz:train@$tr $dom/fiqa2018_pooled.json.gz:test@$te $hot/fit300.json@$tr"
+        "$dom/stackfaq.json.gz:train@$tr $sci:train@$tr $dom/stackfaq.json.gz:test@$te $sci:test"
+        "$dom/csn_style_python.json.gz:train@$tr $dom/conala.json.gz:train@$tr $dom/csn_style_python.json.gz:test@$te $dom/conala.json.gz:test@$te")
+if [ $signals = 1 ] && [ -n "${MODEL:-}" ]; then  # a larger model: one process a GPU, the groups in turn on each
+  gpus=${GPUS:-1}
+  (cd /root && python3 -c "import sys; from endo_retrieval.model.locate import locate_model; locate_model(sys.argv[1])" \
+    "$MODEL") > "$res/convert.log" 2>&1 || { cat "$res/convert.log"; exit 1; }  # converted once, before they start
+  for g in $(seq 0 $((gpus - 1))); do
+    for i in "${!groups[@]}"; do
+      [ $((i % gpus)) = "$g" ] && CUDA_VISIBLE_DEVICES=$g collect ${groups[$i]} > "$res/g$((i + 1)).log" 2>&1
+    done &
+  done
+elif [ $signals = 1 ]; then  # the 135M: the four groups side by side on one GPU
+  for i in "${!groups[@]}"; do collect ${groups[$i]} > "$res/g$((i + 1)).log" 2>&1 & done
+fi
 if [ -z "${MODEL:-}" ] && [ "${BASE:-1}" != 0 ]; then  # the first stages alone, as a user builds them: LlamaIndex BM25, a MiniLM store
   export TIKTOKEN_CACHE_DIR=/root/site/llama_index/core/_static/tiktoken_cache
   for s in "$dom/arguana.json.gz" "$dom/fiqa2018_pooled.json.gz" "$dom/stackfaq.json.gz" "$dom/conala.json.gz" \

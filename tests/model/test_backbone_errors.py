@@ -47,3 +47,26 @@ def test_interrupted_conversion_leaves_no_broken_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ENDO_CACHE", str(tmp_path))
     folder = bbmod.convert_gguf(gguf, digest)
     assert (folder / "config.json").exists() and (folder / "endo_model_hash").read_text() == digest
+
+
+def test_a_second_process_waits_for_the_first_conversion_and_reads_it(tmp_path, monkeypatch):
+    """Workers loading the same new GGUF at once convert it once: the second waits on the cache folder's writer lock
+    (held here as the first converter would), then finds the folder the first wrote and converts nothing."""
+    import threading
+
+    from endo_retrieval.files import writer_lock
+
+    monkeypatch.setenv("ENDO_CACHE", str(tmp_path))
+    gguf, digest = tmp_path / "m.gguf", "ab" * 32
+    gguf.write_bytes(b"not read: the folder is there by the time the lock is free")
+    target = tmp_path / "models" / digest[:16]
+    got = []
+    with writer_lock(target):
+        waiter = threading.Thread(target=lambda: got.append(bbmod.convert_gguf(gguf, digest)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not got  # waiting, not converting beside the first
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+    waiter.join(10)
+    assert got == [target]
