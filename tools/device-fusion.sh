@@ -4,7 +4,7 @@
 #
 # Needs, carried: .whl (tools/device-wheels.sh), .device-data (a copy of ../shared/data), and under $MODELS
 # (tools/device-parts.sh, default /root/parts/models/models): smollm/ and minilm/ (the two model packages); MODEL=PATH
-# for another model (one process a GPU, GPUS=2 on two); TRAIN, TEST: questions per split (200, 300); PARTS=pipe,cpu,... the parts of each record to collect (signals.py's PARTS; default all).
+# for another model (one process a GPU, GPUS=2 on two); DATA: the data folder (default .device-data); TRAIN, TEST: questions per split (200, 300); PARTS=pipe,cpu,... the parts of each record to collect (signals.py's PARTS; default all).
 # BASE=only: the bench rows alone, no signals: SYSTEMS (default llamaindex-bm25,minilm) on each test split, written
 # as $res/${PREFIX:-base}_DOMAIN.json (SYSTEMS=endo,minilm+reranker,bm25+reranker PREFIX=run: the shipped fusions run).
 #   start:   setsid nohup bash tools/device-fusion.sh run > /root/fusion.log 2>&1 &
@@ -21,7 +21,7 @@ models=${MODELS:-/root/parts/models/models}
 cp -rn "$models"/minilm/* "$models"/smollm/* /root/site/ 2>/dev/null
 export PYTHONPATH=/root/site PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_NUM_THREADS=4
 export HF_HUB_OFFLINE=1 JAX_PLATFORMS=cpu
-d=$PWD/.device-data; dom=$d/domains; sci=$d/scifact/scifact.json.gz; hot=$d/hotpotqa
+d=${DATA:-$PWD/.device-data}; dom=$d/domains; sci=$d/scifact/scifact.json.gz; hot=$d/hotpotqa
 model=(${MODEL:+--model "$MODEL"} ${PARTS:+--parts "$PARTS"})
 signals=1; [ "${BASE:-1}" != only ] || signals=0
 collect() { (cd /root && python3 -m endo_retrieval.calibration.signals "$res/${TAG:-default}" "$@" "${model[@]}"); }  # the installed wheels, not the tree
