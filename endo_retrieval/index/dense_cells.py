@@ -13,19 +13,53 @@ PROBE = 128
 class Cells:
     """An inverted file over one matrix of passage vectors: the passages of each cell (CSR) beside the cells'
     centroids. A question's scores are the exact cosines of the passages in its PROBE nearest cells, -inf for the
-    rest (ranked last by the fusion, in corpus order)."""
+    rest (ranked last by the fusion, in corpus order). `ordered`: the matrix's rows in cell order (`rows`), saved
+    beside it (`DenseVectors`), so that each probed cell is one contiguous slice read in place; without it the
+    probed rows are gathered (a copy of 13% of the vectors a question at a million, 6x slower: docs/scale.md)."""
 
-    def __init__(self, centroids: np.ndarray, cells: np.ndarray):
-        self.centroids = centroids
+    def __init__(self, centroids: np.ndarray, cells: np.ndarray, ordered: np.ndarray | None = None):
+        self.centroids, self.ordered = centroids, ordered
         self.rows = np.argsort(cells, kind="stable").astype(np.int32)  # passages, cell by cell
         self.bounds = np.searchsorted(cells[self.rows], np.arange(len(centroids) + 1))
 
-    def scores(self, matrix: np.ndarray, query: np.ndarray, probe: int = PROBE) -> np.ndarray:
-        near = np.argsort(-(self.centroids @ query))[:probe]
-        rows = np.sort(np.concatenate([self.rows[self.bounds[c]: self.bounds[c + 1]] for c in near]))
+    def nearest(self, query: np.ndarray, probe: int = PROBE) -> np.ndarray:
+        return np.argsort(-(self.centroids @ query))[:probe]
+
+    def scores(self, matrix: np.ndarray, query: np.ndarray, probe: int = PROBE, near: np.ndarray | None = None
+               ) -> np.ndarray:
+        near = self.nearest(query, probe) if near is None else near
         out = np.full(len(matrix), -np.inf)
+        if self.ordered is not None:
+            for c in near:
+                a, b = self.bounds[c], self.bounds[c + 1]
+                out[self.rows[a: b]] = self.ordered[a: b] @ query
+            return out
+        rows = np.sort(np.concatenate([self.rows[self.bounds[c]: self.bounds[c + 1]] for c in near]))
         out[rows] = matrix[rows] @ query  # rows in order: the memory map is read front to back
         return out
+
+
+class SavedCells:
+    """The cells of a matrix that is some of the saved rows (`GatheredRows`: `kept`, the rows not removed since)
+    followed by the rows added since: the saved ones scored through their cell-ordered copy (`Cells.ordered`), the
+    added ones through their own cells; the same scores as `Cells` over the whole matrix."""
+
+    def __init__(self, saved: Cells, kept: np.ndarray, added: Cells | None):
+        self.saved, self.kept, self.added = saved, kept, added
+
+    def scores(self, matrix, query: np.ndarray, probe: int = PROBE) -> np.ndarray:
+        near = self.saved.nearest(query, probe)
+        out = self.saved.scores(self.saved.ordered, query, near=near)[self.kept]
+        if self.added is None:
+            return out
+        return np.concatenate([out, self.added.scores(matrix.extra, query, near=near)])
+
+
+def ordered_by_cell(matrix, cells: np.ndarray, out: np.ndarray, batch: int = 65536) -> None:
+    """Fill `out` (a matrix's shape) with the matrix's rows in cell order (`Cells.rows`), `batch` rows at a time."""
+    rows = np.argsort(cells, kind="stable")
+    for a in range(0, len(rows), batch):
+        out[a: a + batch] = matrix[rows[a: a + batch]]
 
 
 def nearest_cells(vectors: np.ndarray, centroids: np.ndarray, batch: int = 65536) -> np.ndarray:

@@ -19,6 +19,7 @@ from endo_retrieval.corpus_columns import check_id_index
 from endo_retrieval.files import MAX_VALUE, IndexCorruptError, read_sealed_json, sha256_of
 
 VECTORS_FILE, META_FILE, CELLS_FILE = "dense.npy", "dense.json", "dense_cells.npz"
+BY_CELL_FILE = "dense_by_cell.npy"  # dense.npy's rows in cell order, where there are cells (`Cells.ordered`)
 ROWS_FILE = "dense_rows.arrays"  # each document's id and first row (an array file); dense.json listed them before
 ROWS_KIND = "dense-rows"
 DELTA_FILE, DELTA_KIND = "dense_delta.arrays", "dense-delta"  # the documents added since the base files, its removed
@@ -57,8 +58,10 @@ class DenseMeta(BaseModel):
             raise ValueError("a document id is listed twice")
         files = {VECTORS_FILE, CELLS_FILE} if self.cells else {VECTORS_FILE}
         for name, sums in (("sha256", self.sha256), ("crc32", self.crc32)):
-            if sums is not None and set(sums) != files:
+            if sums is not None and set(sums) - {BY_CELL_FILE} != files:
                 raise ValueError(f"{name} lists {sorted(sums)}, not {sorted(files)}")
+        if BY_CELL_FILE in (self.crc32 or {}) and not self.cells or BY_CELL_FILE in (self.sha256 or {}):
+            raise ValueError(f"{BY_CELL_FILE} is listed where it cannot be: without cells, or by SHA-256")
         return self
 
 

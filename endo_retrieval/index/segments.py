@@ -19,7 +19,7 @@ from pathlib import Path
 from endo_retrieval.corpus import CORPUS_FILE, OLD_CORPUS_FILE, CorpusMap
 from endo_retrieval.corpus import DELTA_FILE as CORPUS_DELTA
 from endo_retrieval.files import IndexCorruptError, atomic_write, fsync_dir, read_folder
-from endo_retrieval.index.dense import CELLS_FILE, META_FILE, ROWS_FILE, VECTORS_FILE, DenseVectors
+from endo_retrieval.index.dense import BY_CELL_FILE, CELLS_FILE, META_FILE, ROWS_FILE, VECTORS_FILE, DenseVectors
 from endo_retrieval.index.dense import DELTA_FILE as DENSE_DELTA
 from endo_retrieval.index.inverted import FeatureIndex
 from endo_retrieval.index.passages import OLD_PASSAGES_FILE, PASSAGES_FILE
@@ -29,7 +29,7 @@ HEAD = "endo-index.json"
 # segments must agree ("embedder": the passages' embedder, None where they hold no embeddings)
 SAME = ("format", "version", "model_hash", "method", "chunk_size", "sae_layers", "prune", "embedder")
 PLAIN_FILES = (CORPUS_FILE, CORPUS_DELTA, OLD_CORPUS_FILE, PASSAGES_FILE, OLD_PASSAGES_FILE, VECTORS_FILE, META_FILE,
-               CELLS_FILE, ROWS_FILE, DENSE_DELTA)  # a plain index's, beside features/
+               CELLS_FILE, BY_CELL_FILE, ROWS_FILE, DENSE_DELTA)  # a plain index's, beside features/
 
 
 def new_name() -> str:

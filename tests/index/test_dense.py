@@ -10,7 +10,7 @@ import pytest
 
 from endo_retrieval.array_file import file_crcs
 from endo_retrieval.files import SEAL, read_sealed_json, sealed_json, sha256_of
-from endo_retrieval.index.dense import CELLS_FILE, META_FILE, VECTORS_FILE, EmbedderError
+from endo_retrieval.index.dense import BY_CELL_FILE, CELLS_FILE, META_FILE, VECTORS_FILE, EmbedderError
 from endo_retrieval.index.inverted import IndexCorruptError
 from endo_retrieval.index import passages as passages_module
 from endo_retrieval.index.passages import PASSAGES_FILE, Passages
@@ -310,7 +310,8 @@ def test_the_cells_file_is_checked_too(tiny, tmp_path, monkeypatch):
     index = build(tiny)
     index.save(tmp_path / "idx")
     cells = tmp_path / "idx" / CELLS_FILE
-    assert set(json.loads((tmp_path / "idx" / META_FILE).read_text())["crc32"]) == {VECTORS_FILE, CELLS_FILE}
+    assert set(json.loads((tmp_path / "idx" / META_FILE).read_text())["crc32"]) == {VECTORS_FILE, CELLS_FILE,
+                                                                                    BY_CELL_FILE}
     loaded = EndoIndex.load(tmp_path / "idx", backbone=tiny)
     assert loaded.dense.centroids is not None and loaded.dense_damage is None
     data = bytearray(cells.read_bytes())
@@ -319,6 +320,14 @@ def test_the_cells_file_is_checked_too(tiny, tmp_path, monkeypatch):
     assert "dense_cells.npz is damaged (checksum" in str(EndoIndex.load(tmp_path / "idx", backbone=tiny).dense_damage)
     cells.unlink()
     assert "dense_cells.npz is missing" in str(EndoIndex.load(tmp_path / "idx", backbone=tiny).dense_damage)
+    index.save(tmp_path / "idx")
+    by_cell = tmp_path / "idx" / BY_CELL_FILE  # the vectors in cell order, read in place by a question
+    data = bytearray(by_cell.read_bytes())
+    data[-1] ^= 1
+    by_cell.write_bytes(bytes(data))
+    assert f"{BY_CELL_FILE} is damaged (checksum" in str(EndoIndex.load(tmp_path / "idx", backbone=tiny).dense_damage)
+    by_cell.unlink()
+    assert f"{BY_CELL_FILE} is missing" in str(EndoIndex.load(tmp_path / "idx", backbone=tiny).dense_damage)
 
 
 def test_the_header_records_the_dense_stage_and_an_index_saved_before_it_did_opens_as_it_was(tiny, tmp_path):

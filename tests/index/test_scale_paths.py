@@ -136,3 +136,39 @@ def test_cells_are_trained_at_save_follow_adds_and_removes_and_load_back(tmp_pat
     query = unit(rng, 1)[0]
     scores = lists.scores(whole, query)
     np.testing.assert_allclose(scores[np.isfinite(scores)], (whole @ query)[np.isfinite(scores)], atol=1e-6)
+
+
+def test_saved_cells_read_each_probed_cell_in_place_and_score_as_the_gathered_rows(tmp_path, monkeypatch):
+    """The saved rows in cell order (dense_by_cell.npy): a probed cell is one slice of it. Opened as saved, and
+    opened after documents were removed and added (the saved rows less the removed, then the added ones), the scores
+    are the gathered rows' (`Cells` without the copy) over the same matrix, -inf where they are."""
+    rng = np.random.default_rng(2)
+    monkeypatch.setattr(dense, "ANN_MIN", 500)
+    monkeypatch.setattr(dense, "embed", lambda name, texts, device, progress=False: unit(rng, len(texts)))
+    vectors = DenseVectors()
+    vectors.rows = {f"d{i}": unit(rng, 3) for i in range(300)}
+    ids = list(vectors.rows)
+    (tmp_path / "g1").mkdir(), (tmp_path / "g2").mkdir()
+    vectors.save(tmp_path / "g1", ids)
+    opened = lambda g: DenseVectors.read(lambda name: open(tmp_path / g / name, "rb"), tmp_path / g)
+
+    def same_as_gathered(loaded, doc_ids, kind):
+        matrix = loaded.matrix(tuple(dense.encoded_ids(doc_ids)))
+        cells = loaded.cells_for(doc_ids, matrix)
+        assert type(cells).__name__ == kind
+        gathered = Cells(loaded.centroids, np.concatenate([loaded.cells[d] for d in doc_ids]))
+        for query in unit(rng, 5):
+            got, want = cells.scores(matrix, query, probe=3), gathered.scores(np.asarray(matrix), query, probe=3)
+            assert 0 < np.isfinite(got).sum() < len(got)
+            np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+            np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], atol=1e-6)
+
+    loaded = opened("g1")
+    assert loaded.by_cell is not None and len(loaded.by_cell) == 900
+    same_as_gathered(loaded, ids, "Cells")
+    loaded.remove("d7")
+    loaded.add(["new", "d9"], [["a", "b"], ["c"]])  # a new document, and one saved before, replaced
+    now = [d for d in ids if d not in ("d7", "d9")] + ["new", "d9"]
+    loaded.save(tmp_path / "g2", now, previous=tmp_path / "g1")  # a delta: the base files are linked
+    assert (tmp_path / "g2" / dense.BY_CELL_FILE).samefile(tmp_path / "g1" / dense.BY_CELL_FILE)
+    same_as_gathered(opened("g2"), now, "SavedCells")
