@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from endo_retrieval.threads import CORES, each
+
 # cells searched per question, of about sqrt(passages) (1,000 at a million: 13% of the passages). 128 is the fewest
 # measured whose recall@20 against the exact product reaches 0.98 at a million's 1,000 cells: 0.984 on real MiniLM
 # embeddings, 0.999 on a synthetic million (16 had 0.846 and 0.956; `endo bench ann`, docs/scale.md)
 PROBE = 128
+PARALLEL_ROWS = 50_000  # probed passages from which the cells are scored in one part a core
 
 
 class Cells:
@@ -30,9 +33,12 @@ class Cells:
         near = self.nearest(query, probe) if near is None else near
         out = np.full(len(matrix), -np.inf)
         if self.ordered is not None:
-            for c in near:
-                a, b = self.bounds[c], self.bounds[c + 1]
-                out[self.rows[a: b]] = self.ordered[a: b] @ query
+            def score(cells: np.ndarray) -> None:
+                for c in cells:
+                    a, b = self.bounds[c], self.bounds[c + 1]
+                    out[self.rows[a: b]] = self.ordered[a: b] @ query
+
+            in_parts(score, near, self.bounds)
             return out
         rows = np.sort(np.concatenate([self.rows[self.bounds[c]: self.bounds[c + 1]] for c in near]))
         out[rows] = matrix[rows] @ query  # rows in order: the memory map is read front to back
@@ -41,18 +47,39 @@ class Cells:
 
 class SavedCells:
     """The cells of a matrix that is some of the saved rows (`GatheredRows`: `kept`, the rows not removed since)
-    followed by the rows added since: the saved ones scored through their cell-ordered copy (`Cells.ordered`), the
-    added ones through their own cells; the same scores as `Cells` over the whole matrix."""
+    followed by the rows added since: the saved ones scored through their cell-ordered copy (`Cells.ordered`), each
+    written to its place in the matrix, the added ones through their own cells; the same scores as `Cells` over the
+    whole matrix."""
 
     def __init__(self, saved: Cells, kept: np.ndarray, added: Cells | None):
-        self.saved, self.kept, self.added = saved, kept, added
+        self.saved, self.n_kept, self.added = saved, len(kept), added
+        place = np.full(len(saved.rows), -1, np.int64)  # each saved row's place in the matrix (-1: removed)
+        place[kept] = np.arange(len(kept))
+        self.places = place[saved.rows]  # in cell order, as the copy is
 
     def scores(self, matrix, query: np.ndarray, probe: int = PROBE) -> np.ndarray:
-        near = self.saved.nearest(query, probe)
-        out = self.saved.scores(self.saved.ordered, query, near=near)[self.kept]
-        if self.added is None:
-            return out
-        return np.concatenate([out, self.added.scores(matrix.extra, query, near=near)])
+        saved = self.saved
+        near = saved.nearest(query, probe)
+        out = np.full(len(matrix), -np.inf)
+
+        def score(cells: np.ndarray) -> None:
+            for c in cells:
+                a, b = saved.bounds[c], saved.bounds[c + 1]
+                places, live = self.places[a: b], self.places[a: b] >= 0
+                out[places[live]] = (saved.ordered[a: b] @ query)[live]
+
+        in_parts(score, near, saved.bounds)
+        if self.added is not None:
+            out[self.n_kept:] = self.added.scores(matrix.extra, query, near=near)
+        return out
+
+
+def in_parts(score, near: np.ndarray, bounds: np.ndarray) -> None:
+    """score(cells) over `near` split in one part a core, side by side where they hold PARALLEL_ROWS passages or
+    more: a cell's product is too small for BLAS to spread over cores, and the parts write disjoint rows."""
+    rows = int(np.sum(bounds[near + 1] - bounds[near]))
+    parts = np.array_split(near, min(CORES, len(near))) if rows >= PARALLEL_ROWS else [near]
+    each("cells", score, parts)
 
 
 def ordered_by_cell(matrix, cells: np.ndarray, out: np.ndarray, batch: int = 65536) -> None:

@@ -22,6 +22,7 @@ from endo_retrieval.corpus import CorpusMap
 from endo_retrieval.index.passages import Passages
 from endo_retrieval.scoring.bm25 import words
 from endo_retrieval.scoring.fusion import RRF_K
+from endo_retrieval.threads import each
 
 DEFAULT_FIRST_STAGE = "hybrid"
 
@@ -87,8 +88,9 @@ class FirstStage:
     def scores(self, corpus: CorpusMap, passages: Passages, question: str,
                embedding: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """{ranking: every passage's score} for the rankings fused, and BM25's whatever the weights."""
-        names = dict.fromkeys(["bm25", *self.used])
-        return {name: RANKINGS[name]().scores(corpus, passages, question, embedding) for name in names}
+        names = list(dict.fromkeys(["bm25", *self.used]))
+        score = lambda name: RANKINGS[name]().scores(corpus, passages, question, embedding)  # noqa: E731
+        return dict(zip(names, each("rankings", score, names, len(passages) >= PARALLEL_MIN)))
 
     def candidates(self, corpus: CorpusMap, passages: Passages, question: str, n: int,
                    where: Callable[[dict], bool] | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -101,6 +103,10 @@ class FirstStage:
             exact = passages.vectors[top] @ passages.dense.query(question)
             out["dense"] = np.where(np.isfinite(out["dense"]), out["dense"], exact)
         return top, out
+
+
+PARALLEL_MIN = 100_000  # passages from which the rankings are scored side by side, a thread each: both read
+# memory for milliseconds (BM25's postings, the probed cells' vectors) and release the GIL while they do
 
 
 # name -> the rankings' weights given the dense share (the hybrid's is fitted per model: `EndoPipeline.dense_share`)
@@ -142,8 +148,9 @@ def fused_top_of(rankings: list[tuple[float, np.ndarray]], n: int, keep: np.ndar
     elif m >= size:
         top = fused_top_plain([s for _, s in rankings], weights, n)
     else:
-        ranked = [_Ranking(s) for _, s in rankings]
-        top = fused_heads(weights, [r.best(m) for r in ranked], n, m,
+        parallel = size >= PARALLEL_MIN  # each ranking's pool and head apart, side by side
+        ranked = each("rankings", _Ranking, [s for _, s in rankings], parallel)
+        top = fused_heads(weights, each("rankings", lambda r: r.best(m), ranked, parallel), n, m,
                           lambda asked: [ranked[r].rank(i) for r, i in asked])
         if top is None:  # not reached for m > RRF_K + 2n; kept as a guard
             top = fused_top_plain([s for _, s in rankings], weights, n)

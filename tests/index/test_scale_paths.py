@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from rank_bm25 import BM25Okapi
 
-from endo_retrieval.index import dense
+from endo_retrieval.index import dense, dense_cells
 from endo_retrieval.index.dense import Cells, DenseVectors, spherical_kmeans
+from endo_retrieval.index import first_stage
 from endo_retrieval.index.first_stage import fused_top, fused_top_plain
 from endo_retrieval.scoring import bm25 as bm25_module
 from endo_retrieval.scoring.bm25 import OkapiPostings, words
@@ -24,7 +25,9 @@ def plain(bm25, dense_, share, n, keep=None):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_fused_top_over_a_large_corpus_is_the_plain_fusion(seed):
+def test_fused_top_over_a_large_corpus_is_the_plain_fusion(seed, monkeypatch):
+    if seed % 3 == 0:  # the rankings' pools and heads side by side, as from PARALLEL_MIN passages
+        monkeypatch.setattr(first_stage, "PARALLEL_MIN", 0)
     rng = np.random.default_rng(seed)
     size = int(rng.integers(1500, 5000))  # past the 1024-passage heads, so the counting path runs
     bm25 = np.round(rng.random(size) * 4, 1)  # ties among BM25's scores
@@ -138,12 +141,16 @@ def test_cells_are_trained_at_save_follow_adds_and_removes_and_load_back(tmp_pat
     np.testing.assert_allclose(scores[np.isfinite(scores)], (whole @ query)[np.isfinite(scores)], atol=1e-6)
 
 
-def test_saved_cells_read_each_probed_cell_in_place_and_score_as_the_gathered_rows(tmp_path, monkeypatch):
+@pytest.mark.parametrize("parallel_rows", [1, dense_cells.PARALLEL_ROWS])
+def test_saved_cells_read_each_probed_cell_in_place_and_score_as_the_gathered_rows(tmp_path, monkeypatch,
+                                                                                  parallel_rows):
     """The saved rows in cell order (dense_by_cell.npy): a probed cell is one slice of it. Opened as saved, and
     opened after documents were removed and added (the saved rows less the removed, then the added ones), the scores
-    are the gathered rows' (`Cells` without the copy) over the same matrix, -inf where they are."""
+    are the gathered rows' (`Cells` without the copy) over the same matrix, -inf where they are; the probed cells
+    scored in one part a core (parallel_rows 1) or in one."""
     rng = np.random.default_rng(2)
     monkeypatch.setattr(dense, "ANN_MIN", 500)
+    monkeypatch.setattr(dense_cells, "PARALLEL_ROWS", parallel_rows)
     monkeypatch.setattr(dense, "embed", lambda name, texts, device, progress=False: unit(rng, len(texts)))
     vectors = DenseVectors()
     vectors.rows = {f"d{i}": unit(rng, 3) for i in range(300)}
