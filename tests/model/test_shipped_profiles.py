@@ -82,15 +82,17 @@ def test_the_real_model_retrieves_with_its_shipped_profile_and_no_prepare():
     assert set(hits[0].node.metadata["endo_stage_scores"]) >= {"bm25", "heads"}
 
 
-def test_the_default_model_ships_the_fusions_that_carried_to_held_out_domains_on_both_devices():
-    """The default's hybrid first stage (GPU entry and its CPU entry) reads two pools, and each entry (both rerankers
-    too) carries the adaptive rule exactly where, fitted without a domain, it ranked that domain better than the
-    fixed fusion did (its `fit.held_out`), else its fixed weights; fitted on the seven domains' train splits."""
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"])
+def test_the_model_ships_the_fusions_that_carried_to_held_out_domains_on_both_devices(model):
+    """The hybrid first stage (GPU entry and its CPU entry) reads two pools, and each entry (both rerankers too)
+    carries the adaptive rule exactly where, fitted without a domain, it ranked that domain better than the fixed
+    fusion did (its `fit.held_out`), else its fixed weights; fitted on the seven domains' train splits read by that
+    model (the default, and the 1.5B reader)."""
     from fusion_checks import held_out_wins
 
     from endo_retrieval.scoring.adaptive import AdaptiveWeights
 
-    profile = shipped("heads")["smollm2-135m-instruct"]
+    profile = shipped("heads")[model]
     hybrid = profile["pipeline"]["first_stages"]["hybrid"]
     assert profile["pipeline"]["first_stage"] == "hybrid"
     entries = [(hybrid, ("bm25", "dense", "heads", "hop2")), (hybrid["cpu"], ("bm25", "dense", "heads"))]
