@@ -46,9 +46,10 @@ if [ -z "${MODEL:-}" ] && [ "${BASE:-1}" != 0 ]; then  # the first stages alone,
   export TIKTOKEN_CACHE_DIR=/root/site/llama_index/core/_static/tiktoken_cache
   for s in "$dom/arguana.json.gz" "$dom/fiqa2018_pooled.json.gz" "$dom/stackfaq.json.gz" "$dom/conala.json.gz" \
            "$dom/csn_style_python.json.gz" "$sci" "$hot/dev300.json"; do
-    spec=$s; [ "${s%.json}" != "$s" ] || spec="$s:test"
+    name=$(basename "$s" | cut -d. -f1); spec=$s; [ "${s%.json}" != "$s" ] || spec="$s:test"
+    [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $name "* ]] || continue  # ONLY="scifact dev300": those domains
     endo bench corpus --data "$spec" --limit 300 --systems "${SYSTEMS:-llamaindex-bm25,minilm}" \
-      --out "$res/${PREFIX:-base}_$(basename "$s" | cut -d. -f1).json" > "$res/${PREFIX:-base}_$(basename "$s" | cut -d. -f1).log" 2>&1 &
+      --out "$res/${PREFIX:-base}_$name.json" > "$res/${PREFIX:-base}_$name.log" 2>&1 &
   done
 fi
 wait

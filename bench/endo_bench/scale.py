@@ -171,7 +171,7 @@ def parts(index, passages) -> dict[str, int]:
     if index.dense is not None and index.dense.centroids is not None:
         out["dense_cells"] = np.asarray(index.dense.cells.data).nbytes
         if passages.cells:
-            out["dense_cells"] += passages.cells.rows.nbytes + passages.cells.bounds.nbytes
+            out["dense_cells"] += passages.cells.nbytes
     return out
 
 

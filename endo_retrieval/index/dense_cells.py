@@ -25,6 +25,11 @@ class Cells:
         self.rows = np.argsort(cells, kind="stable").astype(np.int32)  # passages, cell by cell
         self.bounds = np.searchsorted(cells[self.rows], np.arange(len(centroids) + 1))
 
+    @property
+    def nbytes(self) -> int:
+        """The memory the cells hold besides the vectors."""
+        return self.rows.nbytes + self.bounds.nbytes + self.centroids.nbytes
+
     def nearest(self, query: np.ndarray, probe: int = PROBE) -> np.ndarray:
         return np.argsort(-(self.centroids @ query))[:probe]
 
@@ -56,6 +61,10 @@ class SavedCells:
         place = np.full(len(saved.rows), -1, np.int64)  # each saved row's place in the matrix (-1: removed)
         place[kept] = np.arange(len(kept))
         self.places = place[saved.rows]  # in cell order, as the copy is
+
+    @property
+    def nbytes(self) -> int:
+        return self.saved.nbytes + self.places.nbytes + (self.added.nbytes if self.added is not None else 0)
 
     def scores(self, matrix, query: np.ndarray, probe: int = PROBE) -> np.ndarray:
         saved = self.saved
