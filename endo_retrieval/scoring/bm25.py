@@ -100,20 +100,39 @@ def _norm(okapi) -> np.ndarray:
     return okapi.k1 * (1 - okapi.b + okapi.b * okapi.doc_len / (okapi.avgdl or 1))
 
 
-def _merge_order(kept: np.ndarray, new: np.ndarray | None) -> np.ndarray | slice:
-    """The stable sort of concatenate([kept, new]) where `kept` is sorted already (the postings kept, grouped by
-    term): a merge of the few new ones into it (O(n) and a binary search per posting), not a sort of all of them,
-    which was most of an update at a million passages."""
-    if new is None or not len(new):
-        return slice(None)  # sorted as they are
-    by_term = np.argsort(new, kind="stable")
-    new_sorted = new[by_term]
-    at_kept = np.arange(len(kept)) + np.searchsorted(new_sorted, kept, side="left")  # kept first among equals
-    at_new = np.arange(len(new)) + np.searchsorted(kept, new_sorted, side="right")
-    order = np.empty(len(kept) + len(new), np.int64)
-    order[at_kept] = np.arange(len(kept))
-    order[at_new] = len(kept) + by_term
-    return order
+def _kept_starts(indptr: np.ndarray, alive: np.ndarray) -> np.ndarray:
+    """Each term's first posting among the `alive` ones (CSR row starts of the postings kept): the row starts less
+    the postings removed before each, found from the few removed ones (no row index a posting)."""
+    gone = np.flatnonzero(~alive)
+    removed = np.bincount(np.searchsorted(indptr, gone, side="right") - 1, minlength=len(indptr) - 1)
+    return indptr - np.concatenate(([0], np.cumsum(removed)))
+
+
+def _insert_rows(starts: np.ndarray, arrays: list[np.ndarray], rows: np.ndarray, indptr: np.ndarray,
+                 added: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """CSR postings (`starts`, the `arrays` they index) with `added`'s (CSR `indptr`, rows `rows`, each row once)
+    put after each row's own: (the new row starts, the joined arrays). The postings between two rows that gain some
+    move by the same amount, so they are copied as one slice each: O(postings) with a loop over the rows touched,
+    not a sort of all of them (most of an update at a million passages)."""
+    n_rows = max(len(starts) - 1, int(rows.max()) + 1 if len(rows) else 0)
+    starts = np.concatenate([starts, np.full(n_rows + 1 - len(starts), starts[-1])])
+    more = np.zeros(n_rows, np.int64)
+    more[rows] = np.diff(indptr)
+    out_starts = np.concatenate(([0], np.cumsum(np.diff(starts) + more)))
+    order = np.argsort(rows, kind="stable")  # the rows touched, in row order
+    out = [np.empty(int(out_starts[-1]), np.promote_types(a.dtype, b.dtype)) for a, b in zip(arrays, added)]
+    at, shift = 0, 0
+    for i in order:
+        r = int(rows[i])
+        end = int(starts[r + 1])  # row r's own postings end here: its new ones go after them
+        for o, a in zip(out, arrays):
+            o[at + shift: end + shift] = a[at: end]
+        for o, a in zip(out, added):
+            o[end + shift: end + shift + int(more[r])] = a[indptr[i]: indptr[i + 1]]
+        at, shift = end, shift + int(more[r])
+    for o, a in zip(out, arrays):
+        o[at + shift:] = a[at:]
+    return out_starts, out
 
 
 @dataclass
@@ -150,18 +169,23 @@ class OkapiPostings:
 
     @classmethod
     def _assemble(cls, terms: dict[str, int], rows: np.ndarray, docs: np.ndarray, tf: np.ndarray,
-                  doc_len: np.ndarray, stem: bool, order: np.ndarray | slice | None = None) -> "OkapiPostings":
-        """The model of postings given as (term row, document, count) triples, each term's in document order.
-        `order`: the stable sort of `rows`, where the caller has it cheaper than a sort."""
+                  doc_len: np.ndarray, stem: bool) -> "OkapiPostings":
+        """The model of postings given as (term row, document, count) triples, each term's in document order."""
+        order = np.argsort(rows, kind="stable")  # by term; within a term the documents keep their order
+        indptr = np.concatenate(([0], np.cumsum(np.bincount(rows, minlength=len(terms)))))
+        return cls._of_rows(terms, indptr, docs[order], tf[order], doc_len, stem)
+
+    @classmethod
+    def _of_rows(cls, terms: dict[str, int], indptr: np.ndarray, docs: np.ndarray, tf: np.ndarray,
+                 doc_len: np.ndarray, stem: bool) -> "OkapiPostings":
+        """The model of CSR postings (term rows `indptr`, each term's in document order), with rank-bm25's idf of
+        its document frequencies in the terms' order."""
         okapi = _okapi(doc_len)
-        counts = np.bincount(rows, minlength=len(terms))
         if terms:  # rank-bm25 averages the idfs: none to average without a term
-            okapi._calc_idf(dict(zip(terms, counts.tolist())))
-        if order is None:
-            order = np.argsort(rows, kind="stable")  # by term; within a term the documents keep their order
+            okapi._calc_idf(dict(zip(terms, np.diff(indptr).tolist())))
         small = np.min_scalar_type(int(tf.max())) if len(tf) else np.uint8  # counts are small: 1 byte mostly
-        return cls(okapi, terms, np.concatenate(([0], np.cumsum(counts))), docs[order].astype(np.int32, copy=False),
-                   tf[order].astype(small, copy=False), _norm(okapi), stem)
+        return cls(okapi, terms, indptr, docs.astype(np.int32, copy=False), tf.astype(small, copy=False),
+                   _norm(okapi), stem)
 
     def merged(self, keep: np.ndarray, new: "OkapiPostings | None" = None) -> "OkapiPostings":
         """The model of this one's documents where `keep` (a mask over them) followed by `new`'s (if any), without
@@ -173,23 +197,18 @@ class OkapiPostings:
         terms = dict(self.terms)
         alive = keep[self.docs]
         renumber = np.cumsum(keep, dtype=np.int64).astype(np.int32) - 1
-        rows = [np.repeat(np.arange(len(self.terms), dtype=np.int32), np.diff(self.indptr))[alive]]
-        docs, tf = [renumber[self.docs[alive]]], [self.tf[alive]]
+        starts, arrays = _kept_starts(self.indptr, alive), [renumber[self.docs[alive]], self.tf[alive]]
         doc_len = [self.okapi.doc_len[keep]]
         if new is not None:
-            new_rows = np.fromiter((terms.setdefault(t, len(terms)) for t in new.terms), np.int32, len(new.terms))
-            rows.append(np.repeat(new_rows, np.diff(new.indptr)))
-            docs.append(new.docs + int(keep.sum()))
-            tf.append(new.tf)
+            rows = np.fromiter((terms.setdefault(t, len(terms)) for t in new.terms), np.int64, len(new.terms))
+            starts, arrays = _insert_rows(starts, arrays, rows, new.indptr, [new.docs + np.int32(keep.sum()), new.tf])
             doc_len.append(new.okapi.doc_len)
-        order = _merge_order(rows[0], rows[1] if new is not None else None)
-        rows, docs, tf = (np.concatenate(parts) if len(parts) > 1 else parts[0] for parts in (rows, docs, tf))
-        held = np.bincount(rows, minlength=len(terms)) > 0
+        held = np.diff(starts) > 0
         if not held.all():  # drop the terms only removed documents held, keeping the others' order
             row_of = np.cumsum(held) - 1
             terms = {t: int(row_of[r]) for t, r in terms.items() if held[r]}
-            rows = row_of[rows].astype(np.int32)  # in the same order: the sort below stays the sort
-        return self._assemble(terms, rows, docs, tf, np.concatenate(doc_len), self.stem, order)
+            starts = np.concatenate(([0], np.cumsum(np.diff(starts)[held])))
+        return self._of_rows(terms, starts, *arrays, np.concatenate(doc_len), self.stem)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Everything the model is, as arrays (`from_arrays` reads them back): an index saves them beside its corpus,

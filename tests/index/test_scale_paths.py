@@ -76,6 +76,31 @@ def test_merged_postings_are_a_fresh_build_of_the_kept_and_new_documents():
     np.testing.assert_allclose(old.merged(keep).get_scores(query), BM25Okapi(kept).get_scores(query), rtol=1e-12)
 
 
+def postings_by_term(model: OkapiPostings) -> dict[str, tuple[list, list]]:
+    return {t: (model.docs[model.indptr[r]: model.indptr[r + 1]].tolist(),
+                model.tf[model.indptr[r]: model.indptr[r + 1]].tolist()) for t, r in model.terms.items()}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merged_postings_hold_each_terms_postings_as_a_fresh_build_does(seed):
+    """Postings kept, renumbered and joined with the added ones row by row (no sort): each term's documents and
+    counts are a fresh build's, with removes and adds, new terms, terms only removed documents held, counts past a
+    byte in the added documents, and no change at all."""
+    rng = np.random.default_rng(seed)
+    vocab = [f"w{i}" for i in range(int(rng.integers(5, 200)))]
+    docs = lambda n: [list(rng.choice(vocab, size=rng.integers(1, 60))) for _ in range(n)]  # noqa: E731
+    before = docs(int(rng.integers(1, 120)))
+    added = docs(int(rng.integers(0, 30))) + [["brand", "new"] + ["w0"] * 300]
+    keep = rng.random(len(before)) > rng.random()
+    old = OkapiPostings.build(iter(before))
+    for new, docs_after in ((OkapiPostings.build(iter(added)), added), (None, [])):
+        merged = old.merged(keep, new)
+        fresh = OkapiPostings.build(iter([d for d, k in zip(before, keep) if k] + docs_after))
+        assert postings_by_term(merged) == postings_by_term(fresh)
+        assert merged.okapi.idf == pytest.approx(fresh.okapi.idf, rel=1e-12)
+    assert postings_by_term(old.merged(np.ones(len(before), bool))) == postings_by_term(old)
+
+
 @pytest.mark.parametrize("text", ["The Zephyr bridge, 1990s: e.g. what's new?", "北京 is in 中国 and Tokyo",
                                   "ＡＢＣ café naïve", ""])
 def test_words_common_case_is_the_per_word_rule(text, monkeypatch):
