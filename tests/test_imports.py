@@ -125,7 +125,7 @@ def test_no_file_is_loaded_with_pickle(pattern):
 # endo_retrieval's subpackages and top modules, bottom to top; a module imports only from its own layer or below.
 # "" is the package's own __init__ (the public names, imported lazily from the layers below it).
 LAYERS = [
-    {"core", "files", "array_file", "corpus", "corpus_columns", "sentences"},  # shared types and crash-safe files
+    {"core", "files", "array_file", "corpus", "corpus_columns", "sentences", "threads"},  # shared types, safe files
     {"kernels"},
     {"scoring"},
     {"model"},
