@@ -111,7 +111,7 @@ class DenseVectors:
         self.rows = RowMap()  # doc id -> its passages' vectors (rows of a memory map when loaded)
         self.centroids: np.ndarray | None = None  # the cells' centroids, from ANN_MIN passages on (`Cells`)
         self.cells = RowMap()  # doc id -> its passages' cells (int32), while there are centroids
-        self.by_cell: np.ndarray | None = None  # the saved rows in cell order (BY_CELL_FILE, mapped): `Cells.ordered`
+        self.by_cell: np.ndarray | None = None  # the saved rows in cell order (BY_CELL_FILE, mapped; `SavedCells`)
         self.check_s = 0.0  # seconds opening spent checking dense.json's fields and the files' checksums (`read`)
         self.sources: dict[str, os.stat_result] = {}  # the base files read, which a save may link
         self.base_crc32: dict | None = None  # their CRC-32s, as dense.json records them
@@ -213,11 +213,12 @@ class DenseVectors:
         saved = self.rows.data
         if self.by_cell is not None and saved is not None and (
                 matrix is saved or isinstance(matrix, GatheredRows) and matrix.data is saved):
-            whole = Cells(self.centroids, self.cells.data, self.by_cell)  # the saved rows, one slice a probed cell
+            whole = Cells(self.centroids, self.cells.data)  # the saved rows, one slice of by_cell a probed cell
             if matrix is saved:
-                return whole
+                return SavedCells(whole, self.by_cell)
             added = [np.asarray(self.cells[d], np.int32) for d in self.rows.added]
-            return SavedCells(whole, matrix.rows, Cells(self.centroids, np.concatenate(added)) if added else None)
+            return SavedCells(whole, self.by_cell, matrix.rows,
+                              Cells(self.centroids, np.concatenate(added)) if added else None)
         cells = self._cells(doc_ids)
         return None if cells is None else Cells(self.centroids, cells)
 

@@ -16,13 +16,11 @@ PARALLEL_ROWS = 50_000  # probed passages from which the cells are scored in one
 class Cells:
     """An inverted file over one matrix of passage vectors: the passages of each cell (CSR) beside the cells'
     centroids. A question's scores are the exact cosines of the passages in its PROBE nearest cells, -inf for the
-    rest (ranked last by the fusion, in corpus order). `ordered`: the matrix's rows in cell order (`rows`), saved
-    beside it (`DenseVectors`), so that each probed cell is one contiguous slice read in place; without it the
-    probed rows are gathered (a copy of 13% of the vectors a question at a million: 77 ms against 18 ms read in
-    place, docs/scale.md)."""
+    rest (ranked last by the fusion, in corpus order); `probed` gives those passages and scores alone, which is all
+    the fusion reads. Here the probed rows are gathered from the matrix; `SavedCells` reads them in place."""
 
-    def __init__(self, centroids: np.ndarray, cells: np.ndarray, ordered: np.ndarray | None = None):
-        self.centroids, self.ordered = centroids, ordered
+    def __init__(self, centroids: np.ndarray, cells: np.ndarray):
+        self.centroids = centroids
         self.rows = np.argsort(cells, kind="stable").astype(np.int32)  # passages, cell by cell
         self.bounds = np.searchsorted(cells[self.rows], np.arange(len(centroids) + 1))
 
@@ -34,61 +32,71 @@ class Cells:
     def nearest(self, query: np.ndarray, probe: int = PROBE) -> np.ndarray:
         return np.argsort(-(self.centroids @ query))[:probe]
 
-    def scores(self, matrix: np.ndarray, query: np.ndarray, probe: int = PROBE, near: np.ndarray | None = None
-               ) -> np.ndarray:
+    def probed(self, matrix, query: np.ndarray, probe: int = PROBE, near: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """(the passages of the cells nearest the question, their cosines)."""
         near = self.nearest(query, probe) if near is None else near
-        out = np.full(len(matrix), -np.inf)
-        if self.ordered is not None:
-            def score(cells: np.ndarray) -> None:
-                for c in cells:
-                    a, b = self.bounds[c], self.bounds[c + 1]
-                    out[self.rows[a: b]] = self.ordered[a: b] @ query
-
-            in_parts(score, near, self.bounds)
-            return out
         rows = np.sort(np.concatenate([self.rows[self.bounds[c]: self.bounds[c + 1]] for c in near]))
-        out[rows] = matrix[rows] @ query  # rows in order: the memory map is read front to back
+        return rows, np.asarray(matrix[rows] @ query, np.float64)  # rows in order: the map is read front to back
+
+    def scores(self, matrix, query: np.ndarray, probe: int = PROBE) -> np.ndarray:
+        """Every passage's score: the probed ones' cosines, -inf for the rest."""
+        rows, values = self.probed(matrix, query, probe)
+        out = np.full(len(matrix), -np.inf)
+        out[rows] = values
         return out
 
 
-class SavedCells:
-    """The cells of a matrix that is some of the saved rows (`GatheredRows`: `kept`, the rows not removed since)
-    followed by the rows added since: the saved ones scored through their cell-ordered copy (`Cells.ordered`), each
-    written to its place in the matrix, the added ones through their own cells; the same scores as `Cells` over the
-    whole matrix."""
+class SavedCells(Cells):
+    """The cells of the saved rows read through their copy in cell order (`ordered`, saved beside the matrix by
+    `DenseVectors`), each probed cell one contiguous slice: 18 ms against 77 ms gathered at a million
+    (docs/scale.md). The matrix is the saved rows (`kept` None), or some of them (`GatheredRows`: `kept`, the rows
+    not removed since) followed by the rows added since, which are scored through their own cells (`added`)."""
 
-    def __init__(self, saved: Cells, kept: np.ndarray, added: Cells | None):
-        self.saved, self.n_kept, self.added = saved, len(kept), added
-        place = np.full(len(saved.rows), -1, np.int64)  # each saved row's place in the matrix (-1: removed)
-        place[kept] = np.arange(len(kept))
-        self.places = place[saved.rows]  # in cell order, as the copy is
+    def __init__(self, saved: Cells, ordered: np.ndarray, kept: np.ndarray | None = None,
+                 added: Cells | None = None):
+        self.centroids, self.rows, self.bounds = saved.centroids, saved.rows, saved.bounds
+        self.ordered, self.added = ordered, added
+        self.n_kept = len(saved.rows) if kept is None else len(kept)
+        self.places = saved.rows  # each row of the copy: its place in the matrix (-1: removed)
+        if kept is not None:
+            place = np.full(len(saved.rows), -1, np.int64)
+            place[kept] = np.arange(len(kept))
+            self.places = place[saved.rows]
 
     @property
     def nbytes(self) -> int:
-        return self.saved.nbytes + self.places.nbytes + (self.added.nbytes if self.added is not None else 0)
+        mine = self.places.nbytes if self.places is not self.rows else 0
+        return super().nbytes + mine + (self.added.nbytes if self.added is not None else 0)
 
-    def scores(self, matrix, query: np.ndarray, probe: int = PROBE) -> np.ndarray:
-        saved = self.saved
-        near = saved.nearest(query, probe)
-        out = np.full(len(matrix), -np.inf)
+    def probed(self, matrix, query: np.ndarray, probe: int = PROBE, near: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        near = self.nearest(query, probe) if near is None else near
+        starts, ends = self.bounds[near], self.bounds[near + 1]
+        at = np.concatenate(([0], np.cumsum(ends - starts)))  # each probed cell's place among the results
+        rows = np.concatenate([self.places[a: b] for a, b in zip(starts, ends)] + [np.zeros(0, np.int64)])
+        values = np.empty(len(rows))
 
-        def score(cells: np.ndarray) -> None:
-            for c in cells:
-                a, b = saved.bounds[c], saved.bounds[c + 1]
-                places, live = self.places[a: b], self.places[a: b] >= 0
-                out[places[live]] = (saved.ordered[a: b] @ query)[live]
+        def score(cells: np.ndarray) -> None:  # each cell's slice of the copy, written to its place: no scatter
+            for i in cells:
+                values[at[i]: at[i + 1]] = self.ordered[starts[i]: ends[i]] @ query
 
-        in_parts(score, near, saved.bounds)
+        in_parts(score, at)
+        if self.n_kept < len(self.rows):  # removed rows
+            live = rows >= 0
+            rows, values = rows[live], values[live]
         if self.added is not None:
-            out[self.n_kept:] = self.added.scores(matrix.extra, query, near=near)
-        return out
+            more, scores = self.added.probed(matrix.extra, query, near=near)
+            rows, values = np.concatenate([rows, more + self.n_kept]), np.concatenate([values, scores])
+        return rows, values
 
 
-def in_parts(score, near: np.ndarray, bounds: np.ndarray) -> None:
-    """score(cells) over `near` split in one part a core, side by side where they hold PARALLEL_ROWS passages or
-    more: a cell's product is too small for BLAS to spread over cores, and the parts write disjoint rows."""
-    rows = int(np.sum(bounds[near + 1] - bounds[near]))
-    parts = np.array_split(near, min(CORES, len(near))) if rows >= PARALLEL_ROWS else [near]
+def in_parts(score, at: np.ndarray) -> None:
+    """score(cells) over the probed cells (`at`: where each one's results start, and their end) split in one part
+    a core, side by side where they hold PARALLEL_ROWS passages or more: a cell's product is too small for BLAS to
+    spread over cores, and the parts write disjoint results."""
+    cells = np.arange(len(at) - 1)
+    parts = np.array_split(cells, min(CORES, len(cells))) if at[-1] >= PARALLEL_ROWS else [cells]
     each("cells", score, parts)
 
 
