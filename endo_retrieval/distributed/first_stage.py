@@ -39,7 +39,7 @@ class PassageShard:
         scores = stage.scores(self.corpus, self.passages, question, embedding)
         keep = allowed_passages(self.corpus, self.passages, where)
         allowed = np.arange(len(self.passages)) if keep is None else np.flatnonzero(keep)
-        scores = {name: s.full()[allowed] for name, s in scores.items()}
+        scores = {name: s[allowed] for name, s in scores.items()}
         self.questions[qid] = (allowed, scores)
         heads = {name: best_of(scores[name], m) if len(allowed) else np.zeros(0, np.int64) for name in stage.used}
         known = np.unique(np.concatenate([np.zeros(0, np.int64), *heads.values()]))

@@ -27,54 +27,14 @@ from endo_retrieval.threads import each
 DEFAULT_FIRST_STAGE = "hybrid"
 
 
-@dataclass
-class Scores:
-    """One ranking's score of each of `size` passages: `values` at the passages `pool` (each once, in any order),
-    `low` at every other; `pool` None: every passage, in order. A ranking of a million passages is mostly `low`
-    (BM25's 0 where no word of the question is, -inf outside the dense cells searched): the fusion reads the pool."""
-
-    size: int
-    pool: np.ndarray | None
-    values: np.ndarray
-    low: float = np.nan
-
-    @classmethod
-    def of(cls, s: np.ndarray) -> "Scores":
-        """Every passage's score `s` as its pool: the passages above the lowest score where several share it."""
-        low = s.min() if len(s) else np.nan
-        if np.count_nonzero(s == low) > 1:
-            pool = np.flatnonzero(s > low)
-            return cls(len(s), pool, s[pool], float(low))
-        return cls(len(s), None, s)  # no lowest score shared: the pool is every passage (NaN equals no score)
-
-    def full(self) -> np.ndarray:
-        """Every passage's score."""
-        if self.pool is None:
-            return self.values
-        out = np.full(self.size, self.low)
-        out[self.pool] = self.values
-        return out
-
-    def at(self, passages: np.ndarray) -> np.ndarray:
-        """The scores of `passages` (distinct indices), one pass over the pool."""
-        if self.pool is None:
-            return self.values[passages]
-        out = np.full(len(passages), self.low)
-        order = np.argsort(passages)
-        found = np.flatnonzero(np.isin(self.pool, passages, kind="table"))
-        out[order[np.searchsorted(passages[order], self.pool[found])]] = self.values[found]
-        return out
-
-
 class Ranking(Protocol):
-    """One way of scoring every passage for a question (higher is better): an array of every passage's score, or
-    `Scores`. `embedding`: the question's embedding where it was computed already (the Ray reader sends the shards
-    one, so that every shard compares the same)."""
+    """One way of scoring every passage for a question (higher is better). `embedding`: the question's embedding
+    where it was computed already (the Ray reader sends the shards one, so that every shard compares the same)."""
 
     name: str
 
     def scores(self, corpus: CorpusMap, passages: Passages, question: str,
-               embedding: np.ndarray | None = None) -> np.ndarray | Scores: ...
+               embedding: np.ndarray | None = None) -> np.ndarray: ...
 
 
 class BM25Ranking:
@@ -98,8 +58,7 @@ class DenseRanking:
             raise ValueError("This first stage needs the passages' embeddings, which this index does not hold (it was "
                              "built with first_stage='bm25'): call index.add_embeddings() and save it, or rebuild it; "
                              "first_stage='bm25' searches it as it is.")
-        rows, values = passages.dense_scores(corpus, passages.dense.query(question) if embedding is None else embedding)
-        return Scores(len(passages), rows, values, -np.inf if rows is not None else np.nan)
+        return passages.dense_scores(corpus, passages.dense.query(question) if embedding is None else embedding)
 
 
 RANKINGS: dict[str, type] = {"bm25": BM25Ranking, "dense": DenseRanking}
@@ -127,13 +86,10 @@ class FirstStage:
         return [name for name, w in self.weights.items() if w > 0]
 
     def scores(self, corpus: CorpusMap, passages: Passages, question: str,
-               embedding: np.ndarray | None = None) -> dict[str, Scores]:
+               embedding: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """{ranking: every passage's score} for the rankings fused, and BM25's whatever the weights."""
-        def score(name: str) -> Scores:
-            got = RANKINGS[name]().scores(corpus, passages, question, embedding)
-            return got if isinstance(got, Scores) else Scores.of(np.asarray(got))
-
         names = list(dict.fromkeys(["bm25", *self.used]))
+        score = lambda name: RANKINGS[name]().scores(corpus, passages, question, embedding)  # noqa: E731
         return dict(zip(names, each("rankings", score, names, len(passages) >= PARALLEL_MIN)))
 
     def candidates(self, corpus: CorpusMap, passages: Passages, question: str, n: int,
@@ -142,7 +98,7 @@ class FirstStage:
         scores = self.scores(corpus, passages, question)
         top = fused_top_of([(self.weights[name], scores[name]) for name in self.used], n,
                            allowed_passages(corpus, passages, where))
-        out = {name: s.at(top) for name, s in scores.items()}
+        out = {name: s[top] for name, s in scores.items()}
         if "dense" in out and not np.isfinite(out["dense"]).all():  # a candidate outside the cells searched
             exact = passages.vectors[top] @ passages.dense.query(question)
             out["dense"] = np.where(np.isfinite(out["dense"]), out["dense"], exact)
@@ -181,31 +137,29 @@ def head_size(n: int, rankings: int) -> int:
     return n if rankings == 1 else max(HEAD_MIN, 4 * n)
 
 
-def fused_top_of(rankings: list[tuple[float, np.ndarray | Scores]], n: int, keep: np.ndarray | None = None
-                 ) -> np.ndarray:
+def fused_top_of(rankings: list[tuple[float, np.ndarray]], n: int, keep: np.ndarray | None = None) -> np.ndarray:
     """`fused_top` over any number of (weight, scores) rankings."""
     allowed = None if keep is None else np.flatnonzero(keep)
-    rankings = [(w, s if isinstance(s, Scores) else Scores.of(s)) for w, s in rankings if w > 0]
-    if allowed is not None:
-        rankings = [(w, Scores.of(s.full()[allowed])) for w, s in rankings]
-    size, weights = rankings[0][1].size, [w for w, _ in rankings]
+    rankings = [(w, s if allowed is None else s[allowed]) for w, s in rankings if w > 0]
+    size, weights = len(rankings[0][1]), [w for w, _ in rankings]
     m = head_size(n, len(rankings))
     if len(rankings) == 1:
-        top = _Ranking(rankings[0][1], n).best(n) if size else np.zeros(0, np.int64)
+        top = best_of(rankings[0][1], n) if size else np.zeros(0, np.int64)
     elif m >= size:
-        top = fused_top_plain([s.full() for _, s in rankings], weights, n)
+        top = fused_top_plain([s for _, s in rankings], weights, n)
     else:
-        ranked = [_Ranking(s, WIDE * m) for _, s in rankings]  # a partition of each pool: under a ms at a million
-        top = fused_heads(weights, [r.best(m) for r in ranked], n, m,
+        parallel = size >= PARALLEL_MIN  # each ranking's pool and head apart, side by side
+        ranked = each("rankings", _Ranking, [s for _, s in rankings], parallel)
+        top = fused_heads(weights, each("rankings", lambda r: r.best(m), ranked, parallel), n, m,
                           lambda asked: [ranked[r].rank(i) for r, i in asked])
         if top is None:  # not reached for m > RRF_K + 2n; kept as a guard
-            top = fused_top_plain([s.full() for _, s in rankings], weights, n)
+            top = fused_top_plain([s for _, s in rankings], weights, n)
     return top if allowed is None else allowed[top]
 
 
 def best_of(scores: np.ndarray, m: int) -> np.ndarray:
     """`np.argsort(-scores, kind="stable")[:m]`: the m best passages, ties by position."""
-    return _Ranking(Scores.of(scores), m).best(m)
+    return _Ranking(scores).best(m)
 
 
 def rank_in(scores: np.ndarray, value: float, before: int) -> int:
@@ -238,51 +192,37 @@ def fused_top_plain(scores: list[np.ndarray], weights: list[float], n: int) -> n
     return np.lexsort((np.arange(len(fused)), -fused))[:n]
 
 
-WIDE = 8  # a ranking's best WIDE x m passages are kept apart: most ranks the fusion counts fall among them
-
-
 class _Ranking:
-    """One ranking's scores (`Scores`) with its best `wide` passages apart, in passage order: the fusion's heads
-    are taken from them, and a passage ranked among them is counted there, not over the whole pool."""
+    """One ranking's scores with the passages above its lowest score apart (`pool`, in corpus order): BM25 gives
+    most passages 0 and the dense stage -inf where it did not look, so what is partitioned and counted is mostly
+    that smaller pool (np.partition also crawls over many equal values)."""
 
-    def __init__(self, scores: Scores, wide: int):
-        self.scores, self.low = scores, scores.low
-        self.pool = np.arange(scores.size) if scores.pool is None else scores.pool
-        self.values, n = scores.values, len(scores.values)
-        if wide < n:
-            self.t = np.partition(self.values, n - wide)[n - wide]  # the wide-th largest score
-            wide_at = np.flatnonzero(self.values > self.t)
-        else:
-            self.t, wide_at = -np.inf, np.arange(n)
-        order = np.argsort(self.pool[wide_at])
-        self.wide, self.wide_values = self.pool[wide_at][order], self.values[wide_at][order]
+    def __init__(self, s: np.ndarray):
+        self.s, self.low = s, s.min()
+        if np.count_nonzero(s == self.low) > 1:
+            self.pool = np.flatnonzero(s > self.low)
+            self.values = s[self.pool]
+        else:  # no lowest score shared: the pool is every passage (NaN equals no score)
+            self.low, self.pool, self.values = np.nan, np.arange(len(s)), s
 
     def best(self, m: int) -> np.ndarray:
-        """`np.argsort(-full, kind="stable")[:m]` (the m best, ties by position) with a partition and a sort of m."""
-        if m >= self.scores.size:
-            return np.argsort(-self.scores.full(), kind="stable")
-        pool, values = (self.wide, self.wide_values) if len(self.wide) >= m else (self.pool, self.values)
-        if len(pool) >= m:
-            t = np.partition(values, len(pool) - m)[len(pool) - m]  # the m-th largest score
-            above, ties = pool[values > t], np.sort(pool[values == t])
-            best = np.concatenate([above, ties[: m - len(above)]])
-            value = np.concatenate([values[values > t], np.full(len(best) - len(above), t)])
-        else:  # the whole pool, then the first passages outside it
-            rest = np.setdiff1d(np.arange(min(self.scores.size, m + len(pool))), pool)[: m - len(pool)]
-            best, value = np.concatenate([pool, rest]), np.concatenate([values, np.full(len(rest), self.low)])
-        return best[np.lexsort((best, -value))]
+        """`np.argsort(-s, kind="stable")[:m]` (the m best, ties by position) with a partition and a sort of m."""
+        if m >= len(self.s):
+            return np.argsort(-self.s, kind="stable")
+        if len(self.pool) >= m:
+            t = np.partition(self.values, len(self.pool) - m)[len(self.pool) - m]  # the m-th largest score
+            above, ties = self.pool[self.values > t], self.pool[self.values == t]
+        else:
+            above, ties = self.pool, np.flatnonzero(self.s == self.low)
+        best = np.concatenate([above, ties[: m - len(above)]])
+        return best[np.lexsort((best, -self.s[best]))]
 
     def rank(self, i: int) -> int:
         """Passage i's rank: those scored higher, and those tied before it."""
-        at = int(np.searchsorted(self.wide, i))
-        if at < len(self.wide) and self.wide[at] == i:  # every score above i's is among the wide ones
-            v = self.wide_values[at]
-            return int(np.count_nonzero(self.wide_values > v) + np.count_nonzero(self.wide_values[:at] == v))
-        found = np.flatnonzero(self.pool == i)
-        if not len(found):  # scored low: after the whole pool, and among the low ones by position
-            return len(self.pool) + i - int(np.count_nonzero(self.pool < i))
-        v = self.values[found[0]]
-        return int(np.count_nonzero(self.values > v) + np.count_nonzero((self.values == v) & (self.pool < i)))
+        v, before = self.s[i], int(np.searchsorted(self.pool, i))
+        if v == self.low:
+            return len(self.pool) + i - before
+        return int(np.count_nonzero(self.values > v) + np.count_nonzero(self.values[:before] == v))
 
 
 def fused_heads(weights: list[float], heads: list[np.ndarray], n: int, m: int,

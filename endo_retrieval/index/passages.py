@@ -114,14 +114,14 @@ class Passages:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def dense_scores(self, corpus: CorpusMap, query: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """(passages, their cosines with the question's embedding `query`): where the index holds cells (dense.py),
-        the passages in the cells nearest the question; else every passage (None) in order."""
+    def dense_scores(self, corpus: CorpusMap, query: np.ndarray) -> np.ndarray:
+        """Each passage's cosine with the question's embedding `query`: all of them, or where the index holds cells
+        (dense.py), those of the passages in the cells nearest the question, -inf for the rest."""
         if self.cells is None and self.dense.centroids is not None:
             self.cells = self.dense.cells_for(corpus.doc_ids(), self.vectors) or False
         if self.cells:
-            return self.cells.probed(self.vectors, query)
-        return None, np.asarray(self.vectors @ query, np.float64)
+            return self.cells.scores(self.vectors, query)
+        return np.asarray(self.vectors @ query, np.float64)
 
 
 # passages.npz's arrays and their types ("u": any unsigned integer: the counts take the smallest that holds them)

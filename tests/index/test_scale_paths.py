@@ -26,8 +26,8 @@ def plain(bm25, dense_, share, n, keep=None):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_fused_top_over_a_large_corpus_is_the_plain_fusion(seed, monkeypatch):
-    if seed % 3 == 0:  # every rank counted over the whole pool, none among the wide heads
-        monkeypatch.setattr(first_stage, "WIDE", 1)
+    if seed % 3 == 0:  # the rankings' pools and heads side by side, as from PARALLEL_MIN passages
+        monkeypatch.setattr(first_stage, "PARALLEL_MIN", 0)
     rng = np.random.default_rng(seed)
     size = int(rng.integers(1500, 5000))  # past the 1024-passage heads, so the counting path runs
     bm25 = np.round(rng.random(size) * 4, 1)  # ties among BM25's scores
@@ -42,28 +42,6 @@ def test_fused_top_over_a_large_corpus_is_the_plain_fusion(seed, monkeypatch):
             assert fused_top(bm25, dense_, share, n).tolist() == plain(bm25, dense_, share, n).tolist()
         assert fused_top(bm25, dense_, share, 20, keep).tolist() == plain(bm25, dense_, share, 20, keep).tolist()
     assert fused_top(bm25, dense_, 0.5, size).tolist() == plain(bm25, dense_, 0.5, size).tolist()
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_a_ranking_given_as_its_pool_in_any_order_fuses_and_reads_back_as_every_passage_scored(seed, monkeypatch):
-    """`Scores`: the dense stage sends the probed passages cell by cell (not in passage order), -inf for the rest;
-    fused, and read back at any passages, they are the full array's."""
-    monkeypatch.setattr(first_stage, "WIDE", [1, 8][seed % 2])
-    rng = np.random.default_rng(seed)
-    size = int(rng.integers(1500, 5000))
-    bm25 = np.round(rng.random(size) * 4, 1)
-    bm25[rng.random(size) < 0.8] = 0.0
-    pool = rng.permutation(np.flatnonzero(rng.random(size) < [0.1, 0.5, 0.9, 1.0][seed]))
-    values = np.round(rng.standard_normal(len(pool)), 1)  # ties
-    sparse = first_stage.Scores(size, pool, values, -np.inf)
-    whole = sparse.full()
-    assert np.isfinite(whole).sum() == len(pool) and np.array_equal(whole[pool], values)
-    asked = rng.permutation(size)[:40]
-    assert np.array_equal(sparse.at(asked), whole[asked])
-    for share in (0.3, 0.7, 1.0):
-        for n in (1, 12, 300):
-            got = first_stage.fused_top_of([(1 - share, bm25), (share, sparse)], n)
-            assert got.tolist() == plain(bm25, whole, share, n).tolist()
 
 
 def test_postings_built_from_a_stream_hold_no_per_document_dicts_and_score_as_rank_bm25():

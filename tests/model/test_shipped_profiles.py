@@ -82,12 +82,14 @@ def test_the_real_model_retrieves_with_its_shipped_profile_and_no_prepare():
     assert set(hits[0].node.metadata["endo_stage_scores"]) >= {"bm25", "heads"}
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"])
-def test_the_model_ships_the_fusions_that_carried_to_held_out_domains_on_both_devices(model):
+@pytest.mark.parametrize("model, cpu_rule", [("smollm2-135m-instruct", True), ("qwen2.5-coder-0.5b-instruct", False),
+                                             ("qwen2.5-coder-1.5b-instruct", True)])
+def test_the_model_ships_the_fusions_that_carried_to_held_out_domains_on_both_devices(model, cpu_rule):
     """The hybrid first stage (GPU entry and its CPU entry) reads two pools, and each entry (both rerankers too)
     carries the adaptive rule exactly where, fitted without a domain, it ranked that domain better than the fixed
     fusion did (its `fit.held_out`), else its fixed weights; fitted on the seven domains' train splits read by that
-    model (the default, and the 1.5B reader)."""
+    model (the default, and the 0.5B and 1.5B readers). `cpu_rule`: whether the CPU entry's rule carried (for the
+    0.5B it fell further than the fixed fusion on its worst domain, docs/results.md)."""
     from fusion_checks import held_out_wins
 
     from endo_retrieval.scoring.adaptive import AdaptiveWeights
@@ -106,4 +108,4 @@ def test_the_model_ships_the_fusions_that_carried_to_held_out_domains_on_both_de
     for entry in entries[:2]:
         assert entry[0]["pools"] == ["hybrid", "dense"] and 0 < entry[0]["dense_share"] < 1
         assert set(entry[0]["weights"]) == set(entry[1])
-    assert "adaptive" in hybrid["cpu"]  # the CPU entry's rule carried
+    assert ("adaptive" in hybrid["cpu"]) == cpu_rule
