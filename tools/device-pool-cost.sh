@@ -14,7 +14,7 @@ q=${QUESTIONS:-100}; model=(${MODEL:+--model "$MODEL"})
 if [ "${ALONE:-1}" != 0 ]; then
   python3 "$tool" "$spec" --docs 1000 --questions "$q" --device cuda "${model[@]}" --out "$OUT/pool_cost_h200.json" || exit 1
 fi
-for n in ${COUNTS:-2 4}; do
+for n in ${COUNTS-2 4}; do  # COUNTS="": none
   t0=$SECONDS
   for i in $(seq 1 "$n"); do
     python3 "$tool" "$spec" --docs 1000 --questions "$q" --device cuda "${model[@]}" --out "$OUT/together_${n}_$i.json" &
