@@ -213,11 +213,10 @@ class DenseVectors:
         saved = self.rows.data
         if self.by_cell is not None and saved is not None and (
                 matrix is saved or isinstance(matrix, GatheredRows) and matrix.data is saved):
-            whole = Cells(self.centroids, self.cells.data)  # the saved rows, one slice of by_cell a probed cell
-            if matrix is saved:
-                return SavedCells(whole, self.by_cell)
+            if matrix is saved:  # the saved rows, one slice of by_cell a probed cell
+                return SavedCells(self.centroids, self.cells.data, self.by_cell)
             added = [np.asarray(self.cells[d], np.int32) for d in self.rows.added]
-            return SavedCells(whole, self.by_cell, matrix.rows,
+            return SavedCells(self.centroids, self.cells.data, self.by_cell, matrix.rows,
                               Cells(self.centroids, np.concatenate(added)) if added else None)
         cells = self._cells(doc_ids)
         return None if cells is None else Cells(self.centroids, cells)

@@ -16,8 +16,8 @@ PARALLEL_ROWS = 50_000  # probed passages from which the cells are scored in one
 class Cells:
     """An inverted file over one matrix of passage vectors: the passages of each cell (CSR) beside the cells'
     centroids. A question's scores are the exact cosines of the passages in its PROBE nearest cells, -inf for the
-    rest (ranked last by the fusion, in corpus order); `probed` gives those passages and scores alone, which is all
-    the fusion reads. Here the probed rows are gathered from the matrix; `SavedCells` reads them in place."""
+    rest (ranked last by the fusion, in corpus order); `probed` gives those passages and their scores, `scores`
+    every passage's. Here the probed rows are gathered from the matrix; `SavedCells` reads them in place."""
 
     def __init__(self, centroids: np.ndarray, cells: np.ndarray):
         self.centroids = centroids
@@ -53,16 +53,16 @@ class SavedCells(Cells):
     (docs/scale.md). The matrix is the saved rows (`kept` None), or some of them (`GatheredRows`: `kept`, the rows
     not removed since) followed by the rows added since, which are scored through their own cells (`added`)."""
 
-    def __init__(self, saved: Cells, ordered: np.ndarray, kept: np.ndarray | None = None,
-                 added: Cells | None = None):
-        self.centroids, self.rows, self.bounds = saved.centroids, saved.rows, saved.bounds
+    def __init__(self, centroids: np.ndarray, cells: np.ndarray, ordered: np.ndarray,
+                 kept: np.ndarray | None = None, added: Cells | None = None):
+        super().__init__(centroids, cells)  # `cells`: each saved row's cell
         self.ordered, self.added = ordered, added
-        self.n_kept = len(saved.rows) if kept is None else len(kept)
-        self.places = saved.rows  # each row of the copy: its place in the matrix (-1: removed)
+        self.n_kept = len(self.rows) if kept is None else len(kept)
+        self.places = self.rows  # each row of the copy: its place in the matrix (-1: removed)
         if kept is not None:
-            place = np.full(len(saved.rows), -1, np.int64)
+            place = np.full(len(self.rows), -1, np.int64)
             place[kept] = np.arange(len(kept))
-            self.places = place[saved.rows]
+            self.places = place[self.rows]
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +77,7 @@ class SavedCells(Cells):
         rows = np.concatenate([self.places[a: b] for a, b in zip(starts, ends)] + [np.zeros(0, np.int64)])
         values = np.empty(len(rows))
 
-        def score(cells: np.ndarray) -> None:  # each cell's slice of the copy, written to its place: no scatter
+        def score(cells: np.ndarray) -> None:  # each cell's slice of the copy, into its own slice of the results
             for i in cells:
                 values[at[i]: at[i + 1]] = self.ordered[starts[i]: ends[i]] @ query
 
