@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Gemma 3 270M made ready by `endo prepare` on each labelled set's own documents (no labels), then `endo` on the set's
-# test questions (the first 300) and the signals of those reads, as a user who brings that model would run it; three lanes side by side on one GPU.
+# test questions (the first 300) and the signals of those reads, as a user who brings that model would run it; the seven
+# sets side by side on one GPU (two CPU threads each).
 # Needs what tools/device-fusion.sh needs (it installs the wheels), and $MODELS/gemma-3-270m.gguf.
 #   start:   setsid nohup bash tools/device-gemma.sh > /root/gemma.log 2>&1 &     results: /root/sig/gemma/
 set -uo pipefail
@@ -32,8 +33,8 @@ PY
   echo "done $name"
 }
 (cd /root && python3 -c "from endo_retrieval.model.backbone import Backbone; Backbone.of('$gguf')") > "$res/load.log" 2>&1
-{ one "$d/hotpotqa/dev300.json" dev300; one "$dom/stackfaq.json.gz:test" stackfaq; one "$dom/conala.json.gz:test" conala; } &
-{ one "$d/scifact/scifact.json.gz:test" scifact; one "$dom/csn_style_python.json.gz:test" csn_style_python; } &
-{ one "$dom/arguana.json.gz:test" arguana; one "$dom/fiqa2018_pooled.json.gz:test" fiqa2018_pooled; } &
+one "$d/hotpotqa/dev300.json" dev300 & one "$dom/stackfaq.json.gz:test" stackfaq & one "$dom/conala.json.gz:test" conala &
+one "$d/scifact/scifact.json.gz:test" scifact & one "$dom/csn_style_python.json.gz:test" csn_style_python &
+one "$dom/arguana.json.gz:test" arguana & one "$dom/fiqa2018_pooled.json.gz:test" fiqa2018_pooled &
 wait
 echo finished
