@@ -119,6 +119,9 @@ def ranked(docs: list[str], fused: np.ndarray) -> list[str]:
 # of the domains' nDCG). Which t is chosen by leaving each domain out of the fit (`GridTables.temperature`).
 TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0, None)
 FIRST_STAGES = ("bm25", "dense", "first_stage")  # the stages a fusion must not fall below, each alone
+# the promise a fusion keeps on every domain it is fitted on: at most FLOOR nDCG@10 points below the better first
+# stage alone; the objective chooses among the fusions that keep it (all of them where none does)
+FLOOR = 0.5
 
 
 def soft_minimum(gains: np.ndarray, temperature: float | None) -> np.ndarray:
@@ -145,11 +148,14 @@ class GridTables:
     def gains(self, names) -> np.ndarray:
         return np.stack([self.means[d] - self.alone[d] for d in names])
 
-    def best(self, names, temperature: float | None) -> int:
-        """The grid's index of the fusion the objective (TEMPERATURES) prefers over the domains `names`."""
+    def best(self, names, temperature: float | None, floor: float | None = FLOOR) -> int:
+        """The grid's index of the fusion the objective (TEMPERATURES) prefers over the domains `names`, among those
+        that keep every one of them within `floor` of its better first stage alone (None: among all)."""
+        gains = self.gains(names)
         value = (np.mean([self.means[d] for d in names], axis=0) if temperature is None
-                 else soft_minimum(self.gains(names), temperature))
-        return int(np.argmax(value))
+                 else soft_minimum(gains, temperature))
+        kept = (gains >= -floor).all(0) if floor is not None else np.ones(len(value), bool)
+        return int(np.argmax(np.where(kept, value, -np.inf) if kept.any() else value))
 
     def held_out_gains(self, names, temperature: float | None) -> np.ndarray:
         """Each domain's gain under the fusion fitted on the others."""

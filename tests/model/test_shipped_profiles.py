@@ -89,8 +89,11 @@ def test_the_model_ships_the_fusions_that_carried_to_held_out_domains_on_both_de
     carries the adaptive rule exactly where, fitted without a domain, it ranked that domain better than the fixed
     fusion did (its `fit.held_out`), else its fixed weights; fitted on the seven domains' train splits read by that
     model (the default, and the 0.5B and 1.5B readers). `cpu_rule`: whether the CPU entry's rule carried (for the
-    0.5B it fell further than the fixed fusion on its worst domain, docs/results.md)."""
+    0.5B it fell further than the fixed fusion on its worst domain, docs/results.md). The fixed weights keep the floor
+    (`fusion_rule.FLOOR`) on every domain of their fit."""
     from fusion_checks import held_out_wins
+
+    from endo_retrieval.calibration.fusion_rule import FLOOR
 
     from endo_retrieval.scoring.adaptive import AdaptiveWeights
 
@@ -102,6 +105,10 @@ def test_the_model_ships_the_fusions_that_carried_to_held_out_domains_on_both_de
     for entry, stages in entries:
         held = entry["fit"]["held_out"]
         assert len(held) == len(entry["fit"]["data"]) == 7
+        # the fixed weights keep every domain they were fitted on within FLOOR of its better first stage alone
+        # (both figures rounded to 0.1, hence the slack)
+        fitted = entry["fit"]["ndcg10"]
+        assert all(fitted[d]["fixed"] >= held[d]["first_stage_alone"] - FLOOR - 0.1 for d in fitted), entry["fit"]
         assert ("adaptive" in entry) == held_out_wins(entry["fit"])
         if "adaptive" in entry:
             assert AdaptiveWeights.from_json(entry["adaptive"]).stages == stages

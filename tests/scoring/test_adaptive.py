@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from endo_retrieval.calibration.fusion_rule import (TEMPERATURES, GridTables, fit_fixed, fit_rule, per_question,
+from endo_retrieval.calibration.fusion_rule import (FLOOR, TEMPERATURES, GridTables, fit_fixed, fit_rule, per_question,
                                                    soft_minimum)
 from endo_retrieval.scoring.adaptive import AdaptiveWeights, feature_names, question_features
 from endo_retrieval.scoring.fusion import fuse
@@ -106,10 +106,13 @@ def test_the_fixed_fit_gives_up_no_domain_for_the_mean_of_the_others():
                "claims": boosted_domain(rng, {"bm25": 1.5, "dense": 0.5, "heads": 3.0}),
                "faq": boosted_domain(rng, {"bm25": 0.5, "dense": 3.5, "heads": 0.0})}
     tables = GridTables(domains, STAGES)
-    by_mean = tables.gains(list(domains))[:, tables.best(list(domains), None)]
-    by_worst = tables.gains(list(domains))[:, tables.best(list(domains), 0.5)]
+    by_mean = tables.gains(list(domains))[:, tables.best(list(domains), None, floor=None)]
+    by_worst = tables.gains(list(domains))[:, tables.best(list(domains), 0.5, floor=None)]
     assert by_mean[2] < -0.5  # the mean gives the paraphrase domain up
     assert by_worst.min() >= -0.5 and by_worst.min() > by_mean.min() + 1.0
+    # the floor alone keeps it too: the mean's choice among the fusions that leave every domain within 0.5
+    floored = tables.gains(list(domains))[:, tables.best(list(domains), None)]
+    assert floored.min() >= -FLOOR and floored.mean() >= by_worst.mean() - 1e-9
     weights, temperature = tables.fit()
     assert temperature in TEMPERATURES and weights == tables.grid[tables.best(list(domains), temperature)]
     assert fit_fixed(domains, STAGES) == weights
