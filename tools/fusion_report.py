@@ -150,11 +150,15 @@ def markdown(result: dict, baselines: Path | None = None, shipped: dict | None =
     return "\n".join(out) + "\n"
 
 
+def profile_entries(profile: dict) -> dict[str, dict]:
+    """{entry: its fusion's part of the profile}, for each entry `report` judges."""
+    hybrid = profile["pipeline"]["first_stages"]["hybrid"]
+    return {"pipe": hybrid, "cpu": hybrid.get("cpu", {})} | dict(profile.get("reranker", {}))
+
+
 def shipped_fusions(profile: Path) -> dict[str, str]:
     """{entry: "adaptive" | "fixed"}: which fusion a profile holds for each entry `report` judges."""
-    p = json.loads(profile.read_text())
-    hybrid = p["pipeline"]["first_stages"]["hybrid"]
-    entries = {"pipe": hybrid, "cpu": hybrid.get("cpu", {})} | {k: v for k, v in p.get("reranker", {}).items()}
+    entries = profile_entries(json.loads(profile.read_text()))
     return {k: "adaptive" if "adaptive" in v else "fixed" for k, v in entries.items()}
 
 

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from fusion_report import domains
+from fusion_report import PAIRS, domains
 
 from endo_retrieval.calibration import zero_label
 from endo_retrieval.calibration.datasets import corpus_questions
@@ -29,7 +29,6 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SETS = {"dev300": "hotpotqa/dev300.json", "scifact": "scifact/scifact.json.gz:test",
         **{n: f"domains/{n}.json.gz:test" for n in ("arguana", "conala", "csn_style_python", "fiqa2018_pooled",
                                                       "stackfaq")}}
-SIGNALS_NAME = {"hotpotqa": "dev300"}  # the report's domain -> the made set's name
 
 
 def made_sets(out: Path, n: int) -> None:
@@ -51,7 +50,8 @@ def made_sets(out: Path, n: int) -> None:
 def judge(made_dir: Path, signals: Path, part: str) -> dict:
     stages = PARTS[part]
     data = domains(signals)
-    made = {d: items(load(made_dir / f"made_{SIGNALS_NAME.get(d, d)}_made.jsonl.gz"), part) for d in data}
+    named = {d: PAIRS[d][1] if d in PAIRS else d for d in data}  # the made set of HotpotQA is dev300's
+    made = {d: items(load(made_dir / f"made_{named[d]}_made.jsonl.gz"), part) for d in data}
     on_made, on_test = GridTables(made, stages), GridTables({d: items(te, part) for d, (_, te) in data.items()}, stages)
     fitted, _ = GridTables({d: items(tr, part) for d, (tr, _) in data.items()}, stages).fit()
     at = on_test.grid.index(fitted)

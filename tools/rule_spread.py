@@ -10,15 +10,10 @@ import json
 from pathlib import Path
 
 import numpy as np
-from fusion_report import domains
+from fusion_report import domains, profile_entries
 
 from endo_retrieval.calibration.fusion_rule import POOLED_PART, items
 from endo_retrieval.scoring.adaptive import AdaptiveWeights
-
-
-def entry_of(profile: dict, name: str) -> dict:
-    hybrid = profile["pipeline"]["first_stages"]["hybrid"]
-    return {"pipe": hybrid, "cpu": hybrid["cpu"]}.get(name) or profile["reranker"][name]
 
 
 def main() -> None:
@@ -27,7 +22,7 @@ def main() -> None:
     ap.add_argument("profile")
     ap.add_argument("--entry", default="cpu", choices=sorted(POOLED_PART))
     args = ap.parse_args()
-    entry = entry_of(json.loads(Path(args.profile).read_text()), args.entry)
+    entry = profile_entries(json.loads(Path(args.profile).read_text()))[args.entry]
     if "adaptive" not in entry:
         raise SystemExit(f"the {args.entry} entry of {args.profile} ships fixed weights, no rule")
     rule = AdaptiveWeights.from_json(entry["adaptive"])
